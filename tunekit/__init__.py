@@ -1,0 +1,13 @@
+"""tunekit: a profiler-driven auto-tuner for distributed PyTorch training.
+
+The core package never imports the TUI (``tunekit.tui``) or a plugin
+(``tunekit.plugins.*``); plugins are found through entry points.
+"""
+
+__version__ = "0.1.0"
+
+# The tuner contract's version: (major, minor). A plugin declares the major
+# version it was built for; a different major is refused when it is loaded.
+API_VERSION = (1, 0)
+
+__all__ = ["API_VERSION", "__version__"]

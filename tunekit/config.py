@@ -1,0 +1,129 @@
+"""Tuning configs: which tuners run, with which knob values.
+
+A config maps tuner names to knob values. The empty config is the baseline:
+the workload as its author wrote it, under plain DDP. A config is stored and
+exchanged as JSON (never pickled)::
+
+    {"tunekit_config": 1, "plugins": {"overlap_chunking": {"bucket_cap_mb": 8}}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tunekit.contract import Aspect
+from tunekit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tunekit.contract import Tuner
+
+FORMAT_VERSION = 1
+
+# Order in which tuners' runtime hooks run: a placement changes how the model
+# executes, the batch and data follow, gradient synchronisation wraps last.
+ASPECT_ORDER = [Aspect.PLACEMENT, Aspect.BATCH, Aspect.DATA, Aspect.GRAD_SYNC]
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    plugins: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    # -- identity ------------------------------------------------------------------
+
+    @property
+    def is_baseline(self) -> bool:
+        return not self.plugins
+
+    def canonical(self) -> str:
+        return json.dumps({k: dict(v) for k, v in self.plugins.items()}, sort_keys=True)
+
+    @property
+    def config_id(self) -> str:
+        """Short stable id: equal configs have equal ids."""
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:10]
+
+    def describe(self, defaults: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+        """``overlap_chunking(bucket_cap_mb=8)``; knobs at their defaults are left out."""
+        if self.is_baseline:
+            return "baseline"
+        parts = []
+        for name in sorted(self.plugins):
+            base = (defaults or {}).get(name, {})
+            knobs = ", ".join(
+                f"{k}={v}" for k, v in sorted(self.plugins[name].items()) if base.get(k, object()) != v
+            )
+            parts.append(f"{name}({knobs})")
+        return " + ".join(parts)
+
+    # -- (de)serialisation ---------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tunekit_config": FORMAT_VERSION, "plugins": json.loads(self.canonical())}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "config") -> TuningConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        plugins = data.get("plugins", data if "tunekit_config" not in data else None)
+        if not isinstance(plugins, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in plugins.items()
+        ):
+            raise ConfigError(f"{where}: 'plugins' must map tuner names to objects of knob values")
+        return cls({k: dict(v) for k, v in plugins.items()})
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "config") -> TuningConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, where)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TuningConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        return cls.from_json(text, where=str(path))
+
+    def merged(self, other: TuningConfig) -> TuningConfig:
+        return TuningConfig({**self.plugins, **other.plugins})
+
+
+def resolve(config: TuningConfig, tuners: Mapping[str, Tuner]) -> list[tuple[Tuner, dict[str, Any]]]:
+    """Check a config against installed tuners; return (tuner, full knobs) in apply order.
+
+    Refuses unknown tuners, unknown knobs, values out of range, two tuners of
+    one aspect, and a tuner next to one whose aspect it excludes.
+    """
+    resolved: list[tuple[Tuner, dict[str, Any]]] = []
+    by_aspect: dict[Aspect, str] = {}
+    for name, knobs in config.plugins.items():
+        tuner = tuners.get(name)
+        if tuner is None:
+            installed = ", ".join(sorted(tuners)) or "none"
+            raise ConfigError(f"config names tuner {name!r}, which is not installed (installed: {installed})")
+        if tuner.aspect in by_aspect:
+            raise ConfigError(
+                f"config combines {by_aspect[tuner.aspect]!r} and {name!r}, which both control "
+                f"{tuner.aspect.value}; keep one"
+            )
+        by_aspect[tuner.aspect] = name
+        resolved.append((tuner, tuner.validate(knobs)))
+    for tuner, _ in resolved:
+        for aspect in tuner.excludes:
+            if aspect in by_aspect:
+                raise ConfigError(
+                    f"{tuner.name!r} manages {aspect.value} itself; drop {by_aspect[aspect]!r}"
+                )
+    resolved.sort(key=lambda tk: ASPECT_ORDER.index(tk[0].aspect))
+    return resolved

@@ -1,0 +1,289 @@
+"""The tuner contract: what a plugin implements, phase by phase.
+
+A tuner is a class deriving from :class:`Tuner`, registered under the
+``tunekit.plugins`` entry-point group (the built-in tuners register exactly as
+a third party would)::
+
+    [project.entry-points."tunekit.plugins"]
+    my_tuner = "my_package.plugin:MyTuner"
+
+tunekit drives every tuner through four phases. The first three run in the
+tuning process; the last runs inside every training worker.
+
+1. **Declare** — :attr:`Tuner.name`, :attr:`Tuner.aspect` and
+   :meth:`Tuner.knobs`: what the tuner controls and the values it may take.
+2. **Diagnose** — :meth:`Tuner.diagnose`: does the technique apply to this job
+   on this hardware, and what gain does it expect?
+3. **Plan** — :meth:`Tuner.plan`: the paper's cost model and search turned into
+   ranked :class:`Candidate` configs, each with a predicted step time. The
+   orchestrator verifies the best of them with short real trials.
+4. **Runtime** — :meth:`Tuner.apply`: inside each worker, change the training
+   :class:`~tunekit.runtime.session.Session` to run the tuner's knobs (wrap the
+   model, install a gradient reducer, set the batch size ...). It runs at a step
+   boundary, in a fresh trial or in a live job; to undo it the session is reset
+   to the workload's defaults and the previous config is applied again, so a
+   tuner registers anything else it changed with ``session.on_reset``.
+
+**Aspects.** Each tuner controls one :class:`Aspect` of the job. A combined
+config holds at most one tuner per aspect: the orchestrator never runs two
+``grad_sync`` strategies at once. A tuner that takes over a neighbouring aspect
+too (a placement that synchronises its own gradients) lists it in
+:attr:`Tuner.excludes`.
+
+**Versioning.** :attr:`Tuner.api_version` is the contract's major version the
+plugin was written for; tunekit refuses a plugin built for another major
+version with a message that says which tunekit to install.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from tunekit import API_VERSION
+from tunekit.errors import ConfigError
+
+if TYPE_CHECKING:  # only for annotations: the contract imports nothing heavy
+    from tunekit.observe.observation import Observation
+    from tunekit.runtime.session import Session
+
+__all__ = [
+    "API_VERSION",
+    "Aspect",
+    "Candidate",
+    "Diagnosis",
+    "Knob",
+    "SearchResult",
+    "Tuner",
+]
+
+
+class Aspect(str, Enum):
+    """The part of a training job a tuner's knobs control."""
+
+    BATCH = "batch"
+    """Per-rank batch size and the learning rate that goes with it."""
+    PLACEMENT = "placement"
+    """How layers, or slices of them, map onto devices."""
+    GRAD_SYNC = "grad_sync"
+    """How gradients are reduced across data-parallel ranks."""
+    DATA = "data"
+    """The input pipeline: loader workers, pinned memory, prefetching."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- phase 1: declare ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting a tuner controls, with its type and allowed values."""
+
+    name: str
+    """Identifier, unique within the tuner (``bucket_cap_mb``)."""
+    type: Literal["int", "float", "bool", "choice"]
+    default: Any
+    """The value that reproduces the job's untuned behaviour."""
+    help: str = ""
+    """One line for ``tunekit plugins --knobs`` and the TUI."""
+    low: float | None = None
+    """Smallest allowed value (int and float knobs)."""
+    high: float | None = None
+    """Largest allowed value (int and float knobs)."""
+    choices: tuple[Any, ...] = ()
+    """Allowed values (choice knobs)."""
+    changes_math: bool = False
+    """True when a change alters the training arithmetic beyond float
+    summation order (batch size, gradient compression): it is reported and
+    only applied within what the user allowed."""
+    live: Literal["step", "relaunch"] = "step"
+    """How a live job takes a change: at a step boundary, or by checkpointing
+    and relaunching its processes (world size, placement)."""
+
+    def __post_init__(self) -> None:
+        if self.type not in ("int", "float", "bool", "choice"):
+            raise ValueError(f"knob {self.name}: unknown type {self.type!r}")
+        if self.type == "choice" and not self.choices:
+            raise ValueError(f"knob {self.name}: a choice knob needs choices")
+        if self.live not in ("step", "relaunch"):
+            raise ValueError(f"knob {self.name}: live must be 'step' or 'relaunch'")
+        self.check(self.default, where=f"knob {self.name} default")
+
+    def check(self, value: Any, where: str | None = None) -> Any:
+        """Return ``value`` converted to the knob's type; raise ConfigError if it is not allowed."""
+        where = where or f"knob {self.name}"
+        if self.type == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            return value
+        if self.type == "choice":
+            if value not in self.choices:
+                shown = ", ".join(map(str, self.choices))
+                raise ConfigError(f"{where}: {value!r} is not one of {shown}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if self.type == "int":
+            if float(value) != int(value):
+                raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        if (self.low is not None and value < self.low) or (
+            self.high is not None and value > self.high
+        ):
+            raise ConfigError(f"{where}: {value} is out of range [{self.low}, {self.high}]")
+        return value
+
+    def describe(self) -> str:
+        if self.type == "choice":
+            return "|".join(map(str, self.choices))
+        if self.type == "bool":
+            return "bool"
+        return f"{self.type} [{self.low}, {self.high}]"
+
+
+# -- phase 2 and 3: diagnose, plan -----------------------------------------------------
+
+
+@dataclass
+class Diagnosis:
+    """A tuner's verdict on one observed job."""
+
+    applies: bool
+    """Whether the technique can help this job on this hardware at all."""
+    summary: str
+    """One line for people: the evidence and the expectation
+    ("exposed communication is 31% of the step; chunked overlap should recover ~25%")."""
+    expected_gain: float | None = None
+    """Predicted fraction of step time saved (0.25 = 25 %), if the model gives one."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Plain JSON-able evidence for reports and the TUI."""
+
+
+@dataclass
+class Candidate:
+    """One config a tuner proposes, with the cost model's prediction."""
+
+    knobs: dict[str, Any]
+    """Knob values; knobs left out keep their defaults."""
+    predicted_step_s: float | None
+    """Predicted time of one training step on the observed job, in seconds."""
+    rationale: str = ""
+    """Why this candidate: one line for people."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Plain JSON-able extras (a per-layer plan table, a schedule ...)."""
+
+
+@dataclass
+class SearchResult:
+    """What an in-job search found (see :meth:`Tuner.search`)."""
+
+    knobs: dict[str, Any]
+    """The knob values the search settled on."""
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per tried setting: its knobs, steps, measured time, anything else."""
+    summary: str = ""
+
+
+# -- the tuner -------------------------------------------------------------------------
+
+
+class Tuner(ABC):
+    """Base class of every tuner plugin. Override the hooks of each phase."""
+
+    name: ClassVar[str]
+    """Entry-point name and config key (``overlap_chunking``)."""
+    title: ClassVar[str]
+    """A short human title (``Overlapped gradient chunks (Lee et al.)``)."""
+    aspect: ClassVar[Aspect]
+    """The aspect this tuner's knobs control."""
+    excludes: ClassVar[frozenset[Aspect]] = frozenset()
+    """Other aspects this tuner takes over; it is never combined with tuners of those."""
+    api_version: ClassVar[int] = API_VERSION[0]
+    """Major version of this contract the plugin was written for."""
+
+    # phase 1 -----------------------------------------------------------------------
+
+    @abstractmethod
+    def knobs(self) -> Sequence[Knob]:
+        """Declare the settings this tuner controls. Called once per process."""
+
+    # phase 2 -----------------------------------------------------------------------
+
+    @abstractmethod
+    def diagnose(self, obs: Observation) -> Diagnosis:
+        """Say whether the technique applies to the observed job, and what it expects.
+
+        Must not launch processes; it reads ``obs`` and may time small pieces
+        of the model in this process.
+        """
+
+    # phase 3 -----------------------------------------------------------------------
+
+    @abstractmethod
+    def plan(self, obs: Observation, limit: int) -> list[Candidate]:
+        """Return up to ``limit`` candidates, best predicted first.
+
+        The cost model of the tuner's paper turns the observation into a
+        predicted step time for each; the orchestrator runs real trials of
+        the first few and keeps the winner only if it beats the baseline
+        beyond noise.
+        """
+
+    # phase 4 -----------------------------------------------------------------------
+
+    @abstractmethod
+    def apply(self, session: Session, knobs: Mapping[str, Any]) -> None:
+        """Inside every worker: make ``session`` train with ``knobs``.
+
+        Called at a step boundary on every rank with the same (validated,
+        defaults-filled) knobs, after the session was reset to the workload's
+        defaults. Model and optimizer state must carry over. Anything changed
+        that :meth:`Session.reset` does not know about is undone by a callback
+        given to ``session.on_reset``.
+        """
+
+    # phase 3b (optional) -------------------------------------------------------------
+
+    def search(
+        self, session: Session, knobs: Mapping[str, Any], max_steps: int
+    ) -> SearchResult | None:
+        """Optionally search knob values inside a running job, Horovod-style.
+
+        Called on every rank at once, after :meth:`apply` installed ``knobs``,
+        in a trial or in a live job; it trains with ``session.train_step()``
+        for at most ``max_steps`` steps while trying settings, and must make
+        the same decision on every rank (decide on rank 0 and broadcast).
+        Return ``None`` (the default) when the tuner has no in-job search.
+        """
+        return None
+
+    # helpers (not hooks) ---------------------------------------------------------------
+
+    def knob_map(self) -> dict[str, Knob]:
+        return {k.name: k for k in self.knobs()}
+
+    def validate(self, knobs: Mapping[str, Any]) -> dict[str, Any]:
+        """Knob values checked against their declarations, defaults filled in."""
+        declared = self.knob_map()
+        unknown = sorted(set(knobs) - set(declared))
+        if unknown:
+            raise ConfigError(
+                f"{self.name}: unknown knob {unknown[0]!r}; known: {', '.join(declared)}"
+            )
+        return {
+            name: knob.check(knobs[name], where=f"{self.name}.{name}") if name in knobs else knob.default
+            for name, knob in declared.items()
+        }
+
+    def defaults(self) -> dict[str, Any]:
+        return {k.name: k.default for k in self.knobs()}

@@ -1,0 +1,36 @@
+"""Built-in example workloads, named ``example:NAME``, all on synthetic data.
+
+``cnn`` is the embedded default: a small CNN that trains in seconds on a CPU.
+The others are the papers' own models (torchvision's, and a BigLSTM-shaped
+language model) for planning and for runs on real accelerators.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from tunekit.errors import WorkloadError
+
+DEFAULT_EXAMPLE = "cnn"
+
+# name -> (module, function, one-line description)
+EXAMPLES: dict[str, tuple[str, str, str]] = {
+    "cnn": ("tunekit.examples.cnn", "workload", "small CNN, 32x32 images (the default)"),
+    "alexnet": ("tunekit.examples.vision", "alexnet", "torchvision AlexNet, 224x224"),
+    "vgg16": ("tunekit.examples.vision", "vgg16", "torchvision VGG-16, 224x224"),
+    "inception_v3": ("tunekit.examples.vision", "inception_v3", "torchvision Inception-v3, 299x299"),
+    "googlenet": ("tunekit.examples.vision", "googlenet", "torchvision GoogLeNet, 224x224"),
+    "resnet152": ("tunekit.examples.vision", "resnet152", "torchvision ResNet-152, 224x224"),
+    "lstm": ("tunekit.examples.lstm", "workload", "BigLSTM-shaped language model, small"),
+}
+
+
+def example_factory(name: str) -> Callable:
+    """The function that builds example ``name``."""
+    if name not in EXAMPLES:
+        raise WorkloadError(
+            f"unknown example {name!r}; choose one of: {', '.join(EXAMPLES)}"
+        )
+    module, fn, _ = EXAMPLES[name]
+    return getattr(importlib.import_module(module), fn)

@@ -1,0 +1,148 @@
+"""Finding tuner plugins, loading them, and saying what state each is in.
+
+Three separate steps, as flake8 and mkdocs keep them:
+
+* :func:`discover` lists entry points in the ``tunekit.plugins`` group,
+  sorted by name so that every process sees the same order;
+* :func:`load` imports one and instantiates its tuner class;
+* :func:`classify` checks the result against the contract.
+
+A plugin that fails any step is reported with its package name and the
+error; the others still load. (This module cannot be called ``plugins``: that
+name is the mapped ``tunekit.plugins`` package of built-in tuners.)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+
+from tunekit import API_VERSION
+from tunekit.contract import Aspect, Tuner
+from tunekit.errors import PluginError
+
+GROUP = "tunekit.plugins"
+
+OK = "ok"
+FAILED = "failed"  # raised while importing or instantiating
+INCOMPATIBLE = "incompatible"  # written for another major version of the contract
+INVALID = "invalid"  # loaded, but does not honour the contract
+
+
+@dataclass
+class PluginRecord:
+    name: str
+    package: str
+    """Distribution that registered the entry point, with its version."""
+    value: str
+    """``module:Class`` the entry point points at."""
+    status: str
+    error: str = ""
+    tuner: Tuner | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def title(self) -> str:
+        return getattr(self.tuner, "title", "") if self.tuner else ""
+
+    @property
+    def aspect(self) -> str:
+        return str(getattr(self.tuner, "aspect", "")) if self.tuner else ""
+
+
+def discover() -> list[EntryPoint]:
+    """Entry points of the group, one per name (first registration wins), sorted."""
+    seen: dict[str, EntryPoint] = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.value)):
+        seen.setdefault(ep.name, ep)
+    return list(seen.values())
+
+
+def _package(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name} {dist.version}" if dist is not None else ep.value.split(":")[0]
+
+
+def load(ep: EntryPoint) -> PluginRecord:
+    """Import and instantiate one plugin; never raises."""
+    rec = PluginRecord(ep.name, _package(ep), ep.value, status=FAILED)
+    try:
+        cls = ep.load()
+    except Exception as exc:
+        rec.error = f"import failed: {type(exc).__name__}: {exc}"
+        return rec
+    return classify(rec, cls)
+
+
+def classify(rec: PluginRecord, cls: object) -> PluginRecord:
+    """Check a loaded object against the contract and fill in ``rec``."""
+    if not (inspect.isclass(cls) and issubclass(cls, Tuner)):
+        rec.status, rec.error = INVALID, f"{rec.value} is not a tunekit.contract.Tuner subclass"
+        return rec
+    major = getattr(cls, "api_version", None)
+    if major != API_VERSION[0]:
+        rec.status = INCOMPATIBLE
+        rec.error = (
+            f"written for tuner API {major}, this tunekit speaks {API_VERSION[0]}; "
+            f"install a tunekit with API {major} or update the plugin"
+        )
+        return rec
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        rec.status, rec.error = INVALID, f"does not implement {', '.join(missing)}"
+        return rec
+    for attr in ("name", "title", "aspect"):
+        if not getattr(cls, attr, None):
+            rec.status, rec.error = INVALID, f"does not declare {attr!r}"
+            return rec
+    if not isinstance(cls.aspect, Aspect):
+        rec.status, rec.error = INVALID, f"aspect {cls.aspect!r} is not a tunekit.contract.Aspect"
+        return rec
+    if cls.name != rec.name:
+        rec.status = INVALID
+        rec.error = f"registered as {rec.name!r} but names itself {cls.name!r}"
+        return rec
+    try:
+        tuner = cls()
+        knobs = list(tuner.knobs())
+    except Exception as exc:
+        rec.status, rec.error = FAILED, f"{type(exc).__name__}: {exc}"
+        return rec
+    names = [k.name for k in knobs]
+    if len(set(names)) != len(names):
+        rec.status, rec.error = INVALID, "declares a knob name twice"
+        return rec
+    rec.status, rec.tuner = OK, tuner
+    return rec
+
+
+def load_all() -> list[PluginRecord]:
+    """Every installed plugin, loaded and classified, in name order."""
+    return [load(ep) for ep in discover()]
+
+
+def available_tuners(records: list[PluginRecord] | None = None) -> dict[str, Tuner]:
+    """Name -> tuner for the plugins that loaded cleanly."""
+    records = load_all() if records is None else records
+    return {r.name: r.tuner for r in records if r.ok}
+
+
+def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
+    """The tuners named (all working ones when ``names`` is None); unknown names are errors."""
+    by_name = {r.name: r for r in records}
+    if names is None:
+        return available_tuners(records)
+    chosen: dict[str, Tuner] = {}
+    for name in names:
+        rec = by_name.get(name)
+        if rec is None:
+            known = ", ".join(sorted(by_name)) or "none installed"
+            raise PluginError(f"unknown plugin {name!r} (installed: {known})")
+        if not rec.ok:
+            raise PluginError(f"plugin {name!r} from {rec.package} is {rec.status}: {rec.error}")
+        chosen[name] = rec.tuner
+    return chosen

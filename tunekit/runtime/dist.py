@@ -1,0 +1,69 @@
+"""Process-group set-up inside a worker started by torchrun (or by tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup | None
+
+
+def pick_device(local_rank: int, prefer: str = "auto") -> torch.device:
+    """``cuda:local_rank`` when a GPU is there and wanted, else the CPU."""
+    if prefer not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {prefer!r}")
+    if prefer != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if prefer == "cuda":
+        raise RuntimeError("device 'cuda' requested but no CUDA device is available")
+    return torch.device("cpu")
+
+
+def init_from_env(prefer_device: str = "auto", timeout_s: float = 300.0) -> DistContext:
+    """Join the process group torchrun describes in the environment (gloo on CPU, NCCL on GPU)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(local_rank, prefer_device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        group = dist.group.WORLD
+    return DistContext(rank, world, local_rank, device, backend, group)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
+    """Rank ``src``'s ``obj`` on every rank (identity without a process group).
+
+    Uses JSON, not pickle, so only plain data crosses between ranks.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    import json
+
+    payload = [json.dumps(obj) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    return json.loads(payload[0])

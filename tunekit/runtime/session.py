@@ -1,0 +1,209 @@
+"""The training session inside one worker rank: what tuners' runtime hooks change.
+
+A :class:`Session` owns the model, the optimizer, the data source and the
+gradient synchronisation strategy of one rank. :meth:`Session.apply_config`
+resets it to the workload's defaults and then runs each tuner's ``apply``
+hook; model parameters, optimizer state and the step counter carry over, so
+the same call serves fresh trials, live config changes and rollbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tunekit.config import TuningConfig, resolve
+from tunekit.errors import ConfigError
+from tunekit.runtime.data import BatchSource
+from tunekit.runtime.sync import DDPSync, GradSync, LocalSync, overlap_ratio
+from tunekit.workload import Workload
+
+StepFn = Callable[["Session", int], torch.Tensor]
+"""A replacement training step for tuners that change how the model executes
+(placement): ``(session, step) -> loss``; it must leave parameters updated."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    """Index of the step (0-based) this record measured."""
+    loss: float
+    step_s: float
+    """Wall time of the whole step on this rank."""
+    data_s: float
+    """Part of ``step_s`` spent getting the batch."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Extra measurements (e.g. ``overlap_R``, ``comm``) from the strategy."""
+
+
+class Session:
+    """One rank's training state and the knobs tuners turn."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        device: torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "gloo",
+        seed: int | None = None,
+    ):
+        self.workload = workload
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device or torch.device("cpu")
+        self.group = group
+        self.backend = backend
+        # Same seed on every rank: identical initial parameters without a broadcast.
+        torch.manual_seed(workload.seed if seed is None else seed)
+        self.model = workload.model().to(self.device)
+        self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
+        self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.batch_size = workload.batch_size
+        self.lr = workload.lr
+        self.step = 0
+        self.data = BatchSource(
+            workload,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            batch_size=self.batch_size,
+            seed=seed,
+        )
+        self.step_fn: StepFn | None = None
+        self.config = TuningConfig()
+        self._grad_sync: GradSync | None = None
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self.set_grad_sync(self.default_grad_sync())
+
+    # -- knobs tuners turn ---------------------------------------------------------
+
+    @property
+    def grad_sync(self) -> GradSync:
+        return self._grad_sync
+
+    def default_grad_sync(self) -> GradSync:
+        return DDPSync() if self.world_size > 1 else LocalSync()
+
+    def set_grad_sync(self, sync: GradSync) -> None:
+        """Replace the gradient synchronisation strategy (at a step boundary)."""
+        if self._grad_sync is not None:
+            self._grad_sync.flush()
+            self._grad_sync.detach()
+        self._grad_sync = None
+        sync.attach(self)
+        self._grad_sync = sync
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Change the per-rank batch and rescale the learning rate by the workload's rule."""
+        rng = self.workload.batch_range
+        if batch_size != self.workload.batch_size and (
+            rng is None or not rng[0] <= batch_size <= rng[1]
+        ):
+            allowed = f"within {rng}" if rng else "(the workload sets no batch_range)"
+            raise ConfigError(f"batch size {batch_size} is not allowed {allowed}")
+        self.batch_size = batch_size
+        self.data.set_batch_size(batch_size)
+        self.set_lr(self.workload.scaled_lr(batch_size))
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate; groups keep their ratios to the workload's lr."""
+        self.lr = lr
+        scale = lr / self.workload.lr
+        for group, base in zip(self.optimizer.param_groups, self._base_group_lrs, strict=True):
+            group["lr"] = base * scale
+
+    def on_reset(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the session next returns to the workload's defaults."""
+        self._reset_callbacks.append(callback)
+
+    # -- configs ---------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Return to the workload's defaults, keeping parameters, optimizer state and step."""
+        self._grad_sync.flush()
+        while self._reset_callbacks:
+            self._reset_callbacks.pop()()
+        self.step_fn = None
+        if self.batch_size != self.workload.batch_size:
+            self.set_batch_size(self.workload.batch_size)
+        self.set_lr(self.workload.lr)
+        self.set_grad_sync(self.default_grad_sync())
+        self.config = TuningConfig()
+
+    def apply_config(self, config: TuningConfig, tuners: Mapping[str, Any]) -> None:
+        """Reset, then run each tuner's runtime hook in aspect order."""
+        plan = resolve(config, tuners)
+        self.reset()
+        for tuner, knobs in plan:
+            tuner.apply(self, knobs)
+        self.config = TuningConfig({t.name: k for t, k in plan})
+
+    # -- the loop --------------------------------------------------------------------
+
+    def train_step(self) -> StepRecord:
+        """Run one training step and time it."""
+        start = time.perf_counter()
+        if self.step_fn is not None:
+            data_s = 0.0
+            loss = self.step_fn(self, self.step)
+        else:
+            inputs, targets = self.data.batch(self.step)
+            data_s = time.perf_counter() - start
+            sync = self._grad_sync
+            sync.before_forward()
+            loss = self.workload.loss(sync.module(inputs), targets)
+            loss.backward()
+            sync.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach())  # also waits for the device
+        elapsed = time.perf_counter() - start
+        metrics: dict[str, Any] = {}
+        records = self._grad_sync.comm_records()
+        if records:
+            metrics["overlap_R"] = overlap_ratio(records)
+            metrics["comm"] = [r.__dict__ for r in records]
+        rec = StepRecord(self.step, loss_value, elapsed, data_s, metrics)
+        self.step += 1
+        return rec
+
+    def flush(self) -> None:
+        self._grad_sync.flush()
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (call on a flushed session)."""
+        self.flush()
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.config.to_dict(),
+            "base_group_lrs": list(self._base_group_lrs),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        # The saved groups hold the lr of the saved config; the caller re-applies
+        # that config, which rescales from these bases.
+        self._base_group_lrs = list(state["base_group_lrs"])
+        self.set_lr(self.lr)
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+
+    def close(self) -> None:
+        self._grad_sync.flush()
+        self._grad_sync.detach()
+        self.data.close()

@@ -1,0 +1,186 @@
+"""Gradient synchronisation strategies: how a step's gradients become global.
+
+A :class:`GradSync` is installed in a worker's :class:`Session` (by default
+:class:`DDPSync` with PyTorch's own defaults, or :class:`LocalSync` on one
+rank); ``grad_sync`` tuners install their own. The training loop drives it::
+
+    sync.before_forward()
+    loss = workload.loss(sync.module(inputs), targets)
+    loss.backward()
+    sync.step(optimizer)      # wait for reductions, update parameters
+    optimizer.zero_grad(set_to_none=True)
+
+Each strategy can report, per communication, its own time ``T_c`` and the time
+the rank was blocked waiting on it ``T_b`` (Lee et al., Eq. 11's inputs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from tunekit.runtime.session import Session
+
+
+@dataclass
+class CommRecord:
+    """One communication of one step, as this rank saw it."""
+
+    name: str
+    """What was communicated (``bucket3``, ``chunk1``, ``gather_fc1_acts``)."""
+    nbytes: int
+    own_s: float
+    """T_c: from posting the communication to its completion."""
+    blocked_s: float
+    """T_b: how long this rank waited for it (0 when fully hidden)."""
+
+
+def overlap_ratio(records: list[CommRecord]) -> float | None:
+    """Lee et al. Eq. 11: R = 100 * sum(T_c - T_b) / sum(T_c); None without communication."""
+    total = sum(r.own_s for r in records)
+    if total <= 0:
+        return None
+    return 100.0 * sum(r.own_s - r.blocked_s for r in records) / total
+
+
+class GradSync:
+    """Base strategy: no communication (one rank, or a strategy-free session)."""
+
+    name = "local"
+
+    def attach(self, session: Session) -> None:
+        """Install on ``session``: wrap its model, register hooks."""
+        self.session = session
+
+    @property
+    def module(self) -> nn.Module:
+        """The module the loop calls forward on."""
+        return self.session.model
+
+    def before_forward(self) -> None:
+        """Called before each forward pass (deferred updates land here)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``backward()``: wait for this step's reductions and update parameters."""
+        optimizer.step()
+
+    def flush(self) -> None:
+        """Finish deferred work (before a checkpoint, a config change, the end)."""
+
+    def detach(self) -> None:
+        """Remove everything :meth:`attach` installed; the model is left unwrapped."""
+
+    def comm_records(self) -> list[CommRecord]:
+        """Communications since the last call (then forgotten)."""
+        return []
+
+
+class LocalSync(GradSync):
+    """One rank: nothing to synchronise."""
+
+
+def ddp_supports_bucket_list() -> bool:
+    """Whether this torch's DDP accepts ``bucket_cap_mb_list`` (a settable first bucket)."""
+    return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+class DDPSync(GradSync):
+    """PyTorch DistributedDataParallel, with its bucket knobs exposed.
+
+    ``bucket_cap_mb=None`` and ``first_bucket_mb=None`` keep PyTorch's defaults
+    (25 MiB buckets, 1 MiB first bucket). Note that in PyTorch an explicit
+    ``bucket_cap_mb`` also makes the first bucket that size unless a first
+    bucket size is given too.
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        bucket_cap_mb: float | None = None,
+        first_bucket_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        measure: bool = False,
+    ):
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_mb = first_bucket_mb
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.measure = measure
+        self._records: list[CommRecord] = []
+        self._pending: list[tuple[str, int, float, list[float]]] = []
+        self.ddp: DistributedDataParallel | None = None
+
+    def ddp_kwargs(self) -> dict:
+        """Keyword arguments for ``DistributedDataParallel`` that this strategy uses."""
+        kw: dict = {
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "static_graph": self.static_graph,
+        }
+        if self.first_bucket_mb is not None and ddp_supports_bucket_list():
+            cap = self.bucket_cap_mb if self.bucket_cap_mb is not None else 25
+            # One explicit cap per possible bucket: the first, then the rest.
+            kw["bucket_cap_mb_list"] = [self.first_bucket_mb] + [cap] * 1024
+        elif self.bucket_cap_mb is not None:
+            kw["bucket_cap_mb"] = self.bucket_cap_mb
+        return kw
+
+    def attach(self, session: Session) -> None:
+        super().attach(session)
+        device_ids = [session.device.index] if session.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(
+            session.model,
+            device_ids=device_ids,
+            process_group=session.group,
+            **self.ddp_kwargs(),
+        )
+        if self.measure:
+            self.ddp.register_comm_hook(None, self._timed_allreduce)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp
+
+    def _timed_allreduce(self, _state, bucket: dist.GradBucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        posted = time.perf_counter()
+        done: list[float] = []
+        world = dist.get_world_size(self.session.group)
+        fut = dist.all_reduce(buf, group=self.session.group, async_op=True).get_future()
+
+        def finish(f):
+            done.append(time.perf_counter())
+            return f.value()[0].div_(world)
+
+        self._pending.append((f"bucket{bucket.index()}", buf.numel() * buf.element_size(), posted, done))
+        return fut.then(finish)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._pending:
+            # DDP waited for every bucket inside backward(); time after the
+            # backward pass's last gradient is what the rank was blocked on.
+            end = time.perf_counter()
+            last_post = max(p[2] for p in self._pending)
+            for name, nbytes, posted, done in self._pending:
+                finished = done[0] if done else end
+                blocked = max(0.0, finished - last_post) if posted == last_post else 0.0
+                self._records.append(CommRecord(name, nbytes, finished - posted, blocked))
+            self._pending.clear()
+        optimizer.step()
+
+    def detach(self) -> None:
+        # Dropping the wrapper frees its reducer, which removes its autograd hooks.
+        self.ddp = None
+
+    def comm_records(self) -> list[CommRecord]:
+        out, self._records = self._records, []
+        return out

@@ -1,0 +1,203 @@
+"""Workloads: what a user gives tunekit, and how a name becomes one.
+
+A workload is named by a string so that every worker process can rebuild it
+(nothing is pickled across processes):
+
+* ``path/to/file.py:fn``  a function in a Python file,
+* ``package.module:fn``   a function in an importable module,
+* ``example:NAME``        one of tunekit's built-in examples.
+
+The function takes no arguments and returns a :class:`Workload`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tunekit.errors import WorkloadError
+
+LrScaling = Literal["linear", "sqrt", "none"]
+Batch = tuple[Any, torch.Tensor]
+
+
+def _default_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+@dataclass
+class Workload:
+    """A training job, described so that any process can rebuild it."""
+
+    name: str
+    """Short label used in reports and the study store."""
+    model: Callable[[], nn.Module]
+    """Builds a fresh model on the CPU; the runtime moves it to the device."""
+    make_batch: Callable[[int, torch.Generator], Batch] | None = None
+    """``(n, generator) -> (inputs, targets)``: a synthetic batch of ``n`` samples.
+    Exactly one of ``make_batch`` and ``dataset`` is given."""
+    dataset: Callable[[], torch.utils.data.Dataset] | None = None
+    """Builds a map-style dataset whose items are ``(input, target)``."""
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
+    """``(model output, targets) -> scalar loss`` (a mean over the batch)."""
+    optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] = (
+        _default_optimizer
+    )
+    """``(parameters, lr) -> optimizer``."""
+    batch_size: int = 32
+    """Samples per data-parallel rank and step (the DDP convention)."""
+    lr: float = 0.01
+    """Learning rate at ``batch_size``."""
+    lr_scaling: LrScaling = "linear"
+    """How the learning rate follows a batch change: linear, sqrt or none."""
+    batch_range: tuple[int, int] | None = None
+    """Per-rank batch sizes known to converge. ``None`` forbids batch changes."""
+    seed: int = 0
+    """Seeds model initialisation and the data order."""
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts for plugins (e.g. ``{"family": "cnn"}``)."""
+
+    def __post_init__(self) -> None:
+        if (self.make_batch is None) == (self.dataset is None):
+            raise WorkloadError(
+                f"workload {self.name!r}: give exactly one of make_batch and dataset"
+            )
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise WorkloadError(f"workload {self.name!r}: batch_size must be a positive int")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise WorkloadError(f"workload {self.name!r}: lr must be a positive number")
+        if self.lr_scaling not in ("linear", "sqrt", "none"):
+            raise WorkloadError(
+                f"workload {self.name!r}: lr_scaling must be linear, sqrt or none, "
+                f"not {self.lr_scaling!r}"
+            )
+        if self.batch_range is not None:
+            lo, hi = self.batch_range
+            if not (1 <= lo <= self.batch_size <= hi):
+                raise WorkloadError(
+                    f"workload {self.name!r}: batch_range {self.batch_range} must contain "
+                    f"batch_size {self.batch_size}"
+                )
+
+    def scaled_lr(self, batch_size: int) -> float:
+        """The learning rate for ``batch_size`` under this workload's scaling rule."""
+        ratio = batch_size / self.batch_size
+        if self.lr_scaling == "linear":
+            return self.lr * ratio
+        if self.lr_scaling == "sqrt":
+            return self.lr * math.sqrt(ratio)
+        return self.lr
+
+    def example_batch(self, n: int, seed: int = 0) -> Batch:
+        """A batch of ``n`` samples, for tracing and profiling."""
+        gen = torch.Generator().manual_seed(seed)
+        if self.make_batch is not None:
+            return self.make_batch(n, gen)
+        ds = self.dataset()
+        idx = torch.randint(len(ds), (n,), generator=gen).tolist()
+        return torch.utils.data.default_collate([ds[i] for i in idx])
+
+
+# -- loading ------------------------------------------------------------------------
+
+EXAMPLE_PREFIX = "example:"
+
+
+def resolve_spec(spec: str) -> str:
+    """Normalise a workload name so that it means the same in every process.
+
+    File paths become absolute (workers may not share the caller's directory).
+    """
+    spec = spec.strip()
+    if spec.startswith(EXAMPLE_PREFIX):
+        return spec
+    target, fn = _split(spec)
+    if _is_file(target):
+        return f"{Path(target).expanduser().resolve()}:{fn}"
+    return spec
+
+
+def load_workload(spec: str) -> Workload:
+    """Build the workload a name points at; raise :class:`WorkloadError` if it cannot."""
+    spec = spec.strip()
+    if spec.startswith(EXAMPLE_PREFIX):
+        from tunekit.examples import example_factory
+
+        factory = example_factory(spec[len(EXAMPLE_PREFIX) :])
+        where = spec
+    else:
+        target, fn = _split(spec)
+        module = _import_file(target) if _is_file(target) else _import_module(target)
+        factory = getattr(module, fn, None)
+        if factory is None or not callable(factory):
+            names = sorted(n for n in vars(module) if not n.startswith("_"))
+            shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+            raise WorkloadError(f"{target} has no function {fn!r} (it defines: {shown})")
+        where = spec
+    try:
+        workload = factory()
+    except WorkloadError:
+        raise
+    except Exception as exc:  # the user's code failed: report it in one line
+        raise WorkloadError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"{where} returned {type(workload).__name__}, expected a tunekit Workload"
+        )
+    return workload
+
+
+def _split(spec: str) -> tuple[str, str]:
+    target, sep, fn = spec.rpartition(":")
+    if not sep or not target or not fn or not fn.isidentifier():
+        raise WorkloadError(
+            f"workload {spec!r} is not of the form path/file.py:fn, package.module:fn "
+            "or example:NAME"
+        )
+    return target, fn
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _import_file(target: str):
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise WorkloadError(f"workload file {target} not found")
+    name = f"tunekit_workload_{abs(hash(str(path.resolve())))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Let the file import its neighbours, as `python file.py` would.
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise WorkloadError(f"could not import {target}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    sys.modules[name] = module
+    return module
+
+
+def _import_module(target: str):
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name and target.startswith(exc.name):
+            raise WorkloadError(f"no module named {target!r}") from exc
+        raise WorkloadError(f"could not import {target}: {exc}") from exc
+    except Exception as exc:
+        raise WorkloadError(f"could not import {target}: {type(exc).__name__}: {exc}") from exc
