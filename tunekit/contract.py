@@ -267,6 +267,16 @@ class Tuner(ABC):
         """
         return None
 
+    # reporting (optional) -------------------------------------------------------------
+
+    def snippet(self, knobs: Mapping[str, Any]) -> str | None:
+        """Code that gets ``knobs`` in a user's own training script, without tunekit.
+
+        Shown in reports next to the winning config (e.g. the DDP keyword
+        arguments). Return ``None`` (the default) when there is nothing to paste.
+        """
+        return None
+
     # helpers (not hooks) ---------------------------------------------------------------
 
     def knob_map(self) -> dict[str, Knob]:

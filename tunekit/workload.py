@@ -123,7 +123,10 @@ def resolve_spec(spec: str) -> str:
         return spec
     target, fn = _split(spec)
     if _is_file(target):
-        return f"{Path(target).expanduser().resolve()}:{fn}"
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise WorkloadError(f"workload file {target} not found")
+        return f"{path.resolve()}:{fn}"
     return spec
 
 

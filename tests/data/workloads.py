@@ -1,0 +1,74 @@
+"""Workloads for tests: good ones, broken ones, and ones that fail in training."""
+
+import time
+
+import torch
+from torch import nn
+
+from tunekit.examples.cnn import workload as cnn_workload
+from tunekit.workload import Workload
+
+
+def tiny() -> Workload:
+    """A two-layer MLP: trains in milliseconds."""
+
+    def make_batch(n, gen):
+        x = torch.randn(n, 16, generator=gen)
+        return x, (x.sum(dim=1) > 0).long()
+
+    return Workload(
+        name="tiny",
+        model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2)),
+        make_batch=make_batch,
+        batch_size=8,
+        lr=0.1,
+        batch_range=(2, 64),
+    )
+
+
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError("workload exploded on purpose")
+        return self.fc(x)
+
+
+class _Hangs(_Raises):
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 2:
+            while True:
+                time.sleep(1)
+        return self.fc(x)
+
+
+def raises() -> Workload:
+    """Builds fine, then raises in its third forward pass (inside training)."""
+    w = tiny()
+    w.model = _Raises
+    return w
+
+
+def hangs() -> Workload:
+    """Builds fine, then never returns from its third forward pass."""
+    w = tiny()
+    w.model = _Hangs
+    return w
+
+
+def not_a_workload():
+    return 42
+
+
+def factory_fails():
+    raise ValueError("cannot build this workload")
+
+
+def cnn():
+    return cnn_workload()

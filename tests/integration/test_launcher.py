@@ -1,0 +1,63 @@
+"""Relaunch trials for real: torchrun, gloo, 2 ranks."""
+
+import os
+import time
+
+import psutil
+import pytest
+from support import WORKLOADS, chaos_pythonpath
+
+from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(trial_dir):
+    pids = [int(p.read_text()) for p in (trial_dir / "pids").glob("rank*")]
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_ok_trial_reports_every_rank_and_progress(tmp_path):
+    seen = []
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=5), LaunchOptions(nproc=2, timeout_s=120),
+                         tmp_path, on_progress=seen.append)
+    assert out.status == "ok", out.error
+    assert [r["rank"] for r in out.ranks] == [0, 1]
+    assert all(len(r["step_s"]) == 5 and r["status"] == "ok" for r in out.ranks)
+    assert out.measurement.median_s > 0 and len(out.measurement.step_s) == 5
+    assert out.measurement.samples_per_s == pytest.approx(16 / out.measurement.median_s)
+    assert [p["index"] for p in seen if p["phase"] == "measure"] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "spec.json").exists() and (tmp_path / "agent0.log").exists()
+
+
+def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:raises", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    assert out.status == "crash"
+    assert "workload exploded on purpose" in out.error
+    assert not _alive(tmp_path)
+
+
+def test_a_hanging_workload_is_killed_as_a_hang(tmp_path):
+    start = time.monotonic()
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=20), tmp_path)
+    assert out.status == "hang"
+    assert time.monotonic() - start < 45
+    assert not _alive(tmp_path)  # the whole process group is gone
+
+
+def test_out_of_memory_is_classified(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", chaos_pythonpath()["PYTHONPATH"])
+    spec = TrialSpec("example:cnn", config={"plugins": {"chaos": {"mode": "oom"}}}, warmup=1, steps=3)
+    out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    assert out.status == "oom"
+    assert "out of memory" in out.error
+
+
+def test_two_loopback_nodes_form_one_job(tmp_path):
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=3),
+                         LaunchOptions(nproc=1, loopback_nodes=2, timeout_s=120), tmp_path)
+    assert out.status == "ok", out.error
+    assert sorted(r["rank"] for r in out.ranks) == [0, 1]
+    assert all(r["world_size"] == 2 for r in out.ranks)
+    assert (tmp_path / "agent0.log").exists() and (tmp_path / "agent1.log").exists()
+    assert os.path.getsize(tmp_path / "rank1.json") > 0

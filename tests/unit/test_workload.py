@@ -1,0 +1,88 @@
+import pytest
+import torch
+from support import WORKLOADS
+
+from tunekit.errors import WorkloadError
+from tunekit.examples import EXAMPLES
+from tunekit.workload import Workload, load_workload, resolve_spec
+
+
+def test_example_loads_and_trains_one_step():
+    w = load_workload("example:cnn")
+    assert w.name == "cnn" and w.batch_size == 32
+    model = w.model()
+    x, y = w.example_batch(4)
+    loss = w.loss(model(x), y)
+    loss.backward()
+    assert loss.item() > 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_file_and_module_specs_load(tmp_path):
+    assert load_workload(f"{WORKLOADS}:tiny").name == "tiny"
+    assert load_workload("tunekit.examples.cnn:workload").name == "cnn"
+
+
+def test_file_spec_resolves_to_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(WORKLOADS.parent)
+    spec = resolve_spec("workloads.py:tiny")
+    assert spec == f"{WORKLOADS.resolve()}:tiny"
+    assert resolve_spec("example:cnn") == "example:cnn"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("example:nope", "unknown example 'nope'"),
+        ("missing_file.py:fn", "workload file missing_file.py not found"),
+        ("no_such_module_xyz:fn", "no module named 'no_such_module_xyz'"),
+        (f"{WORKLOADS}:absent", "has no function 'absent'"),
+        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit Workload"),
+        (f"{WORKLOADS}:factory_fails", "raised ValueError: cannot build this workload"),
+        ("just-a-name", "is not of the form"),
+    ],
+)
+def test_bad_specs_fail_with_one_clear_line(spec, message):
+    with pytest.raises(WorkloadError) as err:
+        load_workload(spec)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_workload_validation():
+    def batch(n, g):
+        return torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)
+
+    with pytest.raises(WorkloadError, match="exactly one of make_batch and dataset"):
+        Workload("w", model=lambda: torch.nn.Linear(1, 1))
+    with pytest.raises(WorkloadError, match="batch_range"):
+        Workload("w", model=lambda: torch.nn.Linear(1, 1), make_batch=batch, batch_size=8, batch_range=(16, 32))
+    with pytest.raises(WorkloadError, match="lr_scaling"):
+        Workload("w", model=lambda: torch.nn.Linear(1, 1), make_batch=batch, lr_scaling="cubic")
+
+
+def test_lr_scaling_rules():
+    def batch(n, g):
+        return torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)
+
+    base = dict(model=lambda: torch.nn.Linear(1, 1), make_batch=batch, batch_size=32, lr=0.1)
+    assert Workload("a", lr_scaling="linear", **base).scaled_lr(64) == pytest.approx(0.2)
+    assert Workload("b", lr_scaling="sqrt", **base).scaled_lr(128) == pytest.approx(0.2)
+    assert Workload("c", lr_scaling="none", **base).scaled_lr(128) == pytest.approx(0.1)
+
+
+def test_every_listed_example_is_registered():
+    assert set(EXAMPLES) == {"cnn", "alexnet", "vgg16", "inception_v3", "googlenet", "resnet152", "lstm"}
+
+
+@pytest.mark.parametrize("name", ["lstm", "googlenet"])
+def test_paper_examples_build_and_run_forward(name):
+    w = load_workload(f"example:{name}")
+    model = w.model()
+    x, y = w.example_batch(2)
+    assert torch.isfinite(w.loss(model(x), y))
+
+
+def test_alexnet_parameter_count():
+    model = load_workload("example:alexnet").model()
+    assert sum(p.numel() for p in model.parameters()) == 61_100_840

@@ -1,0 +1,5 @@
+import sys
+
+from tunekit.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""``tunekit auto``: the whole pipeline, headless, with progress bars and a report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tunekit.cli.common import DURATION, console, split_names
+from tunekit.events import (
+    Decided,
+    Diagnosed,
+    Notice,
+    Observed,
+    Planned,
+    PluginProblem,
+    ReportWritten,
+    StudyFinished,
+    StudyStarted,
+    TrialFinished,
+    TrialProgress,
+    TrialStarted,
+)
+from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.trials.launcher import LaunchOptions
+
+
+@click.command("auto")
+@click.argument("workload", default=f"example:{DEFAULT_EXAMPLE}")
+@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
+@click.option("--plugins", "plugins", multiple=True, metavar="NAMES", help="Tuners to use (comma-separated; default: all).")
+@click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
+@click.option("--budget", type=DURATION, default=None, help="Time budget instead of a trial count (90s, 5m, 1h).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
+@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"), show_default=True, help="Study store folder.")
+@click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
+@click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")
+@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is a hang [default: 5m].")
+@click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes (torchrun --nnodes).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, help="This node's rank (several machines).")
+@click.option("--rdzv-endpoint", default=None, help="host:port rendezvous for several machines.")
+@click.option("--rdzv-id", default=None, help="Rendezvous id (several machines).")
+@click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
+@click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
+def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
+             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json):
+    """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
+
+    Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
+    the best candidates with short torchrun trials, and writes report.md,
+    report.json, best_config.json, best_config.md and trials.png to --out.
+    """
+    if trials is not None and budget is not None:
+        raise click.UsageError("give --trials or --budget, not both")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+    settings = AutoSettings(
+        workload=workload, nproc=nproc, plugins=split_names(plugins),
+        trials=3 if trials is None and budget is None else trials, budget_s=budget,
+        out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
+        timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware,
+        launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                             rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
+    )
+    asyncio.run(_drive(settings, as_json))
+
+
+async def _drive(settings: AutoSettings, as_json: bool) -> None:
+    if as_json:
+        async for ev in run_auto(settings):
+            click.echo(json.dumps(ev.to_dict(), default=str))
+        return
+    view = _ProgressView()
+    with view.progress:
+        async for ev in run_auto(settings):
+            view.handle(ev)
+    view.finish()
+
+
+def _ms(x):
+    return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+
+class _ProgressView:
+    """Renders orchestrator events as lines and one progress bar per running trial."""
+
+    def __init__(self):
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console, transient=True,
+        )
+        self.tasks: dict[int, int] = {}
+        self.decision = None
+        self.paths = None
+        self.finished = None
+
+    def say(self, text: str) -> None:
+        self.progress.console.print(text)
+
+    def handle(self, ev) -> None:
+        if isinstance(ev, StudyStarted):
+            extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
+            self.say(f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node · hardware {ev.hardware}{extra}")
+        elif isinstance(ev, Notice):
+            self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
+        elif isinstance(ev, PluginProblem):
+            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
+        elif isinstance(ev, Observed):
+            s = ev.summary
+            self.say(f"observed: {s['num_params']:,} parameters, global batch {s['global_batch']}, "
+                     f"baseline {_ms(s['baseline_median_s'])} ± {_ms(s['baseline_spread_s'])} per step")
+        elif isinstance(ev, Diagnosed):
+            mark = "[green]applies[/]" if ev.applies else "[dim]does not apply[/]"
+            self.say(f"  {ev.plugin}: {mark} — {ev.summary}")
+        elif isinstance(ev, Planned):
+            self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
+        elif isinstance(ev, TrialStarted):
+            pred = f", predicted {_ms(ev.predicted_s)}" if ev.predicted_s else ""
+            self.tasks[ev.trial_id] = self.progress.add_task(
+                f"[{ev.index}/{ev.total}] {ev.role} {ev.description}{pred}", total=None, last="")
+        elif isinstance(ev, TrialProgress):
+            task = self.tasks.get(ev.trial_id)
+            if task is not None:
+                label = f"{ev.phase} {_ms(ev.step_s)}" if ev.step_s else ev.phase
+                self.progress.update(task, completed=ev.index, total=ev.total, last=label)
+        elif isinstance(ev, TrialFinished):
+            task = self.tasks.pop(ev.trial_id, None)
+            if task is not None:
+                self.progress.remove_task(task)
+            if ev.status == "ok":
+                self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
+                         + (f" (predicted {_ms(ev.predicted_s)})" if ev.predicted_s else ""))
+            else:
+                self.say(f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}")
+        elif isinstance(ev, Decided):
+            self.decision = ev.decision
+        elif isinstance(ev, ReportWritten):
+            self.paths = ev.paths
+        elif isinstance(ev, StudyFinished):
+            self.finished = ev
+
+    def finish(self) -> None:
+        if self.decision is not None:
+            console.print(result_table(self.decision))
+            console.print(f"decision: {self.decision.get('reason', '')}")
+        if self.paths:
+            console.print(f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}")
+
+
+def result_table(decision: dict) -> Table:
+    """Baseline against the best config: median step, samples/s, speed-up with its interval."""
+    table = Table(title="baseline vs best", title_justify="left")
+    for col in ("config", "median step", "samples/s", "speed-up"):
+        table.add_column(col)
+    base = decision.get("baseline_median_s")
+    best = decision.get("winner_median_s") or base
+    gb = decision.get("global_batch")
+
+    def rate(x):
+        return "—" if not x or not gb else f"{gb / x:,.1f}"
+
+    table.add_row("baseline", _ms(base), rate(base), "1.00x")
+    if decision.get("winner", "baseline") == "baseline":
+        return table
+    ci = decision.get("ci")
+    sp = decision.get("speedup") or 1.0
+    table.add_row(decision.get("winner", "baseline"), _ms(best), rate(best),
+                  f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else ""))
+    return table

@@ -1,0 +1,49 @@
+"""Shared CLI pieces: the console, duration and count parsing."""
+
+from __future__ import annotations
+
+import re
+
+import click
+from rich.console import Console
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s|ms)?")
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '5m', '1h30m', '2.5m' -> seconds. Raises ValueError on anything else."""
+    text = text.strip().lower()
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if not text or pos != len(text) or total <= 0:
+        raise ValueError(f"{text!r} is not a duration like 90s, 5m or 1h30m")
+    return total
+
+
+class Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = Duration()
+
+
+def split_names(values: tuple[str, ...]) -> list[str] | None:
+    """``--plugins a,b --plugins c`` -> [a, b, c]; nothing given -> None."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    return names or None

@@ -1,0 +1,52 @@
+"""``tunekit``: one command with subcommands.
+
+Bad input raises a :class:`tunekit.errors.TunekitError`; :func:`main` prints it
+as one line and exits with its code (2). Anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from tunekit import __version__
+from tunekit.cli.auto import auto_cmd
+from tunekit.cli.common import err_console
+from tunekit.cli.plan import plan_cmd
+from tunekit.cli.plugins import plugins_cmd
+from tunekit.cli.report import report_cmd
+from tunekit.errors import TunekitError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tunekit")
+def cli() -> None:
+    """Profiler-driven auto-tuner for distributed PyTorch training."""
+
+
+for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd):
+    cli.add_command(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except TunekitError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``tunekit plugins``: every installed tuner and its state."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from tunekit.cli.common import console
+from tunekit.plugin_loading import load_all
+
+
+@click.command("plugins")
+@click.option("--knobs", is_flag=True, help="Also list each tuner's knobs.")
+def plugins_cmd(knobs: bool) -> None:
+    """List installed tuner plugins: name, aspect, title, package, status."""
+    records = load_all()
+    table = Table(title="tuner plugins", title_justify="left")
+    for col in ("name", "aspect", "title", "package", "status"):
+        table.add_column(col, no_wrap=col in ("name", "aspect"))
+    for r in records:
+        status = "[green]ok[/]" if r.ok else f"[red]{r.status}[/]: {r.error}"
+        table.add_row(r.name, r.aspect or "—", r.title or "—", r.package, status)
+    console.print(table)
+    if knobs:
+        for r in records:
+            if not r.ok:
+                continue
+            kt = Table(title=f"{r.name} knobs", title_justify="left")
+            for col in ("knob", "type / range", "default", "live", "help"):
+                kt.add_column(col)
+            for k in r.tuner.knobs():
+                flags = k.live + (", changes math" if k.changes_math else "")
+                kt.add_row(k.name, k.describe(), str(k.default), flags, k.help)
+            console.print(kt)
+    if not records:
+        console.print("no tuner plugins are installed")

@@ -1,0 +1,108 @@
+"""Typed events the orchestrator yields; the CLI and the TUI both consume them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Event:
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": type(self).__name__, **asdict(self)}
+
+
+@dataclass
+class StudyStarted(Event):
+    study_id: int
+    workload: str
+    nproc: int
+    hardware: str
+    resumed: bool
+    finished_trials: int = 0
+
+
+@dataclass
+class Notice(Event):
+    message: str
+    level: str = "info"  # info | warning
+
+
+@dataclass
+class PluginProblem(Event):
+    plugin: str
+    package: str
+    status: str
+    error: str
+
+
+@dataclass
+class Observed(Event):
+    summary: dict[str, Any]
+
+
+@dataclass
+class Diagnosed(Event):
+    plugin: str
+    applies: bool
+    summary: str
+    expected_gain: float | None
+
+
+@dataclass
+class Planned(Event):
+    plugin: str
+    candidates: list[dict[str, Any]]
+
+
+@dataclass
+class TrialStarted(Event):
+    trial_id: int
+    seq: int
+    role: str
+    plugin: str | None
+    description: str
+    predicted_s: float | None
+    index: int
+    """1-based position among the trials this run executes."""
+    total: int
+
+
+@dataclass
+class TrialProgress(Event):
+    trial_id: int
+    phase: str  # warmup | measure | search
+    index: int
+    total: int
+    step_s: float | None = None
+
+
+@dataclass
+class TrialFinished(Event):
+    trial_id: int
+    seq: int
+    role: str
+    plugin: str | None
+    description: str
+    status: str
+    median_s: float | None
+    spread_s: float | None
+    predicted_s: float | None
+    error: str | None = None
+
+
+@dataclass
+class Decided(Event):
+    decision: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReportWritten(Event):
+    paths: dict[str, str]
+
+
+@dataclass
+class StudyFinished(Event):
+    study_id: int
+    winner: str
+    speedup: float | None

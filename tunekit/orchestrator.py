@@ -1,0 +1,497 @@
+"""The tuning pipeline: workload → observe → diagnose → plan → trials → decide.
+
+:func:`run_auto` is an async generator of :mod:`tunekit.events`; ``tunekit
+auto`` renders them with progress bars and the TUI with widgets. Every stage
+writes to the study store, so an interrupted study resumes where it stopped
+(finished trials are never re-run) and reports can be re-printed later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunekit.config import TuningConfig, resolve
+from tunekit.contract import Candidate, Tuner
+from tunekit.errors import ConfigError, TunekitError
+from tunekit.events import (
+    Decided,
+    Diagnosed,
+    Event,
+    Notice,
+    Observed,
+    Planned,
+    PluginProblem,
+    ReportWritten,
+    StudyFinished,
+    StudyStarted,
+    TrialFinished,
+    TrialProgress,
+    TrialStarted,
+)
+from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.observe.local import describe_local_machine
+from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.plugin_loading import load_all, select
+from tunekit.store import Store, StudyCache, StudyRow
+from tunekit.trials.decide import (
+    BASELINE,
+    CANDIDATE,
+    COMBINED,
+    CONFIRM,
+    SEARCH,
+    PlannedTrial,
+    decide,
+    leader_to_confirm,
+    schedule,
+)
+from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.workload import Workload, load_workload, resolve_spec
+
+
+@dataclass
+class AutoSettings:
+    """Everything ``tunekit auto`` takes."""
+
+    workload: str = "example:cnn"
+    nproc: int = 2
+    plugins: list[str] | None = None
+    """Tuners to use; None: every installed tuner that loads."""
+    trials: int | None = 3
+    """Candidate trials to run (baseline repeats come on top)."""
+    budget_s: float | None = None
+    """Wall-clock budget; trials that would not fit are skipped."""
+    out_dir: Path = Path("tunekit-out")
+    store_dir: Path = Path(".tunekit")
+    resume: bool = False
+    warmup: int = 3
+    steps: int = 16
+    timeout_s: float = 300.0
+    min_effect: float = 0.01
+    """A winner must be faster than the baseline by this fraction beyond noise."""
+    baseline_every: int = 3
+    """Re-measure the baseline after this many candidates (interleaving)."""
+    device: str = "auto"
+    hardware: str | None = None
+    """Plan for this hardware profile (name or TOML) instead of this machine."""
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError("--nproc must be at least 1")
+        if self.trials is not None and self.trials < 0:
+            raise ConfigError("--trials must be 0 or more")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise ConfigError("--budget must be positive")
+        if self.steps < 2 or self.warmup < 0:
+            raise ConfigError("--steps must be at least 2 and --warmup at least 0")
+        self.out_dir, self.store_dir = Path(self.out_dir), Path(self.store_dir)
+        self.launch.nproc = self.nproc
+        self.launch.timeout_s = self.timeout_s
+
+    def study_settings(self) -> dict[str, Any]:
+        """The settings that decide what a trial measures (part of the study key)."""
+        return {
+            "nproc": self.nproc,
+            "world_size": self.launch.world_size,
+            "warmup": self.warmup,
+            "steps": self.steps,
+            "device": self.device,
+            "hardware": self.hardware,
+            "plugins": sorted(self.plugins) if self.plugins else None,
+            "seed": self.seed,
+        }
+
+
+def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) -> str:
+    blob = json.dumps({"graph": graph_hash, "hw": hw_fingerprint, "settings": settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def structural_hash(workload: Workload, model: torch.nn.Module, summary) -> str:
+    """Hash of the model's layers, shapes and parameters, and the batch: what trials depend on."""
+    shape = {
+        "layers": [(ly.name, ly.type, ly.param_numel, ly.output_shape) for ly in summary.layers],
+        "params": [(n, list(p.shape)) for n, p in model.named_parameters()],
+        "batch": workload.batch_size,
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+PROBE_CACHE_PREFIX = "probe"
+
+
+def probe_cache_key(hw: Hardware) -> str:
+    """Where ``tunekit hardware probe`` caches measured fits for this machine's shape."""
+    return f"{PROBE_CACHE_PREFIX}:{hw.fingerprint()}"
+
+
+@dataclass
+class StaticObservation:
+    """What is known about a job before any trial: the model and the hardware."""
+
+    spec: str
+    workload: Workload
+    summary: Any
+    graph_hash: str
+    hardware: Hardware
+    device_type: str
+
+    def observation(self, nproc: int, baseline: Measurement | None, store: Store | None) -> Observation:
+        return Observation(
+            workload_spec=self.spec, workload=self.workload, nproc=nproc,
+            backend="nccl" if self.device_type == "cuda" else "gloo", device_type=self.device_type,
+            hardware=self.hardware, model=self.summary, baseline=baseline,
+            cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}") if store else None,
+        )
+
+
+def observe_static(workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0) -> StaticObservation:
+    """Load the workload (in this process, to fail early and clearly) and describe model and hardware."""
+    spec = resolve_spec(workload)
+    wl = load_workload(spec)
+    device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    if hardware:
+        hw = load_profile(hardware)
+    else:
+        hw = describe_local_machine(world_size, device_type)
+        fits = store.cache_get(probe_cache_key(hw))
+        if fits:
+            hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
+    model = wl.model()
+    example = wl.example_batch(min(wl.batch_size, 2), seed=seed)
+    summary = summarize_model(model, example[0])
+    return StaticObservation(spec, wl, summary, structural_hash(wl, model, summary), hw, device_type)
+
+
+# -- the pipeline -------------------------------------------------------------------------
+
+
+class _Run:
+    """State of one ``tunekit auto`` invocation."""
+
+    def __init__(self, settings: AutoSettings):
+        self.s = settings
+        self.started = time.monotonic()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.trial_walls: list[float] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def fits_budget(self) -> bool:
+        if self.s.budget_s is None:
+            return True
+        estimate = (sum(self.trial_walls) / len(self.trial_walls)) if self.trial_walls else 0.0
+        return self.elapsed() + estimate <= self.s.budget_s
+
+
+async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
+    """Run (or resume) a study; yield events as it goes. Bad input raises TunekitError."""
+    s = settings
+    run = _Run(s)
+    store = Store.open_default(s.store_dir)
+    sid: int | None = None
+    try:
+        records = load_all()
+        tuners = select(records, s.plugins)
+        for rec in records:
+            if not rec.ok and (s.plugins is None or rec.name in s.plugins):
+                yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        static = observe_static(s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed)
+        spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
+        key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
+
+        study = store.latest_study(key, unfinished=True) if s.resume else None
+        resumed = study is not None
+        if s.resume and not resumed:
+            yield Notice("--resume: no unfinished study of this workload and settings; starting a new one", "warning")
+        if study is None:
+            sid = store.create_study(
+                key=key, workload=spec, graph_hash=graph_hash, hw_fingerprint=hardware.fingerprint(),
+                nproc=s.nproc, settings=s.study_settings(),
+            )
+            store.add_trial(sid, seq=0, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
+                            config=TuningConfig().to_dict())
+            study = store.study(sid)
+        else:
+            store.reset_unfinished(study.id)
+            store.set_study(study.id, status="running")
+        sid = study.id
+        done = [t for t in store.trials(sid) if t.done]
+        yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done))
+        store.log_event(sid, "started", {"resumed": resumed, "settings": s.study_settings()})
+
+        # Baseline first: every tuner reads it.
+        async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0):
+            yield ev
+        base_row = store.trials(sid)[0]
+        if base_row.status != "ok":
+            store.set_study(sid, status="finished", finished=time.time(),
+                            decision={"winner": BASELINE, "reason": f"baseline failed: {base_row.error}"})
+            raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
+        baseline = Measurement(**base_row.result["measurement"])
+        obs = static.observation(s.launch.world_size, baseline, store)
+        observation = study.observation or {}
+        if "summary" not in observation:
+            observation["summary"] = _observation_summary(obs)
+        yield Observed(observation["summary"])
+
+        if len(store.trials(sid)) == 1:  # not planned yet
+            async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation):
+                yield ev
+        else:
+            for name, diag in observation.get("diagnoses", {}).items():
+                yield Diagnosed(name, diag["applies"], diag["summary"], diag.get("expected_gain"))
+
+        async for ev in _run_pending(run, store, sid, spec, tuners):
+            yield ev
+        async for ev in _combine_winners(run, store, sid, spec, tuners):
+            yield ev
+        async for ev in _confirm_leader(run, store, sid, spec, tuners):
+            yield ev
+
+        decision = decide(store.trials(sid), s.min_effect, _describer(tuners))
+        decision["global_batch"] = obs.global_batch
+        store.set_study(sid, status="finished", finished=time.time(), decision=decision)
+        yield Decided(decision)
+        from tunekit.report import write_report
+
+        paths = write_report(store, sid, s.out_dir, tuners, launch=s.launch)
+        yield ReportWritten({k: str(v) for k, v in paths.items()})
+        store.log_event(sid, "finished", {"winner": decision["winner"]})
+        yield StudyFinished(sid, decision["winner"], decision.get("speedup"))
+    except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit):
+        if sid is not None:  # leave the study resumable: the trial in flight runs again
+            store.reset_unfinished(sid)
+            store.set_study(sid, status="interrupted")
+        raise
+    finally:
+        store.close()
+
+
+def _describer(tuners: Mapping[str, Tuner]):
+    defaults = {name: t.defaults() for name, t in tuners.items()}
+
+    def describe(cfg: dict[str, Any]) -> str:
+        return TuningConfig.from_dict(cfg).describe(defaults)
+
+    return describe
+
+
+def _observation_summary(obs: Observation) -> dict[str, Any]:
+    return {
+        "workload": obs.workload_spec,
+        "num_params": obs.model.num_params,
+        "param_mib": obs.model.param_bytes / 2**20,
+        "layers": len(obs.model.layers),
+        "world_size": obs.nproc,
+        "batch_size": obs.workload.batch_size,
+        "global_batch": obs.global_batch,
+        "backend": obs.backend,
+        "device": obs.device_type,
+        "hardware": obs.hardware.name,
+        "baseline_median_s": obs.baseline.median_s if obs.baseline else None,
+        "baseline_spread_s": obs.baseline.spread_s if obs.baseline else None,
+        "baseline_samples_per_s": obs.baseline.samples_per_s if obs.baseline else None,
+    }
+
+
+async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation) -> AsyncIterator[Event]:
+    diagnoses: dict[str, Any] = {}
+    plans: dict[str, Any] = {}
+    ranked: dict[str, list[PlannedTrial]] = {}
+    gains: dict[str, float] = {}
+    limit = max(run.s.trials or 8, 1)
+    for name, tuner in tuners.items():
+        try:
+            diag = await asyncio.to_thread(tuner.diagnose, obs)
+        except TunekitError as exc:
+            yield PluginProblem(name, "", "diagnose failed", str(exc))
+            continue
+        except Exception as exc:  # a broken plugin must not stop the study
+            yield PluginProblem(name, "", "diagnose failed", f"{type(exc).__name__}: {exc}")
+            continue
+        diagnoses[name] = asdict(diag)
+        yield Diagnosed(name, diag.applies, diag.summary, diag.expected_gain)
+        if not diag.applies:
+            continue
+        try:
+            candidates: list[Candidate] = await asyncio.to_thread(tuner.plan, obs, limit)
+            trials = [_planned(tuner, c) for c in candidates]
+        except Exception as exc:
+            yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
+            continue
+        if type(tuner).search is not Tuner.search:
+            trials.insert(0, PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
+                                          search={"plugin": name, "max_steps": 200}))
+        plans[name] = [asdict(c) for c in candidates]
+        yield Planned(name, plans[name])
+        ranked[name] = trials
+        gains[name] = diag.expected_gain or 0.0
+    order = sorted(ranked, key=lambda n: -gains[n])
+    planned = schedule({n: ranked[n] for n in order}, run.s.trials, run.s.baseline_every)
+    for seq, pt in enumerate(planned, start=1):
+        store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
+                        config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
+                        predicted_s=pt.predicted_s)
+    observation.update(diagnoses=diagnoses, plans=plans)
+    store.set_study(sid, observation=observation)
+
+
+def _planned(tuner: Tuner, c: Candidate) -> PlannedTrial:
+    knobs = tuner.validate(c.knobs)
+    return PlannedTrial(CANDIDATE, tuner.name, TuningConfig({tuner.name: knobs}), c.predicted_step_s)
+
+
+async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:
+    """If tuners of different aspects each won, try their winners together once."""
+    trials = store.trials(sid)
+    if any(t.role == COMBINED for t in trials):
+        return
+    decision = decide(trials, run.s.min_effect)
+    best: dict[str, dict[str, Any]] = {}
+    for row in sorted(
+        (r for r in decision["candidates"] if r.get("comparison", {}).get("significant")),
+        key=lambda r: r["median_s"],
+    ):
+        tuner = tuners.get(row["plugin"])
+        if tuner is not None and str(tuner.aspect) not in best:
+            best[str(tuner.aspect)] = row
+    if len(best) < 2:
+        return
+    merged = TuningConfig()
+    for row in best.values():
+        merged = merged.merged(TuningConfig.from_dict(row["config"]))
+    try:
+        resolve(merged, tuners)
+    except ConfigError as exc:
+        yield Notice(f"winners cannot be combined: {exc}")
+        return
+    seq = max(t.seq for t in trials) + 1
+    store.add_trial(sid, seq=seq, role=COMBINED, plugin="+".join(sorted(merged.plugins)),
+                    config_id=merged.config_id, config=merged.to_dict())
+    store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
+                    config=TuningConfig().to_dict())
+    async for ev in _run_pending(run, store, sid, spec, tuners):
+        yield ev
+
+
+async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:
+    """Run the leading candidate again, followed by the baseline, before crowning it."""
+    trials = store.trials(sid)
+    if any(t.role == CONFIRM for t in trials):
+        async for ev in _run_pending(run, store, sid, spec, tuners):  # resumed mid-confirmation
+            yield ev
+        return
+    leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
+    if leader is None or not run.fits_budget():
+        return
+    seq = max(t.seq for t in trials) + 1
+    store.add_trial(sid, seq=seq, role=CONFIRM, plugin=leader["plugin"], config_id=leader["config_id"],
+                    config=leader["config"], predicted_s=leader["predicted_s"])
+    store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
+                    config=TuningConfig().to_dict())
+    yield Notice(f"confirming the leader, {leader['description']}, with a second run beside the baseline")
+    async for ev in _run_pending(run, store, sid, spec, tuners):
+        yield ev
+
+
+async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None) -> AsyncIterator[Event]:
+    s = run.s
+    pending = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
+    describe = _describer(tuners)
+    for index, row in enumerate(pending, 1):
+        if not run.fits_budget():
+            store.finish_trial(row.id, status="skipped", error="did not fit the time budget")
+            yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
+                                None, None, row.predicted_s, "did not fit the time budget")
+            continue
+        yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
+                           index, len(pending))
+        store.start_trial(row.id)
+        spec_ = TrialSpec(
+            workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
+            warmup=s.warmup, steps=s.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+        )
+        trial_dir = s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}"
+
+        def progress(p: dict[str, Any], trial_id=row.id) -> None:
+            run.queue.put_nowait(TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s")))
+
+        task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress))
+        while not task.done():
+            try:
+                yield await asyncio.wait_for(run.queue.get(), timeout=0.2)
+            except TimeoutError:
+                pass
+        while not run.queue.empty():
+            yield run.queue.get_nowait()
+        outcome: TrialOutcome = task.result()
+        run.trial_walls.append(outcome.wall_s)
+        result = _trial_result(outcome)
+        m = outcome.measurement
+        config_desc = describe(row.config)
+        if outcome.search and outcome.ok:
+            # The search settled on knobs and measured them: record what ran.
+            row_cfg = outcome.ranks[0].get("config") or row.config
+            config_desc = describe(row_cfg) + " (found in-job)"
+            result["config_found"] = row_cfg
+        store.finish_trial(
+            row.id, status=outcome.status, median_s=m.median_s if m else None,
+            spread_s=m.spread_s if m else None, samples_per_s=m.samples_per_s if m else None,
+            result=result, error=outcome.error or None,
+        )
+        if outcome.search and outcome.ok:
+            _record_search_config(store, row.id, result["config_found"])
+        yield TrialFinished(row.id, row.seq, row.role, row.plugin, config_desc, outcome.status,
+                            m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
+                            outcome.error or None)
+
+
+def _record_search_config(store: Store, trial_id: int, config: dict[str, Any]) -> None:
+    """A search trial measured the config it found: store that as the trial's config."""
+    cfg = TuningConfig.from_dict(config)
+    store.set_trial_config(trial_id, cfg.config_id, cfg.to_dict())
+
+
+def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
+    """What the store keeps of a trial: the measurement and per-rank summaries."""
+    ranks = []
+    for r in outcome.ranks:
+        metrics = [m for m in r.get("metrics", []) if m]
+        rs = [m.get("overlap_R") for m in metrics if m.get("overlap_R") is not None]
+        ranks.append({
+            "rank": r.get("rank"), "status": r.get("status"), "step_s": r.get("step_s"),
+            "loss": r.get("loss"), "data_s": r.get("data_s"), "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "batch_size": r.get("batch_size"), "overlap_R": sum(rs) / len(rs) if rs else None,
+        })
+    return {
+        "measurement": outcome.measurement.to_dict() if outcome.measurement else None,
+        "ranks": ranks,
+        "wall_s": outcome.wall_s,
+        "trial_dir": outcome.trial_dir,
+        "search": outcome.search,
+    }
+
+
+def load_study(store: Store, study: str | int | None) -> StudyRow:
+    """A study by id, or the latest one."""
+    if study is None:
+        row = store.latest_study()
+        if row is None:
+            raise TunekitError(f"no studies in {store.path}; run `tunekit auto` first")
+        return row
+    try:
+        return store.study(int(study))
+    except ValueError:
+        raise TunekitError(f"study must be a number, not {study!r}") from None

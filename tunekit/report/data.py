@@ -1,0 +1,110 @@
+"""The report as plain data, rebuilt from the study store."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from tunekit.config import TuningConfig
+from tunekit.contract import Tuner
+from tunekit.store import Store
+from tunekit.trials.decide import decide
+from tunekit.trials.launcher import LaunchOptions
+
+
+def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> dict[str, Any]:
+    study = store.study(study_id)
+    trials = store.trials(study_id)
+    defaults = {name: t.defaults() for name, t in tuners.items()}
+
+    def describe(cfg: dict[str, Any]) -> str:
+        return TuningConfig.from_dict(cfg).describe(defaults)
+
+    decision = study.decision or decide(trials, study.settings.get("min_effect", 0.01), describe)
+    obs = study.observation or {}
+    rows = []
+    for t in trials:
+        m = (t.result or {}).get("measurement") or {}
+        ranks = (t.result or {}).get("ranks") or []
+        rs = [r["overlap_R"] for r in ranks if r.get("overlap_R") is not None]
+        rows.append({
+            "id": t.id, "seq": t.seq, "role": t.role, "plugin": t.plugin,
+            "config": t.config, "description": describe(t.config), "status": t.status,
+            "predicted_s": t.predicted_s, "median_s": t.median_s, "spread_s": t.spread_s,
+            "samples_per_s": t.samples_per_s, "step_s": m.get("step_s"),
+            "overlap_R": sum(rs) / len(rs) if rs else None, "error": t.error,
+            "wall_s": (t.result or {}).get("wall_s"),
+        })
+    best = TuningConfig.from_dict(decision.get("winner_config") or {})
+    base_rows = [r for r in rows if r["role"] == "baseline" and r["status"] == "ok"]
+    summary = obs.get("summary", {})
+    global_batch = summary.get("global_batch") or 0
+    base_med = decision.get("baseline_median_s")
+    best_med = decision.get("winner_median_s") or base_med
+    return {
+        "study": {
+            "id": study.id, "workload": study.workload, "status": study.status, "nproc": study.nproc,
+            "settings": study.settings, "graph_hash": study.graph_hash, "hardware": study.hw_fingerprint,
+            "created": study.created, "finished": study.finished,
+        },
+        "observation": summary,
+        "diagnoses": obs.get("diagnoses", {}),
+        "plans": obs.get("plans", {}),
+        "trials": rows,
+        "decision": decision,
+        "headline": {
+            "baseline_median_s": base_med,
+            "best_median_s": best_med,
+            "baseline_samples_per_s": global_batch / base_med if base_med else None,
+            "best_samples_per_s": global_batch / best_med if best_med else None,
+            "speedup": decision.get("speedup"),
+            "speedup_ci": decision.get("ci"),
+            "baseline_runs": len(base_rows),
+        },
+        "best_config": {
+            **best.to_dict(),
+            "workload": study.workload,
+            "description": decision.get("winner", "baseline"),
+            "measured_median_s": best_med,
+            "speedup": decision.get("speedup"),
+        },
+        "snippet": snippet(study.workload, best, tuners, launch),
+    }
+
+
+def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> str:
+    """Ready-to-use instructions for the winning config, as Markdown."""
+    nodes = ["--standalone"] if launch.nnodes == 1 else [
+        "--nnodes", str(launch.nnodes), "--node-rank", "$NODE_RANK",
+        "--rdzv-backend", launch.rdzv_backend, "--rdzv-endpoint", launch.rdzv_endpoint or "HOST:PORT",
+    ]
+    torchrun = shlex.join(["torchrun", *nodes, "--nproc-per-node", str(launch.nproc)]) + " train.py"
+    lines = [
+        "# Best config",
+        "",
+        f"Workload `{workload}`: **{best.describe({n: t.defaults() for n, t in tuners.items()})}**.",
+        "",
+        "## With tunekit",
+        "",
+        "```sh",
+        f"tunekit run {shlex.quote(workload)} --nproc {launch.nproc} --config best_config.json",
+        "```",
+        "",
+        "## In your own training script",
+        "",
+    ]
+    code = []
+    for name, knobs in best.plugins.items():
+        tuner = tuners.get(name)
+        text = tuner.snippet(tuners[name].validate(knobs)) if tuner else None
+        if text:
+            code.append(f"# {name}\n{text}")
+    if code:
+        lines += ["```python", *code, "```", ""]
+    elif best.is_baseline:
+        lines += ["Nothing to change: the baseline (PyTorch's defaults) was fastest.", ""]
+    else:
+        lines += ["These tuners have no plain-PyTorch equivalent; run the job with tunekit.", ""]
+    lines += ["Launch it as before:", "", "```sh", torchrun, "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""report.md from report data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
+    st, obs, dec, head = data["study"], data["observation"], data["decision"], data["headline"]
+    out = [
+        f"# tunekit report — study {st['id']}",
+        "",
+        f"Workload `{st['workload']}` on {obs.get('world_size', st['nproc'])} rank(s) "
+        f"({obs.get('backend', '?')}, {obs.get('device', '?')}), hardware `{obs.get('hardware', '?')}`; "
+        f"{obs.get('num_params', 0):,} parameters, global batch {obs.get('global_batch', '?')}.",
+        "",
+        "## Result",
+        "",
+        "| | median step | samples/s | speed-up |",
+        "| --- | --- | --- | --- |",
+        f"| baseline | {_ms(head['baseline_median_s'])} | {_num(head['baseline_samples_per_s'])} | 1.00x |",
+        f"| best: {dec.get('winner', 'baseline')} | {_ms(head['best_median_s'])} | "
+        f"{_num(head['best_samples_per_s'])} | {_speedup(head)} |",
+        "",
+        f"Decision: {dec.get('reason', '')}. Baseline pooled from {head['baseline_runs']} run(s); "
+        f"a winner must beat it by more than {dec.get('min_effect', 0.01):.0%} with 95% confidence.",
+        "",
+        "## Diagnoses",
+        "",
+    ]
+    if data["diagnoses"]:
+        out += ["| tuner | applies | expected gain | diagnosis |", "| --- | --- | --- | --- |"]
+        for name, d in data["diagnoses"].items():
+            gain = "—" if d.get("expected_gain") is None else f"{d['expected_gain']:.0%}"
+            out.append(f"| {name} | {'yes' if d['applies'] else 'no'} | {gain} | {d['summary']} |")
+    else:
+        out.append("No tuner diagnosed this job.")
+    out += [
+        "",
+        "## Trials",
+        "",
+        "| # | role | config | status | predicted | measured (median ± IQR) | R | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in data["trials"]:
+        measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
+        r = "—" if t.get("overlap_R") is None else f"{t['overlap_R']:.0f}"
+        note = (t.get("error") or "").replace("|", "/")[:80]
+        out.append(
+            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {_ms(t['predicted_s'])} | "
+            f"{measured} | {r} | {note} |"
+        )
+    out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
+    return "\n".join(out) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.1f}"
+
+
+def _speedup(head: dict[str, Any]) -> str:
+    sp = head.get("speedup")
+    if sp is None:
+        return "—"
+    ci = head.get("speedup_ci")
+    return f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else "")

@@ -1,0 +1,136 @@
+"""Scheduling trials and deciding a winner: pure functions over trial rows."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tunekit.config import TuningConfig
+from tunekit.store import TrialRow
+from tunekit.trials.stats import compare_runs
+
+BASELINE = "baseline"
+CANDIDATE = "candidate"
+COMBINED = "combined"
+CONFIRM = "confirm"
+SEARCH = "search"
+
+
+@dataclass
+class PlannedTrial:
+    role: str
+    plugin: str | None
+    config: TuningConfig
+    predicted_s: float | None = None
+    search: dict[str, Any] | None = None
+
+
+def schedule(
+    ranked: Mapping[str, list[PlannedTrial]],
+    n_trials: int | None,
+    baseline_every: int,
+) -> list[PlannedTrial]:
+    """Interleave candidates of several tuners with baseline re-measurements.
+
+    Candidates are taken round-robin across tuners (in the order given, best
+    expected gain first), each tuner's in its own ranking, up to ``n_trials``;
+    a baseline run follows every ``baseline_every`` candidates and closes the
+    schedule, so drift shows up in the baseline samples instead of favouring
+    whichever config ran last.
+    """
+    queues = [list(q) for q in ranked.values() if q]
+    picked: list[PlannedTrial] = []
+    while queues and (n_trials is None or len(picked) < n_trials):
+        for q in list(queues):
+            if n_trials is not None and len(picked) >= n_trials:
+                break
+            picked.append(q.pop(0))
+            if not q:
+                queues.remove(q)
+    out: list[PlannedTrial] = []
+    for i, trial in enumerate(picked, 1):
+        out.append(trial)
+        if baseline_every and i % baseline_every == 0 and i != len(picked):
+            out.append(PlannedTrial(BASELINE, None, TuningConfig()))
+    if picked:
+        out.append(PlannedTrial(BASELINE, None, TuningConfig()))
+    return out
+
+
+def trial_samples(row: TrialRow) -> list[float]:
+    if row.status != "ok" or not row.result or not row.result.get("measurement"):
+        return []
+    return list(row.result["measurement"]["step_s"])
+
+
+def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str, Any]:
+    """Pick the winner: the fastest config that beats the baseline beyond noise.
+
+    Every run of a config counts (a candidate and its confirmation run); the
+    baseline's runs are pooled the same way. See ``compare_runs``.
+    """
+    describe = describe or (lambda cfg: TuningConfig.from_dict(cfg).describe())
+    base_runs = [trial_samples(t) for t in trials if t.role == BASELINE]
+    base_runs = [r for r in base_runs if r]
+    if not base_runs:
+        return {"winner": BASELINE, "reason": "no successful baseline measurement", "candidates": []}
+    base_median = float(statistics.median([x for r in base_runs for x in r]))
+    groups: dict[str, list[TrialRow]] = {}
+    for t in trials:
+        if t.role != BASELINE:
+            groups.setdefault(t.config_id, []).append(t)
+    rows = []
+    for runs in groups.values():
+        first = runs[0]
+        samples = [trial_samples(t) for t in runs]
+        samples = [r for r in samples if r]
+        failed = [t for t in runs if t.status not in ("ok", "pending", "running", "skipped")]
+        row = {
+            "trial_id": first.id, "seq": first.seq, "role": first.role, "plugin": first.plugin,
+            "config": first.config, "config_id": first.config_id, "description": describe(first.config),
+            "status": first.status if not samples else "ok", "runs": len(samples),
+            "predicted_s": first.predicted_s,
+            "median_s": float(statistics.median([x for r in samples for x in r])) if samples else None,
+            "spread_s": first.spread_s, "error": failed[0].error if failed and not samples else None,
+        }
+        if samples:
+            row["comparison"] = compare_runs(base_runs, samples, min_effect=min_effect).to_dict()
+        rows.append(row)
+    winners = [r for r in rows if r.get("comparison", {}).get("significant")]
+    decision: dict[str, Any] = {
+        "baseline_median_s": base_median,
+        "baseline_runs": len(base_runs),
+        "min_effect": min_effect,
+        "candidates": rows,
+    }
+    if winners:
+        best = min(winners, key=lambda r: r["median_s"])
+        c = best["comparison"]
+        decision.update(
+            winner=best["description"], winner_trial=best["trial_id"], winner_config=best["config"],
+            speedup=c["speedup"], ci=[c["ci_low"], c["ci_high"]], winner_median_s=best["median_s"],
+            reason=f"beats the baseline by {c['speedup'] - 1:.1%} over {best['runs']} run(s) "
+            f"(95% CI {c['ci_low']:.3f}-{c['ci_high']:.3f}x)",
+        )
+    else:
+        ok = [r for r in rows if "comparison" in r]
+        decision.update(
+            winner=BASELINE, winner_config=TuningConfig().to_dict(), speedup=1.0, winner_median_s=base_median,
+            reason=(
+                "no candidate beat the baseline beyond noise" if ok
+                else "no candidate trial succeeded" if rows
+                else "no tuner proposed a candidate for this job"
+            ),
+        )
+    return decision
+
+
+def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, Any] | None:
+    """The fastest candidate measured once that looks faster than the baseline: worth a second run."""
+    rows = [
+        r for r in decision.get("candidates", [])
+        if r.get("comparison") and r["runs"] == 1 and r["comparison"]["speedup"] > 1 + min_effect
+    ]
+    return min(rows, key=lambda r: r["median_s"]) if rows else None

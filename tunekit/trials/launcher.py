@@ -1,0 +1,255 @@
+"""Relaunch trials: one torchrun per trial, isolated from the tuner.
+
+Each trial runs in its own process session, so that a crash, an
+out-of-memory or a hang fails the trial and not the tuner: on timeout the
+whole process group (torchrun agent and its workers) is killed.
+
+Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
+``oom`` (a rank ran out of memory); ``hang`` (the trial outlived its timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tunekit.observe.observation import Measurement
+from tunekit.runtime.dist import free_port
+from tunekit.runtime.worker import OOM_MARKERS
+from tunekit.trials.stats import measurement_from_ranks
+
+OK, CRASH, OOM, HANG = "ok", "crash", "oom", "hang"
+
+
+@dataclass
+class TrialSpec:
+    """What a trial runs (written as ``spec.json`` for the workers)."""
+
+    workload: str
+    """Resolved workload name (see ``tunekit.workload.resolve_spec``)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """``TuningConfig.to_dict()``."""
+    warmup: int = 3
+    steps: int = 10
+    seed: int = 0
+    profile: bool = False
+    """Record the measured steps with torch.profiler (Chrome traces per rank)."""
+    search: dict[str, Any] | None = None
+    """``{"plugin": name, "max_steps": n}``: run that tuner's in-job search first."""
+    device: str = "auto"
+
+
+@dataclass
+class LaunchOptions:
+    """How to start the ranks."""
+
+    nproc: int = 2
+    """Ranks per node (``torchrun --nproc-per-node``)."""
+    timeout_s: float = 300.0
+    """Wall-clock limit of the trial; past it the trial is a hang."""
+    nnodes: int = 1
+    """Nodes in the job (``--nnodes``); several machines need ``rdzv_endpoint``."""
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the rendezvous for several machines (passed to torchrun)."""
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    loopback_nodes: int = 1
+    """Run this many torchrun agents on this machine as separate "nodes"."""
+    threads_per_rank: int | None = None
+    """``OMP_NUM_THREADS`` for each rank; default: cores / ranks on this machine."""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1 or self.loopback_nodes < 1:
+            raise ValueError("nproc, nnodes and loopback_nodes must be at least 1")
+        if self.loopback_nodes > 1 and self.nnodes > 1:
+            raise ValueError("use either loopback_nodes or nnodes, not both")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * max(self.nnodes, self.loopback_nodes)
+
+
+@dataclass
+class TrialOutcome:
+    status: str
+    error: str
+    wall_s: float
+    trial_dir: str
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    measurement: Measurement | None = None
+    search: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["measurement"] = self.measurement.to_dict() if self.measurement else None
+        return d
+
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+def agent_commands(spec_path: Path, opts: LaunchOptions) -> list[list[str]]:
+    """The torchrun command line of each agent this trial starts."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--max-restarts", "0"]
+    worker = ["-m", "tunekit.runtime.worker", str(spec_path)]
+    if opts.loopback_nodes > 1:
+        port = free_port()
+        return [
+            base
+            + ["--nnodes", str(opts.loopback_nodes), "--node-rank", str(i)]
+            + ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+            + worker
+            for i in range(opts.loopback_nodes)
+        ]
+    if opts.nnodes > 1 or opts.rdzv_endpoint:
+        if not opts.rdzv_endpoint:
+            raise ValueError("several nodes need a rendezvous endpoint (host:port)")
+        rdzv = ["--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank)]
+        rdzv += ["--rdzv-backend", opts.rdzv_backend, "--rdzv-endpoint", opts.rdzv_endpoint]
+        rdzv += ["--rdzv-id", opts.rdzv_id or "tunekit"]
+        return [base + rdzv + worker]
+    return [base + ["--standalone"] + worker]
+
+
+def _env(opts: LaunchOptions) -> dict[str, str]:
+    env = dict(os.environ)
+    local_ranks = opts.nproc * opts.loopback_nodes
+    threads = opts.threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // local_ranks)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.update(opts.env)
+    return env
+
+
+async def run_trial(
+    spec: TrialSpec,
+    opts: LaunchOptions,
+    trial_dir: Path,
+    on_progress: ProgressFn | None = None,
+) -> TrialOutcome:
+    """Run one trial to completion (or timeout) and collect every rank's result."""
+    trial_dir = Path(trial_dir)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    for stale in list(trial_dir.glob("rank*.json")) + [trial_dir / "progress.jsonl"]:
+        stale.unlink(missing_ok=True)
+    spec_path = trial_dir / "spec.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    start = time.monotonic()
+    procs, logs = [], []
+    env = _env(opts)
+    for i, cmd in enumerate(agent_commands(spec_path, opts)):
+        log = open(trial_dir / f"agent{i}.log", "wb")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+            )
+        )
+    timed_out = False
+    seen = 0
+    try:
+        while any(p.returncode is None for p in procs):
+            seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
+            if time.monotonic() - start > opts.timeout_s:
+                timed_out = True
+                break
+            try:
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
+            except TimeoutError:
+                pass
+        _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
+    finally:
+        await _stop_all(procs)
+        for log in logs:
+            log.close()
+    outcome = collect(trial_dir, opts, [p.returncode for p in procs], timed_out, time.monotonic() - start)
+    return outcome
+
+
+def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
+    """:func:`run_trial` for callers without an event loop."""
+    return asyncio.run(run_trial(spec, opts, trial_dir, on_progress))
+
+
+def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None) -> int:
+    if on_progress is None or not path.exists():
+        return seen
+    lines = path.read_text().splitlines()
+    for line in lines[seen:]:
+        try:
+            on_progress(json.loads(line))
+        except json.JSONDecodeError:
+            return seen  # a line still being written: read it next time
+        seen += 1
+    return seen
+
+
+async def _stop_all(procs) -> None:
+    """Terminate every agent's whole process group, then kill what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.returncode is None]
+        if not alive:
+            break
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in alive)), timeout=5)
+        except TimeoutError:
+            continue
+
+
+def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], timed_out: bool, wall_s: float) -> TrialOutcome:
+    """Turn the rank files and exit codes into an outcome."""
+    ranks = []
+    for r in range(opts.world_size):
+        path = trial_dir / f"rank{r}.json"
+        if path.exists():
+            try:
+                ranks.append(json.loads(path.read_text()))
+            except json.JSONDecodeError:
+                pass
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted(trial_dir.glob("agent*.log")))
+    failed = [r for r in ranks if r.get("status") != OK]
+    out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks)
+    if timed_out:
+        out.status = HANG
+        out.error = f"no result within {opts.timeout_s:.0f} s; killed the trial's processes"
+    elif any(r.get("status") == OOM for r in ranks) or any(m in logs for m in OOM_MARKERS):
+        out.status = OOM
+        out.error = next((r["error"] for r in ranks if r.get("status") == OOM), "out of memory")
+    elif failed or any(rc != 0 for rc in returncodes) or len(ranks) < opts.world_size:
+        out.status = CRASH
+        out.error = next((r["error"] for r in failed if r.get("error")), "") or _last_error_line(logs)
+    if out.ok:
+        out.measurement = measurement_from_ranks(ranks)
+        out.search = ranks[0].get("search")
+    return out
+
+
+def _last_error_line(logs: str) -> str:
+    """The most telling line of a failed trial's log."""
+    lines = [ln.strip() for ln in logs.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln or "Exception" in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else "the trial exited without a result"
