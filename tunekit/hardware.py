@@ -41,10 +41,11 @@ import hashlib
 import heapq
 import json
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from tunekit.errors import HardwareError
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from tunekit.config import TuningConfig, resolve
@@ -38,10 +40,14 @@ from tunekit.events import (
     TrialStarted,
 )
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.observe.breakdown import Breakdown, analyze_trial
+from tunekit.observe.graph import ModelGraph, trace_model
+from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
-from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
+from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.plugin_loading import load_all, select
-from tunekit.store import Store, StudyCache, StudyRow
+from tunekit.store import Store, StudyCache, StudyRow, TrialRow
 from tunekit.trials.decide import (
     BASELINE,
     CANDIDATE,
@@ -117,16 +123,6 @@ def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) ->
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def structural_hash(workload: Workload, model: torch.nn.Module, summary) -> str:
-    """Hash of the model's layers, shapes and parameters, and the batch: what trials depend on."""
-    shape = {
-        "layers": [(ly.name, ly.type, ly.param_numel, ly.output_shape) for ly in summary.layers],
-        "params": [(n, list(p.shape)) for n, p in model.named_parameters()],
-        "batch": workload.batch_size,
-    }
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-
-
 PROBE_CACHE_PREFIX = "probe"
 
 
@@ -137,26 +133,40 @@ def probe_cache_key(hw: Hardware) -> str:
 
 @dataclass
 class StaticObservation:
-    """What is known about a job before any trial: the model and the hardware."""
+    """What is known about a job before any trial: model, graph, layer times, hardware."""
 
     spec: str
     workload: Workload
-    summary: Any
-    graph_hash: str
+    summary: ModelSummary
+    graph: ModelGraph
+    layer_profile: LayerProfile | None
     hardware: Hardware
     device_type: str
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def graph_hash(self) -> str:
+        return self.graph.graph_hash()
 
     def observation(self, nproc: int, baseline: Measurement | None, store: Store | None) -> Observation:
         return Observation(
             workload_spec=self.spec, workload=self.workload, nproc=nproc,
             backend="nccl" if self.device_type == "cuda" else "gloo", device_type=self.device_type,
-            hardware=self.hardware, model=self.summary, baseline=baseline,
+            hardware=self.hardware, model=self.summary, baseline=baseline, graph=self.graph,
+            layer_profile=self.layer_profile,
             cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}") if store else None,
         )
 
 
-def observe_static(workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0) -> StaticObservation:
-    """Load the workload (in this process, to fail early and clearly) and describe model and hardware."""
+def observe_static(
+    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
+    threads_per_rank: int | None = None, time_layers: bool = True,
+) -> StaticObservation:
+    """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
+
+    Layers are timed with the thread count each rank gets, so that their
+    times add up to a rank's compute; the profile is cached in the store.
+    """
     spec = resolve_spec(workload)
     wl = load_workload(spec)
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -168,9 +178,27 @@ def observe_static(workload: str, world_size: int, device: str, hardware: str | 
         if fits:
             hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
     model = wl.model()
-    example = wl.example_batch(min(wl.batch_size, 2), seed=seed)
-    summary = summarize_model(model, example[0])
-    return StaticObservation(spec, wl, summary, structural_hash(wl, model, summary), hw, device_type)
+    example = wl.example_batch(wl.batch_size, seed=seed)[0]
+    summary = summarize_model(model, example)
+    graph = trace_model(model, example)
+    notices = [graph.notice] if graph.notice else []
+    profile = None
+    if time_layers and not hardware:
+        key = f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
+        cached = store.cache_get(key)
+        if cached:
+            profile = LayerProfile.from_dict(cached)
+        else:
+            threads = threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // max(world_size, 1))
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                profile = profile_layers(model, example, graph, device=device_type, warmup=1, repeats=3,
+                                         hardware_fingerprint=hw.fingerprint())
+            finally:
+                torch.set_num_threads(before)
+            store.cache_put(key, profile.to_dict())
+    return StaticObservation(spec, wl, summary, graph, profile, hw, device_type, notices)
 
 
 # -- the pipeline -------------------------------------------------------------------------
@@ -207,8 +235,11 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
-        static = observe_static(s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed)
+        static = observe_static(s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
+                                s.launch.threads_per_rank)
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
+        for notice in static.notices:
+            yield Notice(notice, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
 
         study = store.latest_study(key, unfinished=True) if s.resume else None
@@ -231,8 +262,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done))
         store.log_event(sid, "started", {"resumed": resumed, "settings": s.study_settings()})
 
-        # Baseline first: every tuner reads it.
-        async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0):
+        # Baseline first, observed (telemetry, profiled steps): every tuner reads it.
+        async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0, observe=True):
             yield ev
         base_row = store.trials(sid)[0]
         if base_row.status != "ok":
@@ -241,6 +272,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
         baseline = Measurement(**base_row.result["measurement"])
         obs = static.observation(s.launch.world_size, baseline, store)
+        obs.breakdown, obs.telemetry = _observed_baseline(base_row)
         observation = study.observation or {}
         if "summary" not in observation:
             observation["summary"] = _observation_summary(obs)
@@ -303,6 +335,13 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         "baseline_median_s": obs.baseline.median_s if obs.baseline else None,
         "baseline_spread_s": obs.baseline.spread_s if obs.baseline else None,
         "baseline_samples_per_s": obs.baseline.samples_per_s if obs.baseline else None,
+        "graph": obs.graph.summary() if obs.graph is not None else None,
+        "breakdown": obs.breakdown.summary() if obs.breakdown is not None else None,
+        "telemetry": obs.telemetry,
+        "top_layers": [
+            {"name": t.name, "kind": t.kind, "forward_s": t.forward_s, "backward_s": t.backward_s}
+            for t in obs.layer_profile.top(5)
+        ] if obs.layer_profile is not None else [],
     }
 
 
@@ -406,7 +445,24 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
         yield ev
 
 
-async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None) -> AsyncIterator[Event]:
+PROFILE_STEPS = 3
+
+
+def _observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] | None]:
+    """The baseline trial's step breakdown (from its traces) and telemetry summary."""
+    result = row.result or {}
+    breakdown = None
+    trial_dir = Path(result.get("trial_dir", ""))
+    if (trial_dir / "traces").is_dir():
+        try:
+            breakdown = analyze_trial(trial_dir)
+        except (OSError, ValueError, KeyError) as exc:  # a broken trace must not stop the study
+            result.setdefault("notices", []).append(f"could not analyse the baseline traces: {exc}")
+    return breakdown, result.get("telemetry")
+
+
+async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None,
+                       observe: bool = False) -> AsyncIterator[Event]:
     s = run.s
     pending = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
     describe = _describer(tuners)
@@ -422,8 +478,13 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
             warmup=s.warmup, steps=s.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+            profile_steps=PROFILE_STEPS if observe else 0,
         )
-        trial_dir = s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}"
+        trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
+        sampler = TelemetrySampler(trial_dir / "pids", interval_s=0.5, pyspy_interval_s=2.0) if observe else None
+        if sampler is not None:
+            shutil.rmtree(trial_dir / "pids", ignore_errors=True)
+            sampler.start()
 
         def progress(p: dict[str, Any], trial_id=row.id) -> None:
             run.queue.put_nowait(TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s")))
@@ -436,9 +497,15 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                 pass
         while not run.queue.empty():
             yield run.queue.get_nowait()
+        if sampler is not None:
+            sampler.stop()
+            for notice in sampler.notices:
+                yield Notice(notice)
         outcome: TrialOutcome = task.result()
         run.trial_walls.append(outcome.wall_s)
         result = _trial_result(outcome)
+        if sampler is not None:
+            result["telemetry"] = sampler.summary()
         m = outcome.measurement
         config_desc = describe(row.config)
         if outcome.search and outcome.ok:

@@ -71,8 +71,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int = 2, args: tuple = (), timeout_
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-        except mp.ProcessRaisedException:
-            pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            pass  # the rank's own result file says what happened
         finally:
             for p in ctx.processes:
                 if p.is_alive():

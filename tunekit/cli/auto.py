@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tunekit.cli.common import DURATION, console, split_names
+from tunekit.config import TuningConfig
 from tunekit.events import (
     Decided,
     Diagnosed,
@@ -27,6 +28,7 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.runtime.rundir import RunDir
 from tunekit.trials.launcher import LaunchOptions
 
 
@@ -51,8 +53,10 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--rdzv-id", default=None, help="Rendezvous id (several machines).")
 @click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
+@click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
-             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json):
+             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
+             apply_run):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -71,19 +75,41 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
-    asyncio.run(_drive(settings, as_json))
+    run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
+    decision = asyncio.run(_drive(settings, as_json))
+    if run_dir is not None:
+        _apply_winner(run_dir, decision, as_json)
 
 
-async def _drive(settings: AutoSettings, as_json: bool) -> None:
+async def _drive(settings: AutoSettings, as_json: bool) -> dict | None:
+    decision = None
     if as_json:
         async for ev in run_auto(settings):
             click.echo(json.dumps(ev.to_dict(), default=str))
-        return
+            if isinstance(ev, Decided):
+                decision = ev.decision
+        return decision
     view = _ProgressView()
     with view.progress:
         async for ev in run_auto(settings):
             view.handle(ev)
     view.finish()
+    return view.decision
+
+
+def _apply_winner(run_dir: RunDir, decision: dict | None, as_json: bool) -> None:
+    from tunekit.cli.run import apply_to_run
+
+    if not decision or decision.get("winner") == "baseline":
+        message = f"nothing to apply to run {run_dir.run_id}: the baseline stays"
+        result = {"applied": False}
+    else:
+        result = apply_to_run(run_dir, TuningConfig.from_dict(decision["winner_config"]))
+        message = f"run {run_dir.run_id}: {result['message']}"
+    if as_json:
+        click.echo(json.dumps({"event": "Applied", "run": run_dir.run_id, "message": message, **result}, default=str))
+    else:
+        console.print(message)
 
 
 def _ms(x):
@@ -118,6 +144,11 @@ class _ProgressView:
             s = ev.summary
             self.say(f"observed: {s['num_params']:,} parameters, global batch {s['global_batch']}, "
                      f"baseline {_ms(s['baseline_median_s'])} ± {_ms(s['baseline_spread_s'])} per step")
+            b = s.get("breakdown")
+            if b:
+                parts = " · ".join(f"{p.replace('_', ' ')} {f:.0%}" for p, f in b["fractions"].items() if f >= 0.005)
+                r = f" · overlap R {b['overlap_R']:.0f}" if b.get("overlap_R") is not None else ""
+                self.say(f"  breakdown: {parts}{r}")
         elif isinstance(ev, Diagnosed):
             mark = "[green]applies[/]" if ev.applies else "[dim]does not apply[/]"
             self.say(f"  {ev.plugin}: {mark} — {ev.summary}")

@@ -14,9 +14,12 @@ import click
 from tunekit import __version__
 from tunekit.cli.auto import auto_cmd
 from tunekit.cli.common import err_console
+from tunekit.cli.hardware import hardware_group
 from tunekit.cli.plan import plan_cmd
 from tunekit.cli.plugins import plugins_cmd
+from tunekit.cli.profile import profile_cmd
 from tunekit.cli.report import report_cmd
+from tunekit.cli.run import COMMANDS as RUN_COMMANDS
 from tunekit.errors import TunekitError
 
 
@@ -26,7 +29,7 @@ def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
 
 
-for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd):
+for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd, profile_cmd, hardware_group, *RUN_COMMANDS):
     cli.add_command(command)
 
 

@@ -29,6 +29,9 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         f"Decision: {dec.get('reason', '')}. Baseline pooled from {head['baseline_runs']} run(s); "
         f"a winner must beat it by more than {dec.get('min_effect', 0.01):.0%} with 95% confidence.",
         "",
+    ]
+    out += _observation_section(obs)
+    out += [
         "## Diagnoses",
         "",
     ]
@@ -56,6 +59,26 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         )
     out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
     return "\n".join(out) + "\n"
+
+
+def _observation_section(obs: dict[str, Any]) -> list[str]:
+    """The baseline's step breakdown and slowest layers, when they were observed."""
+    out: list[str] = []
+    b = obs.get("breakdown")
+    if b:
+        out += ["## Where the baseline's step goes", "", "| part | per step | share |", "| --- | --- | --- |"]
+        for part, frac in b["fractions"].items():
+            out.append(f"| {part.replace('_', ' ')} | {_ms(b[f'{part}_s'])} | {frac:.0%} |")
+        if b.get("overlap_R") is not None:
+            out += ["", f"Overlap ratio R (Lee et al. Eq. 11): {b['overlap_R']:.1f} — the share of "
+                    "communication time hidden behind computation."]
+        out.append("")
+    if obs.get("top_layers"):
+        out += ["| slowest layers | kind | forward | backward |", "| --- | --- | --- | --- |"]
+        for t in obs["top_layers"]:
+            out.append(f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} |")
+        out.append("")
+    return out
 
 
 def _num(x: float | None) -> str:

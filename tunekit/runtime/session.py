@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.errors import ConfigError
@@ -157,7 +158,8 @@ class Session:
             data_s = 0.0
             loss = self.step_fn(self, self.step)
         else:
-            inputs, targets = self.data.batch(self.step)
+            with record_function("tunekit.data"):
+                inputs, targets = self.data.batch(self.step)
             data_s = time.perf_counter() - start
             sync = self._grad_sync
             sync.before_forward()

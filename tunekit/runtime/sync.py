@@ -150,7 +150,10 @@ class DDPSync(GradSync):
     def module(self) -> nn.Module:
         return self.ddp
 
-    def _timed_allreduce(self, _state, bucket: dist.GradBucket) -> torch.futures.Future:
+    # No annotations: DDP compares them to its own types, and this module's
+    # postponed (string) annotations would not match.
+    def _timed_allreduce(self, _state, bucket):
+        """DDP's default all-reduce (sum, then divide by the world), timed per bucket."""
         buf = bucket.buffer()
         posted = time.perf_counter()
         done: list[float] = []
@@ -161,21 +164,37 @@ class DDPSync(GradSync):
             done.append(time.perf_counter())
             return f.value()[0].div_(world)
 
-        self._pending.append((f"bucket{bucket.index()}", buf.numel() * buf.element_size(), posted, done))
+        self._pending.append(
+            (f"bucket{bucket.index()}", buf.numel() * buf.element_size(), posted, done)
+        )
         return fut.then(finish)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._pending:
-            # DDP waited for every bucket inside backward(); time after the
-            # backward pass's last gradient is what the rank was blocked on.
-            end = time.perf_counter()
-            last_post = max(p[2] for p in self._pending)
-            for name, nbytes, posted, done in self._pending:
-                finished = done[0] if done else end
-                blocked = max(0.0, finished - last_post) if posted == last_post else 0.0
-                self._records.append(CommRecord(name, nbytes, finished - posted, blocked))
-            self._pending.clear()
+            self._records += self._settle(self._pending, time.perf_counter())
+            self._pending = []
         optimizer.step()
+
+    @staticmethod
+    def _settle(pending: list, now: float) -> list[CommRecord]:
+        """T_c and T_b of each bucket of one backward pass.
+
+        DDP posts the last bucket when backward's last gradient is ready and
+        then waits, inside ``backward()``, until every bucket is done. That wait
+        is split among the buckets in the order they finished: each is charged
+        the part of the wait that ended with it, so the T_b sum is the whole
+        wait and a bucket that finished before backward's end has T_b = 0.
+        """
+        cursor = max(p[2] for p in pending)  # the last post: backward's last gradient
+        finished = {i: (p[3][0] if p[3] else now) for i, p in enumerate(pending)}
+        blocked = {}
+        for i in sorted(finished, key=finished.get):
+            blocked[i] = max(0.0, finished[i] - cursor)
+            cursor = max(cursor, finished[i])
+        return [
+            CommRecord(name, nbytes, finished[i] - posted, blocked[i])
+            for i, (name, nbytes, posted, _done) in enumerate(pending)
+        ]
 
     def detach(self) -> None:
         # Dropping the wrapper frees its reducer, which removes its autograd hooks.

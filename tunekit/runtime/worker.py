@@ -10,7 +10,7 @@ writes into the trial directory (the spec's folder):
 * ``pids/rank<R>``     its pid, as soon as it starts (telemetry samples it);
 * ``progress.jsonl``   rank 0, one line per step (the launcher's progress bars);
 * ``rank<R>.json``     its result: status, per-step times and losses, metrics;
-* ``traces/rank<R>.json``  a torch.profiler Chrome trace, when ``profile`` is set.
+* ``traces/rank<R>.json``  a torch.profiler Chrome trace of ``profile_steps`` extra steps.
 """
 
 from __future__ import annotations
@@ -146,34 +146,39 @@ def _train(session: Session, spec: dict, progress: _Progress, result: dict, tria
     warmup, steps = int(spec.get("warmup", 3)), int(spec.get("steps", 10))
     for i in range(warmup):
         progress.write("warmup", i + 1, warmup, session.train_step())
-    profiler = _profiler(session) if spec.get("profile") else None
-    if profiler is not None:
-        profiler.__enter__()
-    try:
-        for i in range(steps):
-            rec = session.train_step()
-            if profiler is not None:
-                profiler.step()
-            result["step_s"].append(rec.step_s)
-            result["data_s"].append(rec.data_s)
-            result["loss"].append(rec.loss)
-            result["metrics"].append(rec.metrics)
-            progress.write("measure", i + 1, steps, rec)
-    finally:
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
-            (trial_dir / "traces").mkdir(exist_ok=True)
-            profiler.export_chrome_trace(str(trial_dir / "traces" / f"rank{session.rank}.json"))
+    for i in range(steps):
+        rec = session.train_step()
+        result["step_s"].append(rec.step_s)
+        result["data_s"].append(rec.data_s)
+        result["loss"].append(rec.loss)
+        result["metrics"].append(rec.metrics)
+        progress.write("measure", i + 1, steps, rec)
+    profiled = int(spec.get("profile_steps", 0))
+    if profiled:
+        # After the measured steps, so profiler overhead never touches the measurement.
+        result["profiled"] = _profile(session, profiled, progress, trial_dir)
     session.flush()
 
 
-def _profiler(session: Session):
-    from torch.profiler import ProfilerActivity, profile
+def _profile(session: Session, steps: int, progress: _Progress, trial_dir: Path) -> dict[str, list[float]]:
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU]
     if session.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    return profile(activities=activities, record_shapes=False, with_stack=False)
+    out: dict[str, list[float]] = {"step_s": [], "data_s": []}
+    # active=steps+1 keeps recording through the last step() so each step gets a ProfilerStep#N.
+    with profile(activities=activities, record_shapes=False, with_stack=False,
+                 schedule=schedule(wait=0, warmup=0, active=steps + 1)) as prof:
+        for i in range(steps):
+            rec = session.train_step()
+            prof.step()
+            out["step_s"].append(rec.step_s)
+            out["data_s"].append(rec.data_s)
+            progress.write("profile", i + 1, steps, rec)
+    (trial_dir / "traces").mkdir(exist_ok=True)
+    prof.export_chrome_trace(str(trial_dir / "traces" / f"rank{session.rank}.json"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

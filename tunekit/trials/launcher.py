@@ -42,8 +42,9 @@ class TrialSpec:
     warmup: int = 3
     steps: int = 10
     seed: int = 0
-    profile: bool = False
-    """Record the measured steps with torch.profiler (Chrome traces per rank)."""
+    profile_steps: int = 0
+    """Extra steps after the measured ones, recorded with torch.profiler
+    (Chrome traces per rank in ``traces/``; they are not part of the measurement)."""
     search: dict[str, Any] | None = None
     """``{"plugin": name, "max_steps": n}``: run that tuner's in-job search first."""
     device: str = "auto"
@@ -104,10 +105,10 @@ class TrialOutcome:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-def agent_commands(spec_path: Path, opts: LaunchOptions) -> list[list[str]]:
-    """The torchrun command line of each agent this trial starts."""
+def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.runtime.worker") -> list[list[str]]:
+    """The torchrun command line of each agent: ``module`` runs in every rank with ``spec_path``."""
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--max-restarts", "0"]
-    worker = ["-m", "tunekit.runtime.worker", str(spec_path)]
+    worker = ["-m", module, str(spec_path)]
     if opts.loopback_nodes > 1:
         port = free_port()
         return [
@@ -127,7 +128,7 @@ def agent_commands(spec_path: Path, opts: LaunchOptions) -> list[list[str]]:
     return [base + ["--standalone"] + worker]
 
 
-def _env(opts: LaunchOptions) -> dict[str, str]:
+def launch_env(opts: LaunchOptions) -> dict[str, str]:
     env = dict(os.environ)
     local_ranks = opts.nproc * opts.loopback_nodes
     threads = opts.threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // local_ranks)
@@ -153,7 +154,7 @@ async def run_trial(
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
     start = time.monotonic()
     procs, logs = [], []
-    env = _env(opts)
+    env = launch_env(opts)
     for i, cmd in enumerate(agent_commands(spec_path, opts)):
         log = open(trial_dir / f"agent{i}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
@@ -176,7 +177,7 @@ async def run_trial(
                 pass
         _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
     finally:
-        await _stop_all(procs)
+        await stop_all(procs)
         for log in logs:
             log.close()
     outcome = collect(trial_dir, opts, [p.returncode for p in procs], timed_out, time.monotonic() - start)
@@ -201,7 +202,7 @@ def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None) -> 
     return seen
 
 
-async def _stop_all(procs) -> None:
+async def stop_all(procs) -> None:
     """Terminate every agent's whole process group, then kill what is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.returncode is None]

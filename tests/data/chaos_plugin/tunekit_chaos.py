@@ -18,7 +18,7 @@ class Chaos(Tuner):
     aspect = Aspect.DATA
 
     def knobs(self):
-        return [Knob("mode", "choice", "ok", "what the trial does", choices=("ok", "raise", "hang", "oom"))]
+        return [Knob("mode", "choice", "ok", "what the trial does", choices=("ok", "raise", "hang", "oom", "slow", "bad_hook"))]
 
     def diagnose(self, obs):
         return Diagnosis(True, "injects faults into trials", expected_gain=0.5)
@@ -31,9 +31,13 @@ class Chaos(Tuner):
         mode = knobs["mode"]
         if mode == "ok":
             return
+        if mode == "bad_hook":
+            raise RuntimeError("chaos: the runtime hook failed")
 
         def step(session, step):
-            if step >= 1:
+            if mode == "slow":
+                time.sleep(0.15)  # a regression: same maths, slower steps
+            elif step >= 1:
                 if mode == "raise":
                     raise RuntimeError("chaos: injected failure")
                 if mode == "oom":

@@ -1,0 +1,195 @@
+"""Live jobs for real: `tunekit run` on 2 gloo ranks, driven through its control socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support import chaos_pythonpath, run_cli
+
+from tunekit.errors import ControlError
+from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.supervisor import client, wait_for
+
+pytestmark = pytest.mark.slow
+
+BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
+
+
+def start_run(cwd: Path, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "tunekit", "run", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rundir(cwd: Path, name: str) -> RunDir:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            return RunDir.find(name, cwd / ".tunekit")
+        except ControlError:
+            time.sleep(0.2)
+    raise TimeoutError(name)
+
+
+def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
+    return wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout)
+
+
+def final_params(rd: RunDir) -> dict[str, torch.Tensor]:
+    return RunDir.load_checkpoint(rd.latest_checkpoint())["session"]["model"]
+
+
+def steps_of(rd: RunDir) -> list[int]:
+    return [m["step"] for m in rd.read_metrics()]
+
+
+def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
+    steps = 60
+    plain = start_run(tmp_path, "example:cnn", "--steps", str(steps), "--name", "plain")
+    assert plain.wait(timeout=300) == 0, plain.stdout.read()
+    changed = start_run(tmp_path, "example:cnn", "--steps", str(steps), "--name", "changed")
+    rd = rundir(tmp_path, "changed")
+    wait_step(rd, 5)
+    reply = client(rd).request("apply", config=json.loads(BUCKETS))
+    assert 5 <= reply["step"] < steps
+    assert changed.wait(timeout=300) == 0, changed.stdout.read()
+
+    assert steps_of(rd) == list(range(steps))  # no step lost or repeated
+    assert len({m["config_id"] for m in rd.read_metrics()}) == 2
+    a, b = final_params(RunDir.find("plain", tmp_path / ".tunekit")), final_params(rd)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """One job that trains until stopped, with the fault-injection plugin installed."""
+    cwd = tmp_path_factory.mktemp("live")
+    env = chaos_pythonpath()
+    proc = start_run(cwd, "example:cnn", "--name", "job", "--watch-window", "6", env_extra=env)
+    rd = rundir(cwd, "job")
+    wait_step(rd, 3)
+    yield cwd, rd, env
+    run_cli("stop", "job", cwd=cwd, env_extra=env)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_regression_after_apply_is_rolled_back(live):
+    cwd, rd, env = live
+    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', cwd=cwd, env_extra=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "rolled back" in res.stdout and "slower than before" in res.stdout
+    st = wait_for(rd, lambda s: s["config"]["plugins"] == {})
+    assert st["status"] == "running"
+    assert any(e["kind"] == "rolled_back" and "slower" in e["reason"] for e in rd.read_events())
+
+
+def test_a_failing_hook_is_rolled_back_with_its_reason(live):
+    cwd, rd, env = live
+    before = rd.read_status()["config"]
+    with pytest.raises(ControlError, match="chaos: the runtime hook failed; rolled back"):
+        client(rd).request("apply", config={"plugins": {"chaos": {"mode": "bad_hook"}}})
+    assert rd.read_status()["config"] == before
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (b"{not json", "malformed JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        ({"op": "apply", "config": {"plugins": {}}}, "wrong or missing token"),
+        ({"token": "0" * 64, "op": "status"}, "wrong or missing token"),
+        ({"op": "reboot"}, "unknown op 'reboot'"),
+        ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"nope": 1}}}}, "unknown knob 'nope'"),
+        ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": -3}}}}, "out of range"),
+        ({"op": "apply", "config": {"plugins": {"not_installed": {}}}}, "not installed"),
+        ({"op": "apply", "config": "fast please"}, "expected a JSON object"),
+        ({"op": "apply", "config": {"plugins": {}}, "nproc": 0}, "nproc must be an integer"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_job_keeps_training(live, message, error):
+    _, rd, _ = live
+    c = client(rd)
+    if isinstance(message, dict) and "token" not in message and "wrong" not in error:
+        message = {"token": rd.token(), **message}
+    step = rd.read_status()["step"]
+    reply = c.raw(message)
+    assert reply["ok"] is False and error in reply["error"]
+    assert "\n" not in reply["error"]
+    wait_step(rd, step + 2)  # still training
+
+
+def test_the_socket_and_token_are_private(live):
+    _, rd, _ = live
+    sock = Path(rd.read_run()["socket"])
+    assert oct(sock.stat().st_mode & 0o777) == "0o600"
+    assert oct(rd.token_file.stat().st_mode & 0o777) == "0o600"
+
+
+def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
+    cwd, rd, env = live
+    res = run_cli("trial", "job", BUCKETS, "--window", "4", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    assert "candidate" in res.stdout and "kept the" in res.stdout
+    finished = [e for e in rd.read_events() if e["kind"] == "trial_finished"][-1]
+    assert finished["candidate_median_s"] > 0 and finished["current_median_s"] > 0
+    expected = {"overlap_chunking"} if finished["kept"] == "candidate" else set()
+    assert set(rd.read_status()["config"]["plugins"]) == expected
+
+
+def test_subscribe_streams_metrics(live):
+    _, rd, _ = live
+    stream = client(rd).subscribe()
+    first, second = next(stream), next(stream)
+    assert second["step"] == first["step"] + 1 and second["loss"] > 0
+
+
+def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
+    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
+    rd = rundir(tmp_path, "elastic")
+    wait_step(rd, 4)
+    for n in (1, 2):
+        res = run_cli("apply", "elastic", '{"plugins": {}}', "--nproc", str(n), cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert f"relaunching with {n} rank(s)" in res.stdout
+        at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)["step"]
+        wait_step(rd, at + 3)
+    assert run_cli("stop", "elastic", cwd=tmp_path).returncode == 0
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    metrics = rd.read_metrics()
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # nothing lost or repeated
+    sizes = [m["world_size"] for m in metrics]
+    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
+    assert [sizes[0], *(sizes[i] for i in changes)] == [2, 1, 2]
+    for i in changes:  # the loss curve continues across relaunches
+        assert abs(metrics[i]["loss"] - metrics[i - 1]["loss"]) < 0.5
+    relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"]
+    assert [e["nproc"] for e in relaunches] == [1, 2]
+    assert [e["step"] for e in relaunches] == [metrics[i]["step"] for i in changes]  # resumed at the same step
+
+
+def test_a_crash_leaves_the_run_resumable(tmp_path):
+    proc = start_run(tmp_path, "example:cnn", "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
+    rd = rundir(tmp_path, "fragile")
+    st = wait_step(rd, 12)
+    os.kill(st["pid"], signal.SIGKILL)  # rank 0 dies mid-training
+    assert proc.wait(timeout=300) == 1
+    st = rd.read_status()
+    assert st["status"] == "crashed"
+    json.loads(rd.run_file.read_text())  # still readable
+    resumed = start_run(tmp_path, "--resume", "fragile")
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+    assert steps_of(rd) == list(range(40))
+    assert rd.read_status()["status"] == "finished"

@@ -1,0 +1,63 @@
+"""The project's shape: one-way dependencies, the package list, the lint."""
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_core_never_imports_the_tui_or_a_plugin():
+    offenders = []
+    for path in (ROOT / "tunekit").rglob("*.py"):
+        for name in _imports(path):
+            if name.startswith(("tunekit.tui", "tunekit.plugins", "tui", "plugins")):
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_plugins_never_import_each_other_or_the_tui():
+    offenders = []
+    for plugin in (p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists()):
+        for path in plugin.rglob("*.py"):
+            for name in _imports(path):
+                other = name.startswith("tunekit.plugins.") and not name.startswith(f"tunekit.plugins.{plugin.name}")
+                if other or name.startswith("tunekit.tui"):
+                    offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    mapping = {"tunekit": "tunekit", "tui": "tunekit.tui", "plugins": "tunekit.plugins"}
+    found = set()
+    for top, dotted in mapping.items():
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / top).parts
+            if "tests" in rel or "__pycache__" in rel:
+                continue
+            found.add(".".join((dotted, *rel)))
+    assert found == listed, f"missing: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(), reason="ruff not installed")
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    res = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:]
