@@ -192,6 +192,8 @@ class SearchResult:
     trace: list[dict[str, Any]] = field(default_factory=list)
     """One entry per tried setting: its knobs, steps, measured time, anything else."""
     summary: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Plain JSON-able findings beside the choice (e.g. a gradient noise scale)."""
 
 
 # -- the tuner -------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
+from tunekit.observe.probe import probe_hardware
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.plugin_loading import load_all, select
 from tunekit.store import Store, StudyCache, StudyRow, TrialRow
@@ -90,6 +91,8 @@ class AutoSettings:
     """Plan for this hardware profile (name or TOML) instead of this machine."""
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     seed: int = 0
+    probe: bool = True
+    """Measure this machine's collectives once (cached) when no probe is stored."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -160,7 +163,7 @@ class StaticObservation:
 
 def observe_static(
     workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
-    threads_per_rank: int | None = None, time_layers: bool = True,
+    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
 ) -> StaticObservation:
     """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
 
@@ -170,18 +173,26 @@ def observe_static(
     spec = resolve_spec(workload)
     wl = load_workload(spec)
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    notices: list[str] = []
     if hardware:
         hw = load_profile(hardware)
     else:
         hw = describe_local_machine(world_size, device_type)
         fits = store.cache_get(probe_cache_key(hw))
+        if not fits and probe and world_size >= 2:
+            result = probe_hardware(world_size, repeats=3, device_type=device_type)
+            fits = [asdict(f) for f in result.hardware.collectives]
+            store.cache_put(probe_cache_key(hw), fits)
+            notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
+                           "cached for later studies (tunekit hardware probe re-measures)")
         if fits:
             hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
     model = wl.model()
     example = wl.example_batch(wl.batch_size, seed=seed)[0]
     summary = summarize_model(model, example)
     graph = trace_model(model, example)
-    notices = [graph.notice] if graph.notice else []
+    if graph.notice:
+        notices.append(graph.notice)
     profile = None
     if time_layers and not hardware:
         key = f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
@@ -235,8 +246,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
-        static = observe_static(s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
-                                s.launch.threads_per_rank)
+        static = await asyncio.to_thread(
+            observe_static, s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
+            s.launch.threads_per_rank, True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1)
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
         for notice in static.notices:
             yield Notice(notice, "warning")
@@ -401,7 +413,7 @@ async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners)
     best: dict[str, dict[str, Any]] = {}
     for row in sorted(
         (r for r in decision["candidates"] if r.get("comparison", {}).get("significant")),
-        key=lambda r: r["median_s"],
+        key=lambda r: -r["comparison"]["speedup"],
     ):
         tuner = tuners.get(row["plugin"])
         if tuner is not None and str(tuner.aspect) not in best:

@@ -100,3 +100,22 @@ def test_schedule_interleaves_baselines_round_robin():
         ("candidate", "b"), ("baseline", None),
     ]
     assert schedule({}, 3, 2) == []
+
+
+def test_batch_candidates_are_judged_by_throughput_not_step_time():
+    rng = np.random.default_rng(3)
+
+    def row(i, role, cfg, step, batch):
+        r = _row(i, role, cfg, list(step * rng.normal(1, 0.01, 16)))
+        r.result["ranks"] = [{"batch_size": batch}, {"batch_size": batch}]
+        return r
+
+    big = {"batch": {"batch_size": 64}}
+    rows = [
+        row(0, BASELINE, {}, 0.100, 32), row(1, CANDIDATE, big, 0.150, 64),  # longer steps, 33% more samples/s
+        row(2, BASELINE, {}, 0.100, 32), row(3, "confirm", big, 0.150, 64),
+    ]
+    d = decide(rows, 0.01)
+    assert d["winner_config"] == TuningConfig(big).to_dict()
+    assert d["speedup"] == pytest.approx(4 / 3, rel=0.03)
+    assert d["winner_global_batch"] == 128 and d["baseline_global_batch"] == 64

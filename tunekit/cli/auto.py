@@ -54,9 +54,10 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
+@click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run):
+             apply_run, no_probe):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -71,7 +72,7 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
-        timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware,
+        timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
@@ -194,16 +195,17 @@ def result_table(decision: dict) -> Table:
         table.add_column(col)
     base = decision.get("baseline_median_s")
     best = decision.get("winner_median_s") or base
-    gb = decision.get("global_batch")
+    base_gb = decision.get("baseline_global_batch") or decision.get("global_batch")
+    best_gb = decision.get("winner_global_batch") or base_gb
 
-    def rate(x):
+    def rate(x, gb):
         return "—" if not x or not gb else f"{gb / x:,.1f}"
 
-    table.add_row("baseline", _ms(base), rate(base), "1.00x")
+    table.add_row("baseline", _ms(base), rate(base, base_gb), "1.00x")
     if decision.get("winner", "baseline") == "baseline":
         return table
     ci = decision.get("ci")
     sp = decision.get("speedup") or 1.0
-    table.add_row(decision.get("winner", "baseline"), _ms(best), rate(best),
+    table.add_row(decision.get("winner", "baseline"), _ms(best), rate(best, best_gb),
                   f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else ""))
     return table

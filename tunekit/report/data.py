@@ -39,7 +39,8 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
     best = TuningConfig.from_dict(decision.get("winner_config") or {})
     base_rows = [r for r in rows if r["role"] == "baseline" and r["status"] == "ok"]
     summary = obs.get("summary", {})
-    global_batch = summary.get("global_batch") or 0
+    base_batch = decision.get("baseline_global_batch") or summary.get("global_batch") or 0
+    best_batch = decision.get("winner_global_batch") or base_batch
     base_med = decision.get("baseline_median_s")
     best_med = decision.get("winner_median_s") or base_med
     return {
@@ -56,8 +57,8 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
         "headline": {
             "baseline_median_s": base_med,
             "best_median_s": best_med,
-            "baseline_samples_per_s": global_batch / base_med if base_med else None,
-            "best_samples_per_s": global_batch / best_med if best_med else None,
+            "baseline_samples_per_s": base_batch / base_med if base_med else None,
+            "best_samples_per_s": best_batch / best_med if best_med else None,
             "speedup": decision.get("speedup"),
             "speedup_ci": decision.get("ci"),
             "baseline_runs": len(base_rows),

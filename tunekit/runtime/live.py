@@ -312,6 +312,12 @@ class LiveJob:
         self.spec = rd.read_run()
         self.ctx = init_from_env(self.spec.get("device", "auto"))
         world = self.ctx.world_size
+        pids = rd.path / "pids"  # telemetry samples these processes
+        pids.mkdir(exist_ok=True)
+        for stale in pids.glob("rank*"):
+            if int(stale.name.removeprefix("rank")) >= world:
+                stale.unlink(missing_ok=True)
+        (pids / f"rank{self.ctx.rank}").write_text(str(os.getpid()))
         # Control traffic rides a gloo group even when training uses NCCL.
         self.control_group = dist.new_group(backend="gloo") if world > 1 else None
         self.tuners = available_tuners()

@@ -7,6 +7,7 @@
         events.jsonl     applies, watch verdicts, rollbacks, trials, relaunches
         checkpoints/     step-<N>.pt (rank 0's session; data-parallel replicas are identical)
         logs/            torchrun agent logs
+        pids/            rank<R>: each rank's pid (telemetry samples them)
         control.sock     rank 0's control socket (mode 0600)
         token            the socket's shared secret (mode 0600)
 

@@ -48,7 +48,9 @@ def overlap_ratio(records: list[CommRecord]) -> float | None:
     total = sum(r.own_s for r in records)
     if total <= 0:
         return None
-    return 100.0 * sum(r.own_s - r.blocked_s for r in records) / total
+    # Clamped: rounding, and timestamps taken on different threads, can put a
+    # fully hidden or fully exposed communication a hair outside [0, 100].
+    return min(100.0, max(0.0, 100.0 * sum(r.own_s - r.blocked_s for r in records) / total))
 
 
 class GradSync:

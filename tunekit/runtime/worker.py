@@ -139,7 +139,7 @@ def _run_search(session: Session, config: TuningConfig, tuners, search: dict, pr
         return None
     chosen = TuningConfig({**config.plugins, name: tuner.validate(found.knobs)})
     session.apply_config(chosen, tuners)
-    return {"knobs": found.knobs, "trace": found.trace, "summary": found.summary}
+    return {"knobs": found.knobs, "trace": found.trace, "summary": found.summary, "details": found.details}
 
 
 def _train(session: Session, spec: dict, progress: _Progress, result: dict, trial_dir: Path) -> None:

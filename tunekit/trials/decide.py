@@ -60,13 +60,24 @@ def schedule(
 
 
 def trial_samples(row: TrialRow) -> list[float]:
+    """Seconds per sample of each measured step.
+
+    Per sample, not per step: a candidate that changes the batch size runs
+    longer steps by design, and what it must win on is throughput.
+    """
     if row.status != "ok" or not row.result or not row.result.get("measurement"):
         return []
-    return list(row.result["measurement"]["step_s"])
+    batch = global_batch(row)
+    return [s / batch for s in row.result["measurement"]["step_s"]]
+
+
+def global_batch(row: TrialRow) -> int:
+    ranks = (row.result or {}).get("ranks") or []
+    return sum(int(r.get("batch_size") or 0) for r in ranks) or 1
 
 
 def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str, Any]:
-    """Pick the winner: the fastest config that beats the baseline beyond noise.
+    """Pick the winner: the highest-throughput config that beats the baseline beyond noise.
 
     Every run of a config counts (a candidate and its confirmation run); the
     baseline's runs are pooled the same way. See ``compare_runs``.
@@ -76,7 +87,8 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     base_runs = [r for r in base_runs if r]
     if not base_runs:
         return {"winner": BASELINE, "reason": "no successful baseline measurement", "candidates": []}
-    base_median = float(statistics.median([x for r in base_runs for x in r]))
+    base_rows = [t for t in trials if t.role == BASELINE and trial_samples(t)]
+    base_median = float(statistics.median([x for t in base_rows for x in t.result["measurement"]["step_s"]]))
     groups: dict[str, list[TrialRow]] = {}
     for t in trials:
         if t.role != BASELINE:
@@ -92,7 +104,9 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             "config": first.config, "config_id": first.config_id, "description": describe(first.config),
             "status": first.status if not samples else "ok", "runs": len(samples),
             "predicted_s": first.predicted_s,
-            "median_s": float(statistics.median([x for r in samples for x in r])) if samples else None,
+            "median_s": float(statistics.median(
+                [x for t in runs if trial_samples(t) for x in t.result["measurement"]["step_s"]])) if samples else None,
+            "global_batch": global_batch(first),
             "spread_s": first.spread_s, "error": failed[0].error if failed and not samples else None,
         }
         if samples:
@@ -101,17 +115,19 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     winners = [r for r in rows if r.get("comparison", {}).get("significant")]
     decision: dict[str, Any] = {
         "baseline_median_s": base_median,
+        "baseline_global_batch": global_batch(base_rows[0]),
         "baseline_runs": len(base_runs),
         "min_effect": min_effect,
         "candidates": rows,
     }
     if winners:
-        best = min(winners, key=lambda r: r["median_s"])
+        best = max(winners, key=lambda r: r["comparison"]["speedup"])
         c = best["comparison"]
         decision.update(
             winner=best["description"], winner_trial=best["trial_id"], winner_config=best["config"],
             speedup=c["speedup"], ci=[c["ci_low"], c["ci_high"]], winner_median_s=best["median_s"],
-            reason=f"beats the baseline by {c['speedup'] - 1:.1%} over {best['runs']} run(s) "
+            winner_global_batch=best["global_batch"],
+            reason=f"{c['speedup'] - 1:.1%} more samples/s than the baseline over {best['runs']} run(s) "
             f"(95% CI {c['ci_low']:.3f}-{c['ci_high']:.3f}x)",
         )
     else:
@@ -133,4 +149,4 @@ def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, 
         r for r in decision.get("candidates", [])
         if r.get("comparison") and r["runs"] == 1 and r["comparison"]["speedup"] > 1 + min_effect
     ]
-    return min(rows, key=lambda r: r["median_s"]) if rows else None
+    return max(rows, key=lambda r: r["comparison"]["speedup"]) if rows else None

@@ -1,0 +1,283 @@
+"""Measuring in this process: a step's memory peak, saved activations, step times, OOM errors.
+
+Peaks come from the allocator that served the step:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before.
+* CPU: there is no allocator statistic, but ``torch.profiler`` with
+  ``profile_memory=True`` records every allocation and free the CPU
+  allocator makes; their running sum over the step gives its peak above the
+  start. (RSS deltas would hide reuse inside glibc's arenas; tracemalloc does
+  not see torch's allocator at all.)
+
+:func:`saved_activation_bytes` counts the tensors autograd keeps for backward
+(the measured counterpart of the paper's feature-map term, Eq. 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
+
+from tunekit.workload import Workload
+
+_CPU_OOM_MESSAGES = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a device or host allocation failure (CUDA OOM, or the CPU allocator's)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed blocks back after an out-of-memory, before the next attempt."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class PeakMeter:
+    """Context manager: bytes allocated at the peak of the block, above its start.
+
+    ``peak_bytes`` is None when the device offers no way to measure (another
+    profiler already running on the CPU); ``method`` says which was used.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes: float | None = None
+        self.start_bytes = 0.0
+        """Bytes allocated when the block began (CUDA; 0 on the CPU, where it is not tracked)."""
+        self.method = ""
+        self._prof = None
+        self._start = 0
+
+    def __enter__(self) -> PeakMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            self.start_bytes = float(self._start)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda-allocator"
+        else:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            try:
+                prof.__enter__()
+            except RuntimeError:  # a profiler is already running in this thread
+                return self
+            self._prof = prof
+            self.method = "cpu-profiler"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device) - self._start)
+            return
+        if self._prof is None:
+            return
+        self._prof.__exit__(None, None, None)
+        if exc_type is None:
+            self.peak_bytes = _profiled_cpu_peak(self._prof)
+        self._prof = None
+
+
+def _profiled_cpu_peak(prof) -> float | None:
+    """Running sum of the CPU allocator's alloc (+) and free (-) records, at its maximum."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # a torch whose profiler keeps its results elsewhere
+        return None
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    running = peak = 0
+    for _, nbytes in records:
+        running += nbytes
+        peak = max(peak, running)
+    return float(peak)
+
+
+def saved_activation_bytes(model: nn.Module, run: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``run()`` builds the graph.
+
+    Parameters saved by layers (a linear layer keeps its weight) are left out:
+    they are alive anyway. ``run`` returns the loss (it may run backward too:
+    only tensors saved while the graph is built are seen).
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    del loss
+    return sum(seen.values())
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (momentum buffers, Adam moments ...)."""
+    return sum(tensor_bytes(state.values()) for state in optimizer.state.values())
+
+
+def static_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What stays allocated between steps when gradients are set to None: parameters, buffers, optimizer state."""
+    return (
+        tensor_bytes(model.parameters())
+        + tensor_bytes(model.buffers())
+        + optimizer_state_bytes(optimizer)
+    )
+
+
+@dataclass
+class StepMemory:
+    """One measured training step at one batch size."""
+
+    batch: int
+    peak_extra_bytes: float | None
+    """Peak above what was allocated before the step (activations, gradients, temporaries)."""
+    saved_bytes: int
+    """Tensors autograd saved for backward (activations)."""
+
+
+@dataclass
+class LocalMeasurement:
+    """The workload trained on one rank in this process at a few batch sizes."""
+
+    memory: MemoryProfile
+    steps: list[StepMemory]
+    step_s: dict[int, float] = field(default_factory=dict)
+    """Median wall time of a training step per batch (not profiled)."""
+
+    def step_line(self) -> tuple[float, float]:
+        """(a, c) of step time = a + c * batch, through the smallest and largest batch."""
+        (b1, t1), (b2, t2) = min(self.step_s.items()), max(self.step_s.items())
+        c = max(0.0, (t2 - t1) / (b2 - b1))
+        return max(0.0, t1 - c * b1), c
+
+    def to_dict(self) -> dict:
+        return {
+            "memory": self.memory.to_dict(),
+            "steps": [s.__dict__ for s in self.steps],
+            "step_s": {str(b): t for b, t in self.step_s.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LocalMeasurement:
+        return cls(
+            MemoryProfile(**d["memory"]),
+            [StepMemory(**s) for s in d["steps"]],
+            {int(b): float(t) for b, t in d["step_s"].items()},
+        )
+
+
+def measure_locally(
+    workload: Workload,
+    batches: tuple[int, ...],
+    device: torch.device | None = None,
+    timed_steps: int = 3,
+) -> LocalMeasurement:
+    """Train a fresh copy of the workload's model at each batch: memory line and step times.
+
+    The first step (at the smallest batch) is a warm-up that creates the
+    optimizer state, so ``static_bytes`` includes it. Gradients are set to
+    None between steps, as the runtime does, so they count in the step's peak.
+    The per-sample slope is at least the saved activations' slope: a peak that
+    a batch-independent temporary (an optimizer step, a large gradient)
+    dominates at small batches would otherwise extrapolate flat.
+    """
+    if len(set(batches)) < 2:
+        raise ValueError("measure at two or more distinct batch sizes")
+    device = device or torch.device("cpu")
+    model = workload.model().to(device)
+    optimizer = workload.optimizer(model.parameters(), workload.lr)
+
+    def step(b: int, meter: PeakMeter | None = None) -> StepMemory:
+        if meter is None:
+            inputs, targets = workload.example_batch(b)
+            _train(model, optimizer, workload, _to(inputs, device), _to(targets, device))
+            return StepMemory(b, None, 0)
+        with meter:  # the batch counts: a real step holds its input too
+            inputs, targets = workload.example_batch(b)
+            run = functools.partial(
+                _train, model, optimizer, workload, _to(inputs, device), _to(targets, device)
+            )
+            saved = saved_activation_bytes(model, run)
+            del run, inputs, targets
+        return StepMemory(b, meter.peak_bytes, saved)
+
+    step(min(batches))  # warm-up: optimizer state, allocator pools, lazy modules
+    rows, method = [], ""
+    for b in sorted(set(batches)):
+        meter = PeakMeter(device)
+        rows.append(step(b, meter))
+        method = meter.method
+    step_s = {}
+    for b in sorted(set(batches)):
+        times = []
+        for _ in range(timed_steps):
+            inputs, targets = workload.example_batch(b)
+            inputs, targets = _to(inputs, device), _to(targets, device)
+            _sync(device)
+            start = time.perf_counter()
+            _train(model, optimizer, workload, inputs, targets)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        step_s[b] = statistics.median(times)
+    peaks = {r.batch: r.peak_extra_bytes for r in rows if r.peak_extra_bytes is not None}
+    if len(peaks) < 2:
+        # No allocator view (a profiler was already running): saved activations only.
+        peaks, method = {r.batch: float(r.saved_bytes) for r in rows}, "saved-tensors"
+    b1, s1, b2, s2 = rows[0].batch, rows[0].saved_bytes, rows[-1].batch, rows[-1].saved_bytes
+    profile = MemoryProfile.fit(
+        static_bytes(model, optimizer), peaks, method, min_per_sample=(s2 - s1) / (b2 - b1)
+    )
+    return LocalMeasurement(profile, rows, step_s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(model, optimizer, workload: Workload, inputs, targets) -> torch.Tensor:
+    loss = workload.loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple | list):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x

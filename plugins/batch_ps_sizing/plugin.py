@@ -1,0 +1,528 @@
+"""batch_ps_sizing: mini-batch size under a memory bound, number of GPUs, parameter servers.
+
+After Zou et al., "Distributed Training Large-Scale Deep Architectures"
+(2017). The batch is the one knob it turns (within the workload's allowed
+range, learning rate rescaled by the workload's rule), chosen where more batch
+stops paying in throughput; an in-job sweep, coordinated across ranks, finds
+that knee for real. Lemma 3.1 (how many GPUs) and Lemma 3.2 (how many
+parameter servers) are reported with the diagnosis, and the gradient noise
+scale (McCandlish et al.) shows how large a batch still trains efficiently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from tunekit.plugins.batch_ps_sizing import model as zou
+from tunekit.plugins.batch_ps_sizing.measure import LocalMeasurement, measure_locally
+from tunekit.plugins.batch_ps_sizing.runtime import (
+    apply_batch_knobs,
+    device_memory_bytes,
+    probe_batch,
+    session_noise_sums,
+)
+from tunekit.plugins.batch_ps_sizing.search import (
+    RankAgreement,
+    SweepSettings,
+    batch_ladder,
+    choose_knee,
+    conv_algorithm_tables,
+    coordinated_sweep,
+    plan_batch_by_algorithms,
+)
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
+from tunekit.errors import HardwareError, WorkloadError
+from tunekit.observe.observation import Observation
+from tunekit.runtime.session import Session
+
+MAX_BATCH = 1 << 20
+MiB = 2**20
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Analysis:
+    """What diagnose and plan share: the models evaluated on one observation (plain data)."""
+
+    batch: int
+    batch_range: tuple[int, int] | None
+    device_memory_bytes: float
+    local: LocalMeasurement
+    largest_fitting: int
+    """Largest per-rank batch the measured memory line fits into the smallest device."""
+    overhead_s: float
+    """T_O per step: overhead not hidden behind computation (batch-independent)."""
+    compute_s: float
+    """T_C per step at the current batch."""
+    overhead_ratio: float | None
+    overhead_source: str
+    predictions: dict[int, dict[str, float]] = field(default_factory=dict)
+    knee: int | None = None
+    eq5: dict[str, Any] | None = None
+    lemma31: dict[str, Any] = field(default_factory=dict)
+    lemma32: dict[str, Any] = field(default_factory=dict)
+
+    def predicted_step_s(self, batch: int) -> float:
+        a, c = self.local.step_line()
+        base = a + c * self.batch
+        return self.overhead_s + self.compute_s * (a + c * batch) / base
+
+
+class BatchPsSizing(Tuner):
+    name = "batch_ps_sizing"
+    title = "Mini-batch, GPU and parameter-server sizing (Zou et al.)"
+    aspect = Aspect.BATCH
+
+    def __init__(
+        self,
+        settings: SweepSettings | None = None,
+        *,
+        target_efficiency: float = 0.8,
+        target_speedup: float | None = None,
+    ):
+        self.settings = settings or SweepSettings()
+        self.target_efficiency = target_efficiency
+        """Lemma 3.1: recommend the most GPUs that keep at least this efficiency."""
+        self.target_speedup = target_speedup
+        """Lemma 3.1: also say how many GPUs reach this speed-up (None: skip)."""
+        self._last: tuple[Observation, Analysis] | None = None  # diagnose and plan share it
+
+    # -- declare ---------------------------------------------------------------------
+
+    def knobs(self) -> list[Knob]:
+        return [
+            Knob(
+                "batch_size",
+                "int",
+                0,
+                "per-rank batch; 0 keeps the workload's own (only within its batch_range)",
+                low=0,
+                high=MAX_BATCH,
+                changes_math=True,
+            ),
+            Knob("cudnn_benchmark", "bool", False, "let cuDNN time its algorithms per shape (GPU)"),
+            Knob(
+                "knee_tolerance",
+                "float",
+                self.settings.knee_tolerance,
+                "search: pick the smallest batch within this fraction of the best throughput",
+                low=0.0,
+                high=0.5,
+            ),
+        ]
+
+    # -- diagnose / plan ---------------------------------------------------------------
+
+    def analyse(self, obs: Observation) -> Analysis:
+        """Evaluate the memory model, the step-time line and both lemmas on ``obs`` (cached)."""
+        if self._last is None or self._last[0] is not obs:
+            analysis = _analyse(obs, self.settings, self.target_efficiency, self.target_speedup)
+            self._last = (obs, analysis)
+        return self._last[1]
+
+    def diagnose(self, obs: Observation) -> Diagnosis:
+        a = self.analyse(obs)
+        details = _details(a)
+        scaling = _lemma31_line(a)
+        if a.batch_range is None:
+            return Diagnosis(
+                False,
+                f"the workload sets no batch_range, so its batch may not change; {scaling}",
+                details=details,
+            )
+        if a.largest_fitting < a.batch_range[0]:
+            return Diagnosis(
+                False,
+                f"even batch {a.batch_range[0]} is predicted not to fit "
+                f"{a.device_memory_bytes / MiB:,.0f} MiB; {scaling}",
+                details=details,
+            )
+        now = a.predictions[a.batch]["samples_per_s"]
+        best = a.predictions[a.knee]["samples_per_s"]
+        gain = max(0.0, 1 - now / best)
+        fit = (
+            f"up to {a.largest_fitting:,} fits"
+            if a.largest_fitting < MAX_BATCH
+            else "memory is no limit"
+        )
+        if now >= (1 - self.settings.knee_tolerance) * best:
+            gain = 0.0
+            verdict = (
+                f"batch {a.batch} is at or past the predicted throughput knee (batch {a.knee})"
+            )
+        else:
+            verdict = f"batch {a.knee} should give {best / now - 1:+.0%} samples/s"
+        summary = (
+            f"batch {a.batch}/rank peaks at ~{a.local.memory.peak_bytes(a.batch) / MiB:,.0f} MiB of "
+            f"{a.device_memory_bytes / MiB:,.0f} MiB ({fit}, {self.settings.memory_margin:.0%} margin); "
+            f"{verdict}; {scaling}"
+        )
+        return Diagnosis(gain > 0, summary, expected_gain=gain, details=details)
+
+    def plan(self, obs: Observation, limit: int) -> list[Candidate]:
+        a = self.analyse(obs)
+        if a.batch_range is None or a.knee is None:
+            return []
+        base = a.predictions[a.batch]["samples_per_s"]
+        # Only batches the model expects to beat the current one by more than the
+        # knee tolerance are worth a trial; the knee first, then by throughput.
+        worth = [
+            b
+            for b, p in a.predictions.items()
+            if b != a.batch
+            and p["fits"]
+            and p["samples_per_s"] > base * (1 + self.settings.knee_tolerance)
+        ]
+        order = sorted(worth, key=lambda b: (b != a.knee, -a.predictions[b]["samples_per_s"]))
+        out = []
+        for b in order:
+            p = a.predictions[b]
+            knee = " (the knee)" if b == a.knee else ""
+            out.append(
+                Candidate(
+                    knobs={"batch_size": b},
+                    predicted_step_s=p["step_s"],
+                    rationale=(
+                        f"batch {b}/rank{knee}: {p['samples_per_s'] / base - 1:+.0%} samples/s, "
+                        f"~{p['peak_bytes'] / MiB:,.0f} MiB peak, lr {obs.workload.scaled_lr(b):.4g} "
+                        f"({obs.workload.lr_scaling})"
+                    ),
+                    details={**p, "lr": obs.workload.scaled_lr(b)},
+                )
+            )
+        return out[:limit]
+
+    # -- runtime ------------------------------------------------------------------------
+
+    def apply(self, session: Session, knobs: Mapping[str, Any]) -> None:
+        apply_batch_knobs(session, knobs)
+
+    def search(
+        self, session: Session, knobs: Mapping[str, Any], max_steps: int
+    ) -> SearchResult | None:
+        """The rank-coordinated sweep: climb the batch ladder, back off together on OOM, take the knee."""
+        rng = session.workload.batch_range
+        if rng is None:
+            return SearchResult(
+                dict(knobs), [], "the workload sets no batch_range: the batch stays"
+            )
+        if session.step_fn is not None:
+            return SearchResult(
+                dict(knobs),
+                [],
+                "a placement replaced the training step; its memory cannot be probed: the batch stays",
+            )
+        settings = replace(
+            self.settings,
+            knee_tolerance=float(knobs.get("knee_tolerance", self.settings.knee_tolerance)),
+        )
+        agree = RankAgreement(session)
+        trace: list[dict[str, Any]] = []
+        noise = None
+        budget = max_steps
+        if settings.noise_scale_batches and budget > settings.noise_scale_batches:
+            noise = _agreed_noise_scale(session, agree, settings.noise_scale_batches)
+            budget -= settings.noise_scale_batches
+            if noise is not None:
+                trace.append(
+                    {
+                        "knobs": {},
+                        "steps": settings.noise_scale_batches,
+                        "noise_scale": noise.to_dict(),
+                    }
+                )
+        per_try = 1 + settings.warmup_steps + settings.measure_steps
+        tries = max(1, budget // per_try)
+        if session.device.type == "cuda" and settings.compare_cudnn_benchmark:
+            tries = max(1, tries // 2)
+        candidates = batch_ladder(session.batch_size, rng, limit=tries)
+        outcome = coordinated_sweep(
+            session, candidates, settings, budget, probe_batch, device_memory_bytes(session.device)
+        )
+        for p in outcome.points:
+            entry = p.to_dict()
+            entry["knobs"] = {"batch_size": p.batch, "cudnn_benchmark": bool(p.cudnn_benchmark)}
+            entry["steps"] = {"ok": per_try, "oom": 1}.get(p.status, 0)
+            trace.append(entry)
+        chosen = {
+            **knobs,
+            "batch_size": outcome.batch,
+            "cudnn_benchmark": bool(outcome.cudnn_benchmark),
+        }
+        best = max(
+            (p for p in outcome.points if p.status == "ok" and p.batch == outcome.batch),
+            key=lambda p: p.samples_per_s,
+            default=None,
+        )
+        parts = [f"knee at batch {outcome.batch}/rank"]
+        if best is not None:
+            parts[0] += (
+                f" ({best.samples_per_s:,.0f} samples/s, tolerance {settings.knee_tolerance:.0%})"
+            )
+        if noise is not None:
+            limit = zou.noise_scale_batch_limit(noise, session.world_size, rng)
+            parts.append(
+                f"gradient noise scale B_simple ~ {noise.b_simple:,.0f} samples: "
+                f"efficient up to ~{limit}/rank"
+            )
+        parts.append(outcome.reason)
+        return SearchResult(chosen, trace, "; ".join(parts))
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def snippet(self, knobs: Mapping[str, Any]) -> str | None:
+        batch = int(knobs.get("batch_size", 0))
+        lines = []
+        if batch:
+            lines.append(f"batch_size = {batch}  # per rank; scale the learning rate by your rule")
+        if knobs.get("cudnn_benchmark"):
+            lines.append("torch.backends.cudnn.benchmark = True")
+        return "\n".join(lines) or None
+
+
+# -- the analysis ---------------------------------------------------------------------------
+
+
+def _local_device(obs: Observation) -> torch.device:
+    return (
+        torch.device("cuda", 0)
+        if obs.device_type == "cuda" and torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _measure(obs: Observation, batch: int) -> LocalMeasurement:
+    small = max(1, batch // 4)
+    big = batch if batch > small else small * 4
+    device = _local_device(obs)
+    key = f"batch_ps_sizing/local/v1/{obs.workload_spec}/{device.type}/{small}-{big}"
+    cached = obs.cache.get(key) if obs.cache is not None else None
+    if cached:
+        return LocalMeasurement.from_dict(cached)
+    try:
+        local = measure_locally(obs.workload, (small, big), device)
+    except Exception as exc:
+        raise WorkloadError(
+            f"{obs.workload.name}: could not train a step in-process ({type(exc).__name__}: {exc})"
+        ) from exc
+    if obs.cache is not None:
+        obs.cache.put(key, local.to_dict())
+    return local
+
+
+def _analyse(
+    obs: Observation, settings: SweepSettings, target_eff: float, target_speedup: float | None
+) -> Analysis:
+    w = obs.workload
+    b0 = w.batch_size
+    devices = obs.hardware.devices[: max(1, obs.nproc)]
+    device_mem = min(d.memory_bytes for d in devices)
+    local = _measure(obs, b0)
+    largest = local.memory.largest_batch(device_mem, settings.memory_margin)
+    a_s, c_s = local.step_line()
+    t_local = a_s + c_s * b0
+    overhead, compute, ratio, source = _overhead(obs, t_local)
+    analysis = Analysis(
+        b0,
+        w.batch_range,
+        device_mem,
+        local,
+        min(largest, MAX_BATCH),
+        overhead,
+        compute,
+        ratio,
+        source,
+    )
+
+    batches = [b0]
+    if w.batch_range is not None:
+        hi = min(w.batch_range[1], max(largest, w.batch_range[0]))
+        batches = [b for b in batch_ladder(b0, w.batch_range) if b <= hi or b == b0]
+    for b in batches:
+        step = analysis.predicted_step_s(b)
+        analysis.predictions[b] = {
+            "step_s": step,
+            "samples_per_s": b * max(1, obs.nproc) / step,
+            "peak_bytes": local.memory.peak_bytes(b),
+            "fits": float(b <= largest),
+        }
+    fitting = [
+        (b, p["samples_per_s"]) for b, p in analysis.predictions.items() if p["fits"] or b == b0
+    ]
+    analysis.knee = choose_knee(fitting, settings.knee_tolerance)
+    analysis.eq5 = _eq5(obs, device_mem, settings.memory_margin, batches)
+    analysis.lemma31 = _lemma31(ratio, target_eff, target_speedup)
+    analysis.lemma32 = _lemma32(obs, compute)
+    return analysis
+
+
+def _overhead(obs: Observation, t_local: float) -> tuple[float, float, float | None, str]:
+    """(T_O, T_C, R_O, where R_O came from) for one step at the current batch."""
+    summary = _breakdown_summary(obs.breakdown)
+    if summary is not None:
+        compute, total = summary["compute_s"], summary["total_s"]
+        over = max(0.0, total - compute)
+        return over, compute, over / compute, "step breakdown (time not hidden behind compute)"
+    base = obs.baseline.median_s if obs.baseline is not None else None
+    if base is not None and obs.nproc > 1:
+        over = max(0.0, base - t_local)
+        return (
+            over,
+            base - over,
+            over / (base - over),
+            (f"{obs.nproc}-rank baseline step vs a 1-rank step in this process"),
+        )
+    grad_bytes = obs.model.param_bytes
+    compute = base if base is not None else t_local
+    g = obs.nproc if obs.nproc > 1 else max(2, len(obs.hardware.devices))
+    try:
+        over = obs.hardware.allreduce_time(grad_bytes, g, obs.backend)
+    except HardwareError:
+        return 0.0, compute, None, "unknown: needs a step breakdown or a multi-rank baseline"
+    # One rank has nothing to all-reduce now; R_O is what G devices of this hardware would add.
+    return (
+        0.0 if obs.nproc <= 1 else over,
+        compute,
+        over / compute,
+        (f"hardware model: all-reduce of {grad_bytes / MiB:,.0f} MiB over {g} devices"),
+    )
+
+
+def _breakdown_summary(breakdown) -> dict[str, float] | None:
+    if breakdown is None:
+        return None
+    summary = breakdown.summary() if hasattr(breakdown, "summary") else breakdown
+    if not isinstance(summary, Mapping):
+        return None
+    compute, total = summary.get("compute_s"), summary.get("total_s")
+    if not compute or not total or compute <= 0:
+        return None
+    return {"compute_s": float(compute), "total_s": float(total)}
+
+
+def _eq5(
+    obs: Observation, device_mem: float, margin: float, batches: list[int]
+) -> dict[str, Any] | None:
+    spec = _cnn_spec(obs)
+    if spec is None:
+        return None
+    out: dict[str, Any] = {
+        "largest_batch": zou.largest_batch_eq5(spec, device_mem, margin),
+        "feature_map_bits_per_sample": zou.feature_map_bits(spec, 1),
+        "conv_parameter_bits": zou.conv_parameter_bits(spec),
+        "classifier_bits_at_batch": zou.classifier_bits(spec, obs.workload.batch_size),
+    }
+    peak = min(d.peak_flops for d in obs.hardware.devices[: max(1, obs.nproc)])
+    best, rows = plan_batch_by_algorithms(
+        batches,
+        lambda b: conv_algorithm_tables(spec, b, peak),
+        lambda b: zou.memory_bound_bits(device_mem * 8 * (1 - margin), spec, b) / 8,
+    )
+    out["algorithm_plan"] = {"best_batch": best, "rows": [r.__dict__ for r in rows]}
+    return out
+
+
+def _cnn_spec(obs: Observation) -> zou.CnnSpec | None:
+    graph = obs.graph
+    if graph is None:
+        try:
+            from tunekit.observe.graph import trace_model
+
+            graph = trace_model(obs.workload.model(), obs.workload.example_batch(2)[0])
+        except Exception:
+            return None  # no graph, no Eq. 1-5: the measured form still holds
+    return zou.cnn_spec_from_graph(graph)
+
+
+def _lemma31(
+    ratio: float | None, target_eff: float, target_speedup: float | None
+) -> dict[str, Any]:
+    if ratio is None:
+        return {}
+    out: dict[str, Any] = {
+        "overhead_ratio": ratio,
+        "curve": zou.speedup_curve(ratio, GPU_COUNTS),
+        "speedup_asymptote": _finite(zou.speedup_asymptote(ratio)),
+        "target_efficiency": target_eff,
+        "gpus_for_efficiency": zou.gpus_for_efficiency(target_eff, ratio),
+    }
+    if target_speedup is not None:
+        out["target_speedup"] = target_speedup
+        out["gpus_for_speedup"] = zou.gpus_for_speedup(target_speedup, ratio)
+    return out
+
+
+def _lemma32(obs: Observation, compute_s: float) -> dict[str, Any]:
+    links = [lk.bandwidth for lk in obs.hardware.links]
+    if not links or compute_s <= 0:
+        return {}
+    bandwidth = zou.Bandwidth.of_bytes_per_s(min(links))
+    params = zou.DataSize.of_bytes(obs.model.param_bytes)
+    workers = max(1, obs.nproc)
+    return {
+        "parameter_servers": zou.parameter_servers(params, workers, bandwidth, compute_s),
+        "param_megabytes": params.bytes / 1e6,
+        "workers": workers,
+        "bandwidth_gbps": bandwidth.bits_per_s / 1e9,
+        "compute_s": compute_s,
+    }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: None stands for "unbounded"."""
+    return None if math.isinf(x) else x
+
+
+def _lemma31_line(a: Analysis) -> str:
+    if a.overhead_ratio is None:
+        return f"GPU count: R_O {a.overhead_source}"
+    lem = a.lemma31
+    g = lem["gpus_for_efficiency"]
+    most = (
+        "any number of GPUs keep"
+        if g is None
+        else f"up to {g} GPU{'s' if g > 1 else ''} keep{'' if g > 1 else 's'}"
+    )
+    asym = lem["speedup_asymptote"]
+    cap = "no cap" if asym is None else f"speed-up capped at {asym:.1f}x"
+    return (
+        f"R_O = {a.overhead_ratio:.3f} ({a.overhead_source}): {most} "
+        f"{lem['target_efficiency']:.0%} efficiency, {cap}"
+    )
+
+
+def _details(a: Analysis) -> dict[str, Any]:
+    return {
+        "batch": a.batch,
+        "batch_range": list(a.batch_range) if a.batch_range else None,
+        "device_memory_bytes": a.device_memory_bytes,
+        "memory_profile": a.local.memory.to_dict(),
+        "largest_fitting_batch": a.largest_fitting,
+        "step_s_measured_here": {str(b): t for b, t in a.local.step_s.items()},
+        "overhead_s": a.overhead_s,
+        "compute_s": a.compute_s,
+        "overhead_source": a.overhead_source,
+        "predictions": {str(b): p for b, p in a.predictions.items()},
+        "knee": a.knee,
+        "eq5": a.eq5,
+        "lemma31": a.lemma31,
+        "lemma32": a.lemma32,
+    }
+
+
+def _agreed_noise_scale(
+    session: Session, agree: RankAgreement, batches: int
+) -> zou.NoiseScale | None:
+    """Every rank's noise-scale sums added together, so all ranks hold the same estimate."""
+    sums = session_noise_sums(session, batches)
+    have = agree.sum([0.0 if sums is None else 1.0])[0]
+    if have < session.world_size:
+        return None  # a rank's batch was too small to split; no rank estimates
+    sums.sq_small, sums.sq_big, count = agree.sum([sums.sq_small, sums.sq_big, sums.count])
+    sums.count = int(count)
+    return sums.estimate()
