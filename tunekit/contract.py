@@ -279,6 +279,15 @@ class Tuner(ABC):
         """
         return None
 
+    def explain(self, candidate: Candidate) -> str | None:
+        """Markdown that explains one candidate: a per-layer plan table, a schedule.
+
+        ``tunekit plan`` renders it under the candidate list and the report
+        shows it for the winner. Return ``None`` (the default) when the
+        rationale line says enough.
+        """
+        return None
+
     # helpers (not hooks) ---------------------------------------------------------------
 
     def knob_map(self) -> dict[str, Knob]:

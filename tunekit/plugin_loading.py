@@ -125,6 +125,12 @@ def load_all() -> list[PluginRecord]:
     return [load(ep) for ep in discover()]
 
 
+def load_named(names: list[str]) -> list[PluginRecord]:
+    """Load only the plugins called ``names`` (a trial worker needs no others)."""
+    wanted = set(names)
+    return [load(ep) for ep in discover() if ep.name in wanted]
+
+
 def available_tuners(records: list[PluginRecord] | None = None) -> dict[str, Tuner]:
     """Name -> tuner for the plugins that loaded cleanly."""
     records = load_all() if records is None else records

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.markdown import Markdown
 from rich.table import Table
 
 from tunekit.cli.common import console
@@ -56,6 +57,9 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, store_dir):
         pred = "—" if c.predicted_step_s is None else f"{c.predicted_step_s * 1e3:.1f} ms"
         table.add_row(str(i), cfg.describe(defaults), pred, c.rationale)
     console.print(table)
+    text = tuner.explain(candidates[0])
+    if text:
+        console.print(Markdown(f"**Best candidate in detail**\n\n{text}"))
 
 
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None) -> Measurement | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunekit.config import TuningConfig
-from tunekit.contract import Tuner
+from tunekit.contract import Candidate, Tuner
 from tunekit.store import Store
 from tunekit.trials.decide import decide
 from tunekit.trials.launcher import LaunchOptions
@@ -71,7 +71,21 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "speedup": decision.get("speedup"),
         },
         "snippet": snippet(study.workload, best, tuners, launch),
+        "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
+
+
+def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]) -> str | None:
+    """The winning tuner's own account of its candidate (``Tuner.explain``)."""
+    winner = decision.get("winner_config") or {}
+    for name, knobs in (winner.get("plugins") or {}).items():
+        tuner = tuners.get(name)
+        if tuner is None:
+            continue
+        for cand in plans.get(name, []):
+            if tuner.validate(cand["knobs"]) == tuner.validate(knobs):
+                return tuner.explain(Candidate(**cand))
+    return None
 
 
 def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> str:

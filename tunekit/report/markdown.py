@@ -58,6 +58,8 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
             f"{measured} | {r} | {note} |"
         )
     out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
+    if data.get("explanation"):
+        out += ["## The winning plan in detail", "", data["explanation"], ""]
     return "\n".join(out) + "\n"
 
 

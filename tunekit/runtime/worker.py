@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.plugin_loading import load_all, select
+from tunekit.plugin_loading import load_named, select
 from tunekit.runtime.dist import init_from_env
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.workload import load_workload
@@ -93,7 +93,8 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
     try:
         workload = load_workload(spec["workload"])
         config = TuningConfig.from_dict(spec.get("config") or {})
-        tuners = select(load_all(), sorted(config.plugins)) if config.plugins else {}
+        names = sorted(config.plugins)
+        tuners = select(load_named(names), names) if names else {}
         session = Session(
             workload,
             rank=ctx.rank,
