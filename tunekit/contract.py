@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -87,7 +87,7 @@ class Knob:
 
     name: str
     """Identifier, unique within the tuner (``bucket_cap_mb``)."""
-    type: Literal["int", "float", "bool", "choice"]
+    type: Literal["int", "float", "bool", "choice", "str"]
     default: Any
     """The value that reproduces the job's untuned behaviour."""
     help: str = ""
@@ -105,9 +105,12 @@ class Knob:
     live: Literal["step", "relaunch"] = "step"
     """How a live job takes a change: at a step boundary, or by checkpointing
     and relaunching its processes (world size, placement)."""
+    parse: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
+    """For ``str`` knobs (structured values such as a per-layer plan): checks
+    the text and raises ConfigError with one line when it is not acceptable."""
 
     def __post_init__(self) -> None:
-        if self.type not in ("int", "float", "bool", "choice"):
+        if self.type not in ("int", "float", "bool", "choice", "str"):
             raise ValueError(f"knob {self.name}: unknown type {self.type!r}")
         if self.type == "choice" and not self.choices:
             raise ValueError(f"knob {self.name}: a choice knob needs choices")
@@ -127,6 +130,17 @@ class Knob:
                 shown = ", ".join(map(str, self.choices))
                 raise ConfigError(f"{where}: {value!r} is not one of {shown}")
             return value
+        if self.type == "str":
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: expected a string, got {value!r}")
+            if self.parse is not None:
+                try:
+                    self.parse(value)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
+                except Exception as exc:
+                    raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from None
+            return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         if self.type == "int":
@@ -144,6 +158,8 @@ class Knob:
         return value
 
     def describe(self) -> str:
+        if self.type == "str":
+            return "str"
         if self.type == "choice":
             return "|".join(map(str, self.choices))
         if self.type == "bool":
