@@ -1,0 +1,76 @@
+"""CGDP on 2 real gloo ranks: the same parameters as DDP, the same decisions on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tunekit.plugins.cgdp.ranks import live_switch, run_search, train_params_many
+
+from tunekit.testing import run_ranks
+
+pytestmark = pytest.mark.slow
+
+TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
+DEEP = "tunekit.plugins.cgdp.workloads:deep_narrow"
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_same_parameters_as_ddp_for_several_chunk_sizes():
+    jobs = [
+        (
+            TINY,
+            [
+                {"chunk_size": 1},
+                {"chunk_size": 2},
+                {"chunk_size": 3},
+                {"chunk_size": 50},
+                {"chunk_size": 2, "offload_optimizer": True},
+            ],
+            4,
+        ),
+        (DEEP, [{"chunk_size": 1}, {"chunk_size": 5}, {"chunk_size": 23}], 3),
+    ]
+    ranks = run_ranks(train_params_many, 2, (jobs,))
+    for job, (_spec, configs, _steps) in enumerate(jobs):
+        r0, r1 = ranks[0][job], ranks[1][job]
+        assert_same(r0["ddp"], r1["ddp"])
+        runs = [k for k in r0 if k.startswith("cgdp") and ":" not in k]
+        assert len(runs) == len(configs)
+        for label in runs:
+            assert_same(r0["ddp"], r0[label])  # DDP's parameters, up to float summation order
+            assert_same(r0[label], r1[label])  # replicas stay identical
+            comm = r0[label + ":comm"]
+            assert comm and all(c["own_s"] >= 0 and c["blocked_s"] >= 0 for c in comm)
+            assert r0[label + ":overlap_R"] is not None
+    # chunk layout decides the number of communications per step (24 layers)
+    deep = ranks[0][1]
+    assert len(deep["cgdp_chunk_size=1:comm"]) == 24
+    assert len(deep["cgdp_chunk_size=5:comm"]) == 4 + 4  # 4 chunks of 5, then 4 singletons
+    assert len(deep["cgdp_chunk_size=23:comm"]) == 2
+    assert (
+        ranks[0][0]["cgdp_chunk_size=2_offload_optimizer=True:memory"]["host_optimizer_state_bytes"]
+        > 0
+    )
+
+
+def test_in_job_search_decides_the_same_on_every_rank():
+    knobs = {"search_step": 2, "search_range": 1, "search_interval": 3}
+    r0, r1 = run_ranks(run_search, 2, (DEEP, knobs, 60))
+    assert (
+        r0["knobs"] == r1["knobs"]
+        and r0["installed"] == r1["installed"] == r0["knobs"]["chunk_size"]
+    )
+    assert r0["trace"] == r1["trace"] and r0["trace"][-1]["action"] == "stop"
+    assert r0["steps"] == r1["steps"] == 3 * len(r0["trace"])
+    assert_same(r0["params"], r1["params"])
+
+
+def test_live_switches_between_ddp_and_cgdp_keep_training_exact():
+    r0, r1 = run_ranks(live_switch, 2, (TINY, 3))
+    assert_same(r0["switched"], r0["reference"])
+    assert_same(r0["switched"], r1["switched"])
