@@ -552,7 +552,8 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         ranks.append({
             "rank": r.get("rank"), "status": r.get("status"), "step_s": r.get("step_s"),
             "loss": r.get("loss"), "data_s": r.get("data_s"), "peak_memory_bytes": r.get("peak_memory_bytes"),
-            "batch_size": r.get("batch_size"), "overlap_R": sum(rs) / len(rs) if rs else None,
+            "batch_size": r.get("batch_size"), "global_batch": r.get("global_batch"),
+            "overlap_R": sum(rs) / len(rs) if rs else None,
         })
     return {
         "measurement": outcome.measurement.to_dict() if outcome.measurement else None,

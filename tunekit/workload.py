@@ -90,8 +90,11 @@ class Workload:
                 )
 
     def scaled_lr(self, batch_size: int) -> float:
-        """The learning rate for ``batch_size`` under this workload's scaling rule."""
-        ratio = batch_size / self.batch_size
+        """The learning rate for per-rank ``batch_size`` under this workload's scaling rule."""
+        return self.lr_for_ratio(batch_size / self.batch_size)
+
+    def lr_for_ratio(self, ratio: float) -> float:
+        """The learning rate when the global batch is ``ratio`` times the workload's own."""
         if self.lr_scaling == "linear":
             return self.lr * ratio
         if self.lr_scaling == "sqrt":

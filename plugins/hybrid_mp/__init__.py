@@ -1,0 +1,1 @@
+"""hybrid_mp: hybrid data x model parallelism and DLPlacer's ILP device placement (Pal et al.)."""

@@ -86,3 +86,21 @@ def test_paper_examples_build_and_run_forward(name):
 def test_alexnet_parameter_count():
     model = load_workload("example:alexnet").model()
     assert sum(p.numel() for p in model.parameters()) == 61_100_840
+
+
+def test_session_lr_composes_batch_and_data_parallel_degree(monkeypatch):
+    """A model-parallel tuner that halves the data-parallel degree and a batch tuner compose."""
+    from tunekit.runtime.session import Session
+    from tunekit.runtime.sync import LocalSync
+
+    # Bookkeeping only: no process group, so no DDP.
+    monkeypatch.setattr(Session, "default_grad_sync", lambda self: LocalSync())
+    w = load_workload(f"{WORKLOADS}:tiny")  # batch 8, lr 0.1, linear
+    s = Session(w, world_size=4)
+    s.set_data_parallel(2)  # 2 x 2 mesh: global batch 16 instead of 32
+    assert s.global_batch == 16 and s.lr == pytest.approx(0.05)
+    s.set_batch_size(32)  # a batch tuner after it: global 64 = 2x the workload's 32
+    assert s.global_batch == 64 and s.lr == pytest.approx(0.2)
+    assert all(g["lr"] == pytest.approx(0.2) for g in s.optimizer.param_groups)
+    s.reset()
+    assert (s.global_batch, s.lr) == (32, pytest.approx(0.1))

@@ -275,7 +275,7 @@ class Controller:
         cid = s.config.config_id
         self.history.append((rec.step, rec.step_s, cid))
         self.last = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s,
-                     "samples_per_s": s.batch_size * s.world_size / rec.step_s if rec.step_s else None}
+                     "samples_per_s": s.global_batch / rec.step_s if rec.step_s else None}
         metric = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s, "samples_per_s": self.last["samples_per_s"],
                   "config_id": cid, "world_size": s.world_size, "batch_size": s.batch_size, "t": time.time()}
         if rec.metrics.get("overlap_R") is not None:

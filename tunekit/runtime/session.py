@@ -70,6 +70,9 @@ class Session:
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.batch_size = workload.batch_size
+        self.dp_world_size = world_size
+        """Data-parallel degree: ranks that each take a different shard of the batch.
+        A tuner that makes ranks share samples (model parallelism) lowers it."""
         self.lr = workload.lr
         self.step = 0
         self.data = BatchSource(
@@ -114,7 +117,24 @@ class Session:
             raise ConfigError(f"batch size {batch_size} is not allowed {allowed}")
         self.batch_size = batch_size
         self.data.set_batch_size(batch_size)
-        self.set_lr(self.workload.scaled_lr(batch_size))
+        self.set_lr(self.scaled_lr())
+
+    def set_data_parallel(self, degree: int) -> None:
+        """Set the data-parallel degree (global batch = batch_size x degree); rescale the lr."""
+        if degree < 1 or self.world_size % degree:
+            raise ConfigError(f"data-parallel degree {degree} must divide the world size {self.world_size}")
+        self.dp_world_size = degree
+        self.set_lr(self.scaled_lr())
+
+    @property
+    def global_batch(self) -> int:
+        """Samples one training step consumes, over all ranks."""
+        return self.batch_size * self.dp_world_size
+
+    def scaled_lr(self) -> float:
+        """The workload's learning rate for the current global batch, by its scaling rule."""
+        base = self.workload.batch_size * self.world_size
+        return self.workload.lr_for_ratio(self.global_batch / base)
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate; groups keep their ratios to the workload's lr."""
@@ -135,6 +155,7 @@ class Session:
         while self._reset_callbacks:
             self._reset_callbacks.pop()()
         self.step_fn = None
+        self.dp_world_size = self.world_size
         if self.batch_size != self.workload.batch_size:
             self.set_batch_size(self.workload.batch_size)
         self.set_lr(self.workload.lr)

@@ -120,6 +120,7 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
         if session is not None:
             result["peak_memory_bytes"] = peak_memory_bytes(session.device)
             result["batch_size"] = session.batch_size
+            result["global_batch"] = session.global_batch
         progress.close()
         tmp = trial_dir / f"rank{ctx.rank}.json.tmp"
         tmp.write_text(json.dumps(result))

@@ -9,7 +9,7 @@ from typing import Any
 
 from tunekit.config import TuningConfig
 from tunekit.store import TrialRow
-from tunekit.trials.stats import compare_runs
+from tunekit.trials.stats import compare_runs, ranks_global_batch
 
 BASELINE = "baseline"
 CANDIDATE = "candidate"
@@ -72,8 +72,7 @@ def trial_samples(row: TrialRow) -> list[float]:
 
 
 def global_batch(row: TrialRow) -> int:
-    ranks = (row.result or {}).get("ranks") or []
-    return sum(int(r.get("batch_size") or 0) for r in ranks) or 1
+    return ranks_global_batch((row.result or {}).get("ranks") or [])
 
 
 def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str, Any]:

@@ -47,8 +47,15 @@ def measurement_from_ranks(ranks: list[dict[str, Any]]) -> Measurement | None:
     steps = slowest_rank_steps(ranks)
     if not steps:
         return None
-    global_batch = sum(int(r.get("batch_size", 0)) for r in ranks)
-    return summarize(steps, global_batch)
+    return summarize(steps, ranks_global_batch(ranks))
+
+
+def ranks_global_batch(ranks: list[dict[str, Any]]) -> int:
+    """Samples per step of a trial, as its ranks reported it."""
+    reported = [r["global_batch"] for r in ranks if r.get("global_batch")]
+    if reported:
+        return int(reported[0])
+    return sum(int(r.get("batch_size") or 0) for r in ranks) or 1
 
 
 @dataclass

@@ -1,0 +1,89 @@
+"""A small Inception-like workload with parallel branches, for model parallelism on a CPU.
+
+``tunekit.plugins.hybrid_mp.examples:branchy`` is a workload name every
+process can rebuild. Its blocks have four towers of different cost (1x1;
+1x1 -> 3x3; 1x1 -> 3x3 -> 3x3; pool -> 1x1) joined by a concatenation, so
+DLPlacer has real choices to make and a placement has values to send both
+ways. ``branchy_plain`` drops batch norm, whose per-replica statistics make
+data parallelism differ from one big batch, for exact equivalence tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tunekit.examples.cnn import teacher_labels
+from tunekit.workload import Workload
+
+IMAGE = (3, 32, 32)
+
+
+def _conv(cin: int, cout: int, k: int, norm: bool) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, padding=k // 2, bias=not norm)]
+    if norm:
+        layers.append(nn.BatchNorm2d(cout))
+    layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class Tower(nn.Module):
+    """Inception block: four towers of different depth, concatenated."""
+
+    def __init__(self, width: int, norm: bool):
+        super().__init__()
+        q = width // 4
+        self.b1 = _conv(width, q, 1, norm)
+        self.b2 = nn.Sequential(_conv(width, q, 1, norm), _conv(q, q, 3, norm))
+        self.b3 = nn.Sequential(
+            _conv(width, q, 1, norm), _conv(q, q, 3, norm), _conv(q, q, 3, norm)
+        )
+        self.b4 = nn.Sequential(nn.AvgPool2d(3, stride=1, padding=1), _conv(width, q, 1, norm))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1)
+
+
+class Branchy(nn.Module):
+    def __init__(self, width: int = 64, blocks: int = 2, num_classes: int = 10, norm: bool = True):
+        super().__init__()
+        self.stem = _conv(3, width, 3, norm)
+        self.blocks = nn.Sequential(*(Tower(width, norm) for _ in range(blocks)))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def make_batch(n: int, generator: torch.Generator):
+    images = torch.randn(n, *IMAGE, generator=generator)
+    return images, teacher_labels(images)
+
+
+def _workload(name: str, norm: bool, width: int) -> Workload:
+    return Workload(
+        name=name,
+        model=lambda: Branchy(width=width, norm=norm),
+        make_batch=make_batch,
+        batch_size=16,
+        lr=0.05,
+        lr_scaling="linear",
+        batch_range=(4, 256),
+        description=f"Inception-like CNN with 4-tower blocks, width {width}, on 3x32x32 images",
+        extra={"family": "cnn", "input_shape": IMAGE},
+    )
+
+
+def branchy() -> Workload:
+    return _workload("branchy", norm=True, width=64)
+
+
+def branchy_plain() -> Workload:
+    return _workload("branchy_plain", norm=False, width=64)
+
+
+def branchy_wide() -> Workload:
+    """Wider towers: more work per branch, for measuring model-parallel speed-up on a CPU."""
+    return _workload("branchy_wide", norm=False, width=256)
