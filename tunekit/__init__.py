@@ -4,6 +4,13 @@ The core package never imports the TUI (``tunekit.tui``) or a plugin
 (``tunekit.plugins.*``); plugins are found through entry points.
 """
 
+import os
+
+# torch.profiler's C++ side (kineto) prints USDT and CUPTI lines to stderr on
+# every use, even on CPU-only machines; tunekit profiles often. Users who want
+# them set KINETO_LOG_LEVEL themselves.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 __version__ = "0.1.0"
 
 # The tuner contract's version: (major, minor). A plugin declares the major

@@ -93,6 +93,8 @@ class AutoSettings:
     seed: int = 0
     probe: bool = True
     """Measure this machine's collectives once (cached) when no probe is stored."""
+    search_steps: int = 60
+    """Training steps an in-job search (a tuner's ``search`` hook) may use."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -384,7 +386,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
             continue
         if type(tuner).search is not Tuner.search:
             trials.insert(0, PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
-                                          search={"plugin": name, "max_steps": 200}))
+                                          search={"plugin": name, "max_steps": run.s.search_steps}))
         plans[name] = [asdict(c) for c in candidates]
         yield Planned(name, plans[name])
         ranked[name] = trials

@@ -1,21 +1,59 @@
-"""Runtime hooks: what the knobs do inside each worker."""
+"""Runtime hooks: what the knobs do inside each worker, at a step boundary."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import nn
+from tunekit.plugins.overlap_chunking.layers import PaperLayer, chunk_plan, paper_layers
+from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
+from tunekit.plugins.overlap_chunking.search import DEFAULT_CAP_MB, DEFAULT_FIRST_MB
+from tunekit.plugins.overlap_chunking.two_chunk import TwoChunkSync
+
+from tunekit.observe.observation import summarize_model
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
-from tunekit.plugins.overlap_chunking.search import DEFAULT_CAP_MB, DEFAULT_FIRST_MB
+_layers_of: weakref.WeakKeyDictionary[nn.Module, list[PaperLayer]] = weakref.WeakKeyDictionary()
+
+
+def session_layers(session: Session) -> list[PaperLayer]:
+    """The paper's layers of the session's model, summarised once per model.
+
+    The summary runs one forward pass on a 2-sample example batch in eval mode
+    under ``no_grad``, with the RNG state saved and restored, so that training
+    state (BatchNorm statistics, dropout draws) is left exactly as it was.
+    """
+    model = session.model
+    if model not in _layers_of:
+        inputs = session.workload.example_batch(2)[0]
+        inputs = inputs.to(session.device) if isinstance(inputs, torch.Tensor) else inputs
+        modes = {m: m.training for m in model.modules()}
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            model.eval()
+            summary = summarize_model(model, inputs)
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        _layers_of[model] = paper_layers(summary)
+    return _layers_of[model]
 
 
 def apply_ddp_buckets(session: Session, knobs: Mapping[str, Any]) -> None:
-    """Rewrap the model in DDP with the chosen bucket sizes (state carries over)."""
-    if session.world_size == 1:
-        return  # nothing to reduce on one rank
-    cap, first = knobs["bucket_cap_mb"], knobs["first_bucket_mb"]
+    """Rewrap the model in DDP with the chosen bucket sizes (state carries over).
+
+    Communications are timed (``DDPSync(measure=True)``) so every trial and the
+    live job report the overlap ratio R.
+    """
+    cap, first = float(knobs["bucket_cap_mb"]), float(knobs["first_bucket_mb"])
     if (cap, first) == (DEFAULT_CAP_MB, DEFAULT_FIRST_MB):
         cap = first = None  # exactly PyTorch's defaults
     elif not ddp_supports_bucket_list():
@@ -24,7 +62,25 @@ def apply_ddp_buckets(session: Session, knobs: Mapping[str, Any]) -> None:
         DDPSync(
             bucket_cap_mb=cap,
             first_bucket_mb=first,
-            gradient_as_bucket_view=knobs["gradient_as_bucket_view"],
-            static_graph=knobs["static_graph"],
+            gradient_as_bucket_view=bool(knobs["gradient_as_bucket_view"]),
+            static_graph=bool(knobs["static_graph"]),
+            measure=True,
         )
     )
+
+
+def apply_two_chunk(session: Session, k: int, f: int, piece_bytes: int = PIECE_BYTES) -> None:
+    """Install Lee et al.'s two-chunk reducer with chunk boundary ``k`` and ``f`` replicated FC layers."""
+    plan = chunk_plan(session_layers(session), int(k), int(f))
+    sync = TwoChunkSync(plan.chunk1, plan.replicated, label=f"k={k} f={f}", piece_bytes=piece_bytes)
+    session.set_grad_sync(sync)
+
+
+def apply_overlap_chunking(session: Session, knobs: Mapping[str, Any]) -> None:
+    """Install the grad-sync strategy ``knobs`` describe (nothing to do on one rank)."""
+    if session.world_size == 1:
+        return
+    if knobs["mode"] == "two_chunk":
+        apply_two_chunk(session, knobs["k"], knobs["f"])
+    else:
+        apply_ddp_buckets(session, knobs)

@@ -55,9 +55,10 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
 @click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
+@click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run, no_probe):
+             apply_run, no_probe, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -73,6 +74,7 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
         timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
+        search_steps=search_steps,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )

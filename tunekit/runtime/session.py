@@ -104,7 +104,14 @@ class Session:
             self._grad_sync.flush()
             self._grad_sync.detach()
         self._grad_sync = None
-        sync.attach(self)
+        try:
+            sync.attach(self)
+        except Exception:
+            # Never leave the session without a strategy: fall back to the default.
+            fallback = self.default_grad_sync()
+            fallback.attach(self)
+            self._grad_sync = fallback
+            raise
         self._grad_sync = sync
 
     def set_batch_size(self, batch_size: int) -> None:

@@ -1,0 +1,379 @@
+"""The per-rank times the cost model needs, measured in this process.
+
+* per paper layer: forward time, and backward time as "when has backprop
+  passed this layer" (post-accumulate-grad hooks on its parameters and a hook
+  on the gradient of its input, so branches are handled);
+* the optimizer step per parameter byte, and the time to get a batch;
+* per fully-connected layer: the local and the full-batch weight-gradient
+  matmuls (what replicating its gradient saves and costs).
+
+Layer times come from the observation's layer profile when it has one
+(:func:`layer_times_from_profile`), else from :func:`measure_layer_times`,
+which runs the workload's model on one rank's batch with the thread count a
+trial rank gets.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers
+
+from tunekit.workload import Workload
+
+
+@dataclass
+class LayerTime:
+    name: str
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class FcTiming:
+    name: str
+    in_features: int
+    out_features: int
+    rows_per_sample: int
+    local_wgrad_s: float
+    full_wgrad_s: float
+
+
+@dataclass
+class StepProfile:
+    """Measured times of one rank's step (see the module docstring)."""
+
+    batch: int
+    world: int
+    layers: list[LayerTime]
+    fcs: list[FcTiming]
+    update_s_per_byte: float
+    data_s: float
+    source: str
+    """Where the layer times came from: ``measured`` or ``observation``."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepProfile:
+        return cls(
+            **{
+                **data,
+                "layers": [LayerTime(**x) for x in data["layers"]],
+                "fcs": [FcTiming(**x) for x in data["fcs"]],
+            }
+        )
+
+
+class _Clock:
+    """Timestamps on the host (CPU) or as CUDA events (GPU work is asynchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[tuple, Any]] = []
+
+    def mark(self, key: tuple) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((key, event))
+        else:
+            self.marks.append((key, time.perf_counter()))
+
+    def times(self) -> dict[tuple, float]:
+        """Seconds since the first mark; repeated keys keep their latest time."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            base = self.marks[0][1]
+            return {k: base.elapsed_time(e) / 1e3 for k, e in self.marks}
+        base = self.marks[0][1]
+        return {k: t - base for k, t in self.marks}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median time of ``fn()`` after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        clock = _Clock(device)
+        clock.mark(("a",))
+        fn()
+        clock.mark(("b",))
+        samples.append(clock.times()[("b",)])
+    return _median(samples)
+
+
+class _Threads:
+    """Run with the thread count of one trial rank, then restore."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def measure_layer_times(
+    workload: Workload,
+    layers: list[PaperLayer],
+    *,
+    batch: int,
+    device: torch.device,
+    threads: int | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> tuple[list[LayerTime], float, float]:
+    """Per paper layer (forward_s, backward_s), update time per byte, batch time.
+
+    Forward time of a layer runs from its start to the next paper layer's start
+    (so activations that follow it are its own). Backward: for each layer the
+    time at which backprop has passed it (its parameter gradients accumulated
+    and its input's gradient computed); made monotone from the output end and
+    differenced, so the cumulative sums give when each chunk is ready.
+    """
+    rng = torch.get_rng_state()
+    with _Threads(threads if device.type == "cpu" else None):
+        try:
+            torch.manual_seed(workload.seed)
+            model = workload.model().to(device)
+            model.train()
+            optimizer = workload.optimizer(model.parameters(), workload.lr)
+            data_s = _median(
+                [
+                    _timed(lambda: workload.example_batch(batch, seed=1), torch.device("cpu"), 1)
+                    for _ in range(2)
+                ]
+            )
+            inputs, targets = workload.example_batch(batch, seed=1)
+            inputs = _to(inputs, device)
+            targets = _to(targets, device)
+            return (
+                *_profile_model(
+                    model, optimizer, workload, layers, inputs, targets, device, warmup, repeats
+                ),
+                data_s,
+            )
+        finally:
+            torch.set_rng_state(rng)
+
+
+def _to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _profile_model(model, optimizer, workload, layers, inputs, targets, device, warmup, repeats):
+    modules = dict(model.named_modules())
+    holder: dict[str, _Clock] = {}
+    handles = []
+
+    def pre_hook(j):
+        def hook(_module, args):
+            clock = holder["clock"]
+            clock.mark(("fs", j))
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(lambda _g: clock.mark(("in", j)))
+
+        return hook
+
+    def grad_hook(j):
+        def hook(_p):
+            holder["clock"].mark(("pg", j, holder["count"].setdefault(j, 0)))
+            holder["count"][j] += 1
+
+        return hook
+
+    for j, layer in enumerate(layers):
+        module = modules[layer.name]
+        handles.append(module.register_forward_pre_hook(pre_hook(j)))
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(grad_hook(j)))
+    n = len(layers)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    upd: list[float] = []
+    try:
+        for it in range(warmup + repeats):
+            clock = _Clock(device)
+            holder["clock"], holder["count"] = clock, {}
+            clock.mark(("start",))
+            loss = workload.loss(model(inputs), targets)
+            clock.mark(("fwd_end",))
+            loss.backward()
+            clock.mark(("bwd_end",))
+            optimizer.step()
+            clock.mark(("upd_end",))
+            optimizer.zero_grad(set_to_none=True)
+            if it < warmup:
+                continue
+            t = clock.times()
+            starts = [t.get(("fs", j)) for j in range(n)]
+            f_end, b_end = t[("fwd_end",)], t[("bwd_end",)]
+            for j in range(n):
+                if starts[j] is None:
+                    fwd[j].append(0.0)
+                    continue
+                nxt = next((s for s in starts[j + 1 :] if s is not None), f_end)
+                lead = starts[j] if j else 0.0  # time before the first layer is its own
+                fwd[j].append(nxt - lead)
+            passed = cumulative = 0.0
+            cum = [0.0] * n
+            for j in reversed(range(n)):
+                marks = [v for k, v in t.items() if k[:2] in (("in", j), ("pg", j))]
+                passed = max(marks) - f_end if marks else passed
+                cumulative = max(cumulative, passed)
+                cum[j] = cumulative
+            cum[0] = max(cum[0], b_end - f_end)
+            for j in range(n):
+                bwd[j].append(cum[j] - (cum[j + 1] if j + 1 < n else 0.0))
+            upd.append(t[("upd_end",)] - b_end)
+    finally:
+        for h in handles:
+            h.remove()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    times = [
+        LayerTime(layer.name, _median(fwd[j]), _median(bwd[j])) for j, layer in enumerate(layers)
+    ]
+    return times, _median(upd) / max(param_bytes, 1)
+
+
+def layer_times_from_profile(
+    profile: Any, layers: list[PaperLayer], graph: Any = None, batch: int | None = None
+) -> list[LayerTime] | None:
+    """Paper-layer times from the observation's layer profile, or None if it has no usable ones.
+
+    ``profile.layers`` holds records with ``name``, ``forward_s`` and
+    ``backward_s`` in forward order (a dict or a list). A record names a layer
+    of ``graph`` (:class:`~tunekit.observe.graph.ModelGraph`: its member nodes
+    give module paths) or a module path itself. Its time goes to the first
+    paper layer among its modules; records with none (activations, dropout, a
+    concat) go to the paper layer before them. Times are scaled linearly from
+    the profile's batch to ``batch``.
+    """
+    records = getattr(profile, "layers", None)
+    if isinstance(records, dict):
+        records = list(records.values())
+    if not records:
+        return None
+    paper = {layer.name: i for i, layer in enumerate(layers)}
+    scale = 1.0
+    profiled_batch = getattr(profile, "batch_size", None)
+    if batch and profiled_batch:
+        scale = batch / profiled_batch
+    fwd = [0.0] * len(layers)
+    bwd = [0.0] * len(layers)
+    seen: set[int] = set()
+    owner = None
+    for rec in records:
+        name = getattr(rec, "name", None)
+        f = getattr(rec, "forward_s", None)
+        b = getattr(rec, "backward_s", None)
+        if name is None or f is None or b is None:
+            return None
+        owned = [paper[m] for m in _module_paths(name, graph) if m in paper]
+        if owned:
+            owner = owned[0]
+            seen.update(owned)
+        if owner is not None and math.isfinite(f) and math.isfinite(b):
+            fwd[owner] += f * scale
+            bwd[owner] += b * scale
+    if len(seen) != len(layers):
+        return None
+    return [LayerTime(layer.name, fwd[i], bwd[i]) for i, layer in enumerate(layers)]
+
+
+def _module_paths(record_name: str, graph: Any) -> list[str]:
+    """Module paths a profile record covers: its graph layer's module calls, or its own name."""
+    glayers = getattr(graph, "layers", None) or {}
+    if record_name not in glayers:
+        return [record_name]
+    nodes = graph.nodes
+    return [
+        nodes[n].target
+        for n in glayers[record_name].nodes
+        if n in nodes and getattr(nodes[n], "module_type", None) is not None
+    ]
+
+
+def measure_update_and_batch(
+    workload: Workload,
+    *,
+    batch: int,
+    device: torch.device,
+    threads: int | None = None,
+    repeats: int = 3,
+) -> tuple[float, float]:
+    """(optimizer step time per parameter byte, time to make one batch)."""
+    rng = torch.get_rng_state()
+    with _Threads(threads if device.type == "cpu" else None):
+        try:
+            torch.manual_seed(workload.seed)
+            model = workload.model().to(device)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = workload.optimizer(params, workload.lr)
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            update = _timed(optimizer.step, device, repeats)
+            data = _timed(
+                lambda: workload.example_batch(batch, seed=1), torch.device("cpu"), repeats
+            )
+        finally:
+            torch.set_rng_state(rng)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return update / max(nbytes, 1), data
+
+
+def fc_shape(layer: PaperLayer) -> tuple[int, int, int]:
+    """(K_b, K_c, rows per sample) of a fully-connected layer from its summary."""
+    shape = layer.output_shape or ()
+    out_features = int(shape[-1]) if shape else 0
+    if not out_features:
+        raise ValueError(f"{layer.name}: no output shape recorded")
+    has_bias = any(n.endswith("bias") for n in layer.param_names)
+    in_features = (layer.param_numel - (out_features if has_bias else 0)) // out_features
+    rows = math.prod(shape[1:-1]) if len(shape) > 2 else 1
+    return in_features, out_features, int(rows)
+
+
+def measure_fc_costs(
+    layers: list[PaperLayer],
+    *,
+    batch: int,
+    world: int,
+    device: torch.device,
+    threads: int | None = None,
+    max_fc: int = 4,
+    repeats: int = 3,
+) -> list[FcTiming]:
+    """Local and full-batch weight-gradient times of the first ``max_fc`` FC layers."""
+    out = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with _Threads(threads if device.type == "cpu" else None):
+        for layer in fc_layers(layers)[:max_fc]:
+            k_b, k_c, rows = fc_shape(layer)
+            local = rows * batch
+
+            def wgrad(n: int, k_b=k_b, k_c=k_c):
+                errors = torch.randn(n, k_c, generator=gen).to(device)
+                acts = torch.randn(n, k_b, generator=gen).to(device)
+                return _timed(lambda: errors.t() @ acts, device, repeats)
+
+            out.append(FcTiming(layer.name, k_b, k_c, rows, wgrad(local), wgrad(local * world)))
+    return out
