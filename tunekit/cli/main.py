@@ -33,7 +33,19 @@ for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd, profile_cmd, hardwa
     cli.add_command(command)
 
 
+def _init_profiler_here() -> None:
+    """Start torch.profiler once in the main thread: kineto complains (on stderr)
+    when its first use is in another thread, and tuners profile from worker threads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("auto", "plan", "tui", "profile"):
+        _init_profiler_here()
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
     except click.exceptions.Abort:

@@ -163,11 +163,14 @@ async def run_trial(
                 *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
             )
         )
-    timed_out = False
+    timed_out = stopped_after_results = False
     seen = 0
     try:
         while any(p.returncode is None for p in procs):
             seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
+            if _all_ranks_reported(trial_dir, opts.world_size):
+                stopped_after_results = True  # no need to wait for torchrun's teardown
+                break
             if time.monotonic() - start > opts.timeout_s:
                 timed_out = True
                 break
@@ -180,13 +183,20 @@ async def run_trial(
         await stop_all(procs)
         for log in logs:
             log.close()
-    outcome = collect(trial_dir, opts, [p.returncode for p in procs], timed_out, time.monotonic() - start)
-    return outcome
+    codes = [p.returncode for p in procs]
+    if stopped_after_results:
+        # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
+        codes = [0] * len(procs)
+    return collect(trial_dir, opts, codes, timed_out, time.monotonic() - start)
 
 
 def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
     """:func:`run_trial` for callers without an event loop."""
     return asyncio.run(run_trial(spec, opts, trial_dir, on_progress))
+
+
+def _all_ranks_reported(trial_dir: Path, world_size: int) -> bool:
+    return all((trial_dir / f"rank{r}.json").exists() for r in range(world_size))
 
 
 def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None) -> int:
