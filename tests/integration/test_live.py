@@ -149,6 +149,23 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
     assert set(rd.read_status()["config"]["plugins"]) == expected
 
 
+def test_auto_applies_its_winner_to_the_live_job(live):
+    cwd, rd, env = live
+    res = run_cli("auto", "example:cnn", "--plugins", "overlap_chunking", "--trials", "1", "--steps", "4",
+                  "--warmup", "1", "--no-probe", "--apply", "job", "--json", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    decision = next(e for e in events if e["event"] == "Decided")["decision"]
+    applied = next(e for e in events if e["event"] == "Applied")
+    running = rd.read_status()["config"]["plugins"]
+    if decision["winner"] == "baseline":
+        assert applied["applied"] is False and "the baseline stays" in applied["message"]
+    else:
+        assert "applied at step" in applied["message"]
+        if not applied.get("rolled_back"):
+            assert running == decision["winner_config"]["plugins"]
+
+
 def test_subscribe_streams_metrics(live):
     _, rd, _ = live
     stream = client(rd).subscribe()
