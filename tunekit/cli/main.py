@@ -15,6 +15,7 @@ from tunekit import __version__
 from tunekit.cli.auto import auto_cmd
 from tunekit.cli.common import err_console
 from tunekit.cli.hardware import hardware_group
+from tunekit.cli.new_plugin import new_plugin_cmd
 from tunekit.cli.plan import plan_cmd
 from tunekit.cli.plugins import plugins_cmd
 from tunekit.cli.profile import profile_cmd
@@ -29,7 +30,8 @@ def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
 
 
-for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd, profile_cmd, hardware_group, *RUN_COMMANDS):
+for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd, profile_cmd, hardware_group, new_plugin_cmd,
+                *RUN_COMMANDS):
     cli.add_command(command)
 
 

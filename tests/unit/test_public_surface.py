@@ -1,0 +1,208 @@
+"""The public surface, frozen: plugins and scripts depend on it, so it changes only on purpose.
+
+What is frozen: the entry-point group, the tuner API version, the contract's
+hooks (names, parameters, which are required), its data types' fields and
+values, the plugin statuses, and every CLI command with its arguments and
+options. A deliberate change updates the literal here (and CHANGELOG.md; a
+breaking change to the contract bumps API_VERSION's major).
+
+To update CLI_SURFACE after adding or changing a command, run
+
+    .venv/bin/python tests/unit/test_public_surface.py
+
+and paste its output over the literal below (the ``tui`` command, when the TUI
+registers it, is such an addition).
+"""
+
+import dataclasses
+import inspect
+import typing
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import click
+import tomllib
+
+from tunekit import API_VERSION
+from tunekit.cli.main import cli
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
+from tunekit.plugin_loading import FAILED, GROUP, INCOMPATIBLE, INVALID, OK
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# -- plugins ------------------------------------------------------------------------------------
+
+ENTRY_POINT_GROUP = "tunekit.plugins"
+FROZEN_API_VERSION = (1, 0)
+
+HOOKS = {
+    # hook: (parameters, required)
+    "knobs": (("self",), True),
+    "diagnose": (("self", "obs"), True),
+    "plan": (("self", "obs", "limit"), True),
+    "apply": (("self", "session", "knobs"), True),
+    "search": (("self", "session", "knobs", "max_steps"), False),
+    "snippet": (("self", "knobs"), False),
+    "explain": (("self", "candidate"), False),
+}
+TUNER_ATTRIBUTES = ("name", "title", "aspect", "excludes", "api_version")
+ASPECTS = ("batch", "placement", "grad_sync", "data")
+FIELDS = {
+    Knob: (
+        "name",
+        "type",
+        "default",
+        "help",
+        "low",
+        "high",
+        "choices",
+        "changes_math",
+        "live",
+        "parse",
+    ),
+    Diagnosis: ("applies", "summary", "expected_gain", "details"),
+    Candidate: ("knobs", "predicted_step_s", "rationale", "details"),
+    SearchResult: ("knobs", "trace", "summary", "details"),
+}
+KNOB_TYPES = ("int", "float", "bool", "choice", "str")
+KNOB_LIVE = ("step", "relaunch")
+STATUSES = ("ok", "failed", "incompatible", "invalid")
+
+
+def test_the_entry_point_group_is_frozen_and_is_where_the_built_ins_register():
+    assert GROUP == ENTRY_POINT_GROUP
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    builtins = set(pyproject["project"]["entry-points"][ENTRY_POINT_GROUP])
+    assert builtins == {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+    assert builtins <= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def test_the_api_version_is_frozen():
+    assert API_VERSION == FROZEN_API_VERSION
+    assert Tuner.api_version == FROZEN_API_VERSION[0]
+
+
+def test_the_tuner_hooks_are_frozen():
+    hooks = {
+        name
+        for name, member in vars(Tuner).items()
+        if callable(member) and not name.startswith("_")
+    }
+    helpers = {"knob_map", "validate", "defaults"}
+    assert hooks - helpers == set(HOOKS)
+    for name, (params, required) in HOOKS.items():
+        assert tuple(inspect.signature(getattr(Tuner, name)).parameters) == params, name
+        assert (name in Tuner.__abstractmethods__) == required, name
+    for attr in TUNER_ATTRIBUTES:
+        assert attr in Tuner.__annotations__, attr
+
+
+def test_the_contract_types_are_frozen():
+    assert tuple(a.value for a in Aspect) == ASPECTS
+    for cls, fields in FIELDS.items():
+        assert tuple(f.name for f in dataclasses.fields(cls)) == fields, cls.__name__
+    hints = typing.get_type_hints(Knob)
+    assert typing.get_args(hints["type"]) == KNOB_TYPES
+    assert typing.get_args(hints["live"]) == KNOB_LIVE
+    assert (OK, FAILED, INCOMPATIBLE, INVALID) == STATUSES
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+ROOT_OPTIONS = ["--version", "-h/--help"]
+CLI_SURFACE = {
+    "apply": ["RUN", "CONFIG", "--nproc", "--watch", "--no-wait", "--store"],
+    "auto": [
+        "WORKLOAD",
+        "--nproc",
+        "--plugins",
+        "--trials",
+        "--budget",
+        "--out",
+        "--store",
+        "--resume",
+        "--steps",
+        "--warmup",
+        "--timeout",
+        "--min-effect",
+        "--device",
+        "--hardware",
+        "--nnodes",
+        "--node-rank",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+        "--loopback-nodes",
+        "--json",
+        "--apply",
+        "--no-probe",
+        "--search-steps",
+    ],
+    "hardware": [],
+    "hardware list": [],
+    "hardware probe": ["--nproc", "--repeats", "--save", "--store", "--no-store"],
+    "hardware show": ["PROFILE"],
+    "new-plugin": ["NAME", "--dir"],
+    "plan": ["PLUGIN", "WORKLOAD", "--nproc", "--hardware", "--limit", "--store"],
+    "plugins": ["--knobs"],
+    "profile": ["WORKLOAD", "--nproc", "--steps", "--warmup", "--out", "--device", "--top"],
+    "report": ["STUDY", "--store", "--out", "--json", "--list"],
+    "rollback": ["RUN", "--store"],
+    "run": [
+        "WORKLOAD",
+        "--nproc",
+        "--config",
+        "--steps",
+        "--checkpoint-every",
+        "--watch-window",
+        "--min-effect",
+        "--resume",
+        "--name",
+        "--device",
+        "--store",
+    ],
+    "status": ["RUN", "--json", "--store"],
+    "stop": ["RUN", "--store"],
+    "trial": ["RUN", "CONFIG", "--window", "--store"],
+}
+
+
+def cli_surface(command: click.Command = cli, path: str = "") -> dict[str, list[str]]:
+    """Every (sub)command -> its arguments (upper case) and options, in declaration order."""
+    out: dict[str, list[str]] = {}
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        key = f"{path} {name}".strip()
+        out[key] = [
+            p.name.upper() if isinstance(p, click.Argument) else "/".join(p.opts + p.secondary_opts)
+            for p in sub.params
+        ]
+        out.update(cli_surface(sub, key))
+    return out
+
+
+def print_cli_surface() -> None:
+    """Print the current CLI surface as the literal to paste into CLI_SURFACE."""
+    print("CLI_SURFACE = {")
+    for key, params in cli_surface().items():
+        print(f"    {key!r}: {params!r},")
+    print("}")
+
+
+def test_every_cli_command_and_option_is_frozen():
+    current = cli_surface()
+    added = sorted(set(current) - set(CLI_SURFACE))
+    removed = sorted(set(CLI_SURFACE) - set(current))
+    assert not added and not removed, (
+        f"commands added {added}, removed {removed}; if deliberate, update CLI_SURFACE "
+        "(print_cli_surface() prints it) and CHANGELOG.md"
+    )
+    for key, params in CLI_SURFACE.items():
+        assert current[key] == params, (
+            f"`tunekit {key}` takes {current[key]}, frozen as {params}; if deliberate, update "
+            "CLI_SURFACE and CHANGELOG.md"
+        )
+    ctx = click.Context(cli, **cli.context_settings)
+    assert ["/".join(p.opts + p.secondary_opts) for p in cli.get_params(ctx)] == ROOT_OPTIONS
+
+
+if __name__ == "__main__":
+    print_cli_surface()
