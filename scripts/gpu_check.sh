@@ -19,4 +19,14 @@ tunekit hardware probe --nproc "$((n > 1 ? n : 2))" 2>&1 | tee "$out/probe.log" 
 tunekit profile example:cnn --nproc "$n" --out "$out/profile" 2>&1 | tee "$out/profile.log"
 # The demo, tuned on the GPU(s).
 tunekit auto example:cnn --nproc "$n" --device cuda --out "$out/auto" --store "$out/store" 2>&1 | tee "$out/auto.log"
+# A live job on the GPU: apply a batch change at a step boundary, watch it, stop it.
+{
+  tunekit run example:cnn --nproc "$n" --device cuda --steps 400 --name gpu --store "$out/store" &
+  job=$!
+  for _ in $(seq 120); do tunekit status gpu --store "$out/store" --json 2>/dev/null | grep -q '"step": [1-9][0-9]' && break; sleep 1; done
+  tunekit apply gpu '{"plugins": {"batch_ps_sizing": {"batch_size": 64}}}' --store "$out/store" || true
+  tunekit status gpu --store "$out/store"
+  tunekit stop gpu --store "$out/store" || true
+  wait "$job"
+} 2>&1 | tee "$out/live.log"
 echo "done: see $out/"
