@@ -13,7 +13,7 @@ PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/nvidia-smi.csv"
 n=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
 # GPU-marked tests (NVML for real, CUDA streams, pinned copies, real OOM, cuDNN).
-pytest -m gpu -ra -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+pytest -m gpu -ra -p no:cacheprovider --ignore=tests/tui -q 2>&1 | tee "$out/gpu-tests.log"
 # The observation layer on CUDA: NVML telemetry, CUDA traces, H2D/D2H probe.
 tunekit hardware probe --nproc "$((n > 1 ? n : 2))" 2>&1 | tee "$out/probe.log" || true
 tunekit profile example:cnn --nproc "$n" --out "$out/profile" 2>&1 | tee "$out/profile.log"
@@ -21,7 +21,7 @@ tunekit profile example:cnn --nproc "$n" --out "$out/profile" 2>&1 | tee "$out/p
 tunekit auto example:cnn --nproc "$n" --device cuda --out "$out/auto" --store "$out/store" 2>&1 | tee "$out/auto.log"
 # A live job on the GPU: apply a batch change at a step boundary, watch it, stop it.
 {
-  tunekit run example:cnn --nproc "$n" --device cuda --steps 400 --name gpu --store "$out/store" &
+  tunekit run example:cnn --nproc "$n" --device cuda --name gpu --store "$out/store" &  # until stopped
   job=$!
   for _ in $(seq 120); do tunekit status gpu --store "$out/store" --json 2>/dev/null | grep -q '"step": [1-9][0-9]' && break; sleep 1; done
   tunekit apply gpu '{"plugins": {"batch_ps_sizing": {"batch_size": 64}}}' --store "$out/store" || true

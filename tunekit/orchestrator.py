@@ -439,24 +439,32 @@ async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners)
         yield ev
 
 
+MAX_CONFIRMATIONS = 2
+
+
 async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:
-    """Run the leading candidate again, followed by the baseline, before crowning it."""
-    trials = store.trials(sid)
-    if any(t.role == CONFIRM for t in trials):
-        async for ev in _run_pending(run, store, sid, spec, tuners):  # resumed mid-confirmation
-            yield ev
-        return
-    leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
-    if leader is None or not run.fits_budget():
-        return
-    seq = max(t.seq for t in trials) + 1
-    store.add_trial(sid, seq=seq, role=CONFIRM, plugin=leader["plugin"], config_id=leader["config_id"],
-                    config=leader["config"], predicted_s=leader["predicted_s"])
-    store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
-                    config=TuningConfig().to_dict())
-    yield Notice(f"confirming the leader, {leader['description']}, with a second run beside the baseline")
-    async for ev in _run_pending(run, store, sid, spec, tuners):
+    """Run the leading candidate again, beside another baseline run, before crowning it.
+
+    Repeats (up to ``MAX_CONFIRMATIONS``) while the leader has a single run:
+    a confirmation can knock it out and promote another single-run candidate.
+    """
+    async for ev in _run_pending(run, store, sid, spec, tuners):  # resumed mid-confirmation
         yield ev
+    while True:
+        trials = store.trials(sid)
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget():
+            return
+        leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
+        if leader is None:
+            return
+        seq = max(t.seq for t in trials) + 1
+        store.add_trial(sid, seq=seq, role=CONFIRM, plugin=leader["plugin"], config_id=leader["config_id"],
+                        config=leader["config"], predicted_s=leader["predicted_s"])
+        store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
+                        config=TuningConfig().to_dict())
+        yield Notice(f"confirming the leader, {leader['description']}, with a second run beside the baseline")
+        async for ev in _run_pending(run, store, sid, spec, tuners):
+            yield ev
 
 
 PROFILE_STEPS = 3

@@ -144,7 +144,7 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
     assert res.returncode == 0, res.stderr
     assert "candidate" in res.stdout and "kept the" in res.stdout
     finished = [e for e in rd.read_events() if e["kind"] == "trial_finished"][-1]
-    assert finished["candidate_median_s"] > 0 and finished["current_median_s"] > 0
+    assert finished["candidate_samples_per_s"] > 0 and finished["current_samples_per_s"] > 0
     expected = {"overlap_chunking"} if finished["kept"] == "candidate" else set()
     assert set(rd.read_status()["config"]["plugins"]) == expected
 

@@ -159,8 +159,8 @@ def trial_cmd(run, config, window, store_dir):
     """Try CONFIG inside the live RUN (candidate and current in alternating windows); keep the faster."""
     rd = _find(run, store_dir)
     r = client(rd).request("trial", config=read_config(config).to_dict(), window=window)
-    console.print(f"candidate {r['candidate_median_s'] * 1e3:.1f} ms vs current {r['current_median_s'] * 1e3:.1f} ms "
-                  f"per step ({r['speedup']:.2f}x, 95% CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f}): kept the {r['kept']}")
+    console.print(f"candidate {r['candidate_samples_per_s']:,.0f} vs current {r['current_samples_per_s']:,.0f} "
+                  f"samples/s ({r['speedup']:.2f}x, 95% CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f}): kept the {r['kept']}")
 
 
 @click.command("rollback")

@@ -45,7 +45,10 @@ STOP, RELAUNCH = "stop", "relaunch"
 
 
 class Watch:
-    """Compares the steps after an apply with the steps before it."""
+    """Compares the steps after an apply with the steps before it, in seconds per sample.
+
+    Per sample, not per step: a batch change makes steps longer by design.
+    """
 
     def __init__(self, before: list[float], window: int, warm: int, min_effect: float,
                  step: int, prev: dict, new: dict, checkpoint: str | None):
@@ -73,19 +76,19 @@ class Watch:
         if slower:
             self.state = "rolling_back"
             self.reason = (f"{1 / c.speedup - 1:.0%} slower than before "
-                           f"({_ms(_median(self.after))} vs {_ms(_median(self.before))} per step)")
+                           f"({_rate(_median(self.after))} vs {_rate(_median(self.before))})")
             return True
         self.state = "kept"
-        self.reason = f"{c.speedup:.2f}x of before (95% CI {c.ci_low:.2f}-{c.ci_high:.2f}); kept"
+        self.reason = f"{c.speedup:.2f}x the samples/s of before (95% CI {c.ci_low:.2f}-{c.ci_high:.2f})"
         return False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state": self.state, "reason": self.reason, "before_s": _median(self.before),
-                "after_s": _median(self.after) if self.after else None, **self.info}
+        return {"state": self.state, "reason": self.reason, "before_s_per_sample": _median(self.before),
+                "after_s_per_sample": _median(self.after) if self.after else None, **self.info}
 
 
 class InJobTrial:
-    """Candidate and current config in alternating windows: X A X A, then keep the faster."""
+    """Candidate and current config in alternating windows (X A X A), judged in seconds per sample."""
 
     def __init__(self, request: Request, candidate: dict, current: dict, window: int, warm: int, min_effect: float):
         self.request = request
@@ -107,8 +110,8 @@ class InJobTrial:
             keep = c.significant
             self.result = {
                 "kept": "candidate" if keep else "current",
-                "candidate_median_s": _median(self.times["candidate"]),
-                "current_median_s": _median(self.times["current"]),
+                "candidate_samples_per_s": 1 / _median(self.times["candidate"]),
+                "current_samples_per_s": 1 / _median(self.times["current"]),
                 "speedup": c.speedup, "ci": [c.ci_low, c.ci_high], "window": self.window,
             }
             if keep:
@@ -137,8 +140,8 @@ def _median(xs: list[float]) -> float | None:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x * 1e3:.1f} ms"
+def _rate(seconds_per_sample: float | None) -> str:
+    return "—" if not seconds_per_sample else f"{1 / seconds_per_sample:,.0f} samples/s"
 
 
 class Controller:
@@ -273,7 +276,8 @@ class Controller:
     def after_step(self, rec: StepRecord) -> None:
         s = self.job.session
         cid = s.config.config_id
-        self.history.append((rec.step, rec.step_s, cid))
+        per_sample = rec.step_s / s.global_batch
+        self.history.append((rec.step, per_sample, cid))
         self.last = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s,
                      "samples_per_s": s.global_batch / rec.step_s if rec.step_s else None}
         metric = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s, "samples_per_s": self.last["samples_per_s"],
@@ -283,8 +287,8 @@ class Controller:
         self.job.rd.append_metric(metric)
         self.server.publish(metric)
         if self.trial is not None:
-            self.trial.update(rec.step_s)
-        if self.watch is not None and self.watch.update(rec.step_s):
+            self.trial.update(per_sample)
+        if self.watch is not None and self.watch.update(per_sample):
             self.internal.append({"op": "apply", "config": self.watch.info["prev_config"], "source": "watch",
                                   "reason": self.watch.reason})
             self.watch.state = "rolled_back"
