@@ -17,7 +17,7 @@ def _watch(before: list[float]) -> Watch:
 def test_watch_rolls_back_a_slowdown_beyond_noise():
     w = _watch(_steps(1e-3, 10, 0))
     verdicts = [w.update(x) for x in _steps(1.3e-3, 10, 1)]  # 30% less throughput
-    assert verdicts[-1] is True and w.state == "rolling_back" and "slower than before" in w.reason
+    assert verdicts[-1] is True and w.state == "rolling_back" and "slower beyond noise" in w.reason
 
 
 def test_watch_keeps_a_bigger_batch_whose_steps_are_longer():

@@ -120,8 +120,12 @@ def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, wat
     msg = f"applied at step {reply['step']}"
     if not wait:
         return {"message": msg + "; watching", **reply}
-    st = wait_for(rd, lambda s: (s.get("watch") or {}).get("state") not in (None, "watching")
-                  or s.get("status") in ("finished", "stopped"))
+    def verdict(s: dict) -> bool:  # this apply's watch, not an earlier one still in status.json
+        w = s.get("watch") or {}
+        mine = w.get("applied_at") == reply["step"]
+        return (mine and w.get("state") != "watching") or s.get("status") in ("finished", "stopped")
+
+    st = wait_for(rd, verdict)
     w = st.get("watch") or {}
     rolled = w.get("state") in ("rolled_back", "rolling_back")
     return {"message": f"{msg}; {'rolled back' if rolled else 'kept'}: {w.get('reason', '')}", "rolled_back": rolled, **reply}

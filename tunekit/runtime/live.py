@@ -75,7 +75,7 @@ class Watch:
         self.info.update(speedup=c.speedup, ci=[c.ci_low, c.ci_high])
         if slower:
             self.state = "rolling_back"
-            self.reason = (f"{1 / c.speedup - 1:.0%} slower than before "
+            self.reason = (f"throughput fell to {c.speedup:.0%} of before, slower beyond noise "
                            f"({_rate(_median(self.after))} vs {_rate(_median(self.before))})")
             return True
         self.state = "kept"
