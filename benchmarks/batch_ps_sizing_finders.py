@@ -249,7 +249,6 @@ def _tunekit_sweep(workload, budget: int) -> dict:
         batch_ladder,
         coordinated_sweep,
     )
-
     from tunekit.runtime.session import Session
 
     session = Session(workload)

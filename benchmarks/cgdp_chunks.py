@@ -23,8 +23,8 @@ import argparse
 import time
 
 import torch
-from tunekit.plugins.cgdp.ranks import live_searches, peak_memory, sweep
 
+from tunekit.plugins.cgdp.ranks import live_searches, peak_memory, sweep
 from tunekit.testing import run_ranks
 
 WORKLOADS = {

@@ -27,15 +27,15 @@ import statistics
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from tunekit.observe.graph import trace_model
+from tunekit.observe.layer_profile import profile_layers
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.harness import fit_link, hybrid_rank, p2p_pingpong, reference_run
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
 from tunekit.plugins.hybrid_mp.plugin import nodes_of
 from tunekit.plugins.hybrid_mp.render import format_gantt, format_summary
 from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
-
-from tunekit.observe.graph import trace_model
-from tunekit.observe.layer_profile import profile_layers
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload
 

@@ -26,14 +26,14 @@ import os
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from tunekit.plugins.layer_split.model import CostOptions, build_tables
-from tunekit.plugins.layer_split.plugin import LayerSplit
-from tunekit.plugins.layer_split.ranks import p2p_probe, train_plans
-from tunekit.plugins.layer_split.search import evaluate, named_configs, search
 
 from tunekit.hardware import CollectiveFit
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Observation, summarize_model
+from tunekit.plugins.layer_split.model import CostOptions, build_tables
+from tunekit.plugins.layer_split.plugin import LayerSplit
+from tunekit.plugins.layer_split.ranks import p2p_probe, train_plans
+from tunekit.plugins.layer_split.search import evaluate, named_configs, search
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload
 

@@ -22,11 +22,11 @@ import time
 
 from rich.console import Console
 from rich.table import Table
-from tunekit.plugins.layer_split.model import CostOptions, build_tables, specs_from_graph
-from tunekit.plugins.layer_split.search import compare, cost_graph, search
 
 from tunekit.hardware import load_profile
 from tunekit.observe.graph import trace_model
+from tunekit.plugins.layer_split.model import CostOptions, build_tables, specs_from_graph
+from tunekit.plugins.layer_split.search import compare, cost_graph, search
 from tunekit.search.elimination import solve
 from tunekit.workload import load_workload
 

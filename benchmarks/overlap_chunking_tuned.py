@@ -27,12 +27,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
 
 from tunekit.config import TuningConfig
 from tunekit.hardware import Hardware
 from tunekit.observe.observation import Measurement, Observation, summarize_model
 from tunekit.observe.probe import probe_hardware
+from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
 
+from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
 from tunekit.workload import Workload
 
 _CPU_OOM_MESSAGES = (

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
+from tunekit.errors import HardwareError, WorkloadError
+from tunekit.observe.observation import Observation
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import LocalMeasurement, measure_locally
 from tunekit.plugins.batch_ps_sizing.runtime import (
@@ -34,10 +38,6 @@ from tunekit.plugins.batch_ps_sizing.search import (
     coordinated_sweep,
     plan_batch_by_algorithms,
 )
-
-from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
-from tunekit.errors import HardwareError, WorkloadError
-from tunekit.observe.observation import Observation
 from tunekit.runtime.session import Session
 
 MAX_BATCH = 1 << 20

@@ -26,15 +26,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from scipy.optimize import Bounds, LinearConstraint, milp
-from tunekit.plugins.batch_ps_sizing.measure import is_out_of_memory, release_memory
-from tunekit.plugins.batch_ps_sizing.model import CnnSpec, feature_shapes
 
 from tunekit.errors import ConfigError
+from tunekit.plugins.batch_ps_sizing.measure import is_out_of_memory, release_memory
+from tunekit.plugins.batch_ps_sizing.model import CnnSpec, feature_shapes
 from tunekit.runtime.dist import broadcast_object
 
 if TYPE_CHECKING:
     from tunekit.plugins.batch_ps_sizing.runtime import ProbeResult
-
     from tunekit.runtime.session import Session
 
 DEFAULT_KNEE_TOLERANCE = 0.05

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
 from tunekit.plugins.cgdp.model import HostRates, host_sum_bandwidth
 from tunekit.plugins.cgdp.runtime import parameterised_layers
 
@@ -265,7 +266,6 @@ def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 6
     collective's own launch, which the reduction latency accounts for.
     """
     from tunekit.plugins.cgdp.runtime import CgdpSync
-
     from tunekit.runtime.session import Session
     from tunekit.workload import Workload
 

@@ -13,6 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
+from tunekit.errors import HardwareError
+from tunekit.hardware import GB
+from tunekit.observe.observation import Observation
 from tunekit.plugins.cgdp.model import (
     HostRates,
     MiB,
@@ -23,11 +28,6 @@ from tunekit.plugins.cgdp.model import (
 )
 from tunekit.plugins.cgdp.runtime import CgdpSync, search_in_job
 from tunekit.plugins.cgdp.search import Algorithm1, NoiseAwareChunkSearch
-
-from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
-from tunekit.errors import HardwareError
-from tunekit.hardware import GB
-from tunekit.observe.observation import Observation
 from tunekit.runtime.session import Session
 
 MEASURED_SOURCES = ("local", "probe")

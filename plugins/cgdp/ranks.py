@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tunekit.plugins.cgdp.runtime import CgdpSync
 
+from tunekit.plugins.cgdp.runtime import CgdpSync
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 
@@ -80,9 +80,8 @@ def train_params_many(
 
 def live_switch(rank: int, world: int, spec: str, steps: int) -> dict[str, Any]:
     """DDP, then CGDP (offload on), then DDP again in one job: state carries over each switch."""
-    from tunekit.plugins.cgdp.plugin import Cgdp
-
     from tunekit.config import TuningConfig
+    from tunekit.plugins.cgdp.plugin import Cgdp
 
     tuner = Cgdp()
     reference = _session(spec, rank, world)

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tunekit.plugins.cgdp.search import chunk_layout
 
 from tunekit.contract import SearchResult
 from tunekit.errors import PluginError
+from tunekit.plugins.cgdp.search import chunk_layout
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.sync import CommRecord, GradSync
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tunekit.plugins.hybrid_mp.model import EpochTable
 
 from tunekit.errors import ConfigError
 from tunekit.hardware import Hardware
+from tunekit.plugins.hybrid_mp.model import EpochTable
 from tunekit.runtime.data import BatchSource
 from tunekit.workload import Workload
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tunekit.plugins.hybrid_mp.runtime import install_hybrid
 
+from tunekit.plugins.hybrid_mp.runtime import install_hybrid
 from tunekit.runtime.data import BatchSource
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload

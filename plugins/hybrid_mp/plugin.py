@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
+from tunekit.errors import ConfigError
+from tunekit.observe.observation import Observation
 from tunekit.plugins.hybrid_mp.convergence import (
     allreduce_model,
     estimate_noise_scale,
@@ -63,10 +67,6 @@ from tunekit.plugins.hybrid_mp.search import (
     place,
     speedup_bound,
 )
-
-from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
-from tunekit.errors import ConfigError
-from tunekit.observe.observation import Observation
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.session import Session
 

@@ -16,10 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tunekit.errors import ConfigError
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import OpGraph
-
-from tunekit.errors import ConfigError
 
 # -- tasks ---------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tunekit.errors import ConfigError
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import Edge, Op, OpGraph
 from tunekit.plugins.hybrid_mp.schedule import (
@@ -60,8 +61,6 @@ from tunekit.plugins.hybrid_mp.schedule import (
     tasks_of,
     topo_order,
 )
-
-from tunekit.errors import ConfigError
 from tunekit.search.ilp import MilpModel
 
 __all__ = ["PlacerOptions", "place", "coarsen", "cut_ops"]

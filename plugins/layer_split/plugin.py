@@ -19,6 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
+from tunekit.errors import ConfigError, PluginError
+from tunekit.observe.observation import Observation
 from tunekit.plugins.layer_split.model import (
     CostOptions,
     SplitConfig,
@@ -37,10 +41,6 @@ from tunekit.plugins.layer_split.search import (
     plan_details,
     render_markdown,
 )
-
-from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
-from tunekit.errors import ConfigError, PluginError
-from tunekit.observe.observation import Observation
 from tunekit.runtime.session import Session
 
 NAMED_PLANS = ("image", "owt")

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tunekit.errors import PluginError
 from tunekit.plugins.layer_split.model import (
     SplitConfig,
     Use,
@@ -48,8 +50,6 @@ from tunekit.plugins.layer_split.model import (
     specs_from_graph,
 )
 from tunekit.plugins.layer_split.slices import build_programs
-
-from tunekit.errors import PluginError
 
 # -- redistribution --------------------------------------------------------------------------
 
@@ -412,9 +412,8 @@ class PlanExecutor:
 
 def named_plan(session, name: str, trace_batch: int = 2) -> dict[str, SplitConfig]:
     """``image`` or ``owt`` for the session's model on its ranks."""
-    from tunekit.plugins.layer_split.search import named_configs
-
     from tunekit.observe.graph import trace_model
+    from tunekit.plugins.layer_split.search import named_configs
 
     graph = trace_model(session.model, session.workload.example_batch(trace_batch)[0])
     specs = specs_from_graph(graph, session.batch_size * session.world_size)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tunekit.plugins.layer_split.model import SplitConfig, Tables
 
 from tunekit.errors import ConfigError
+from tunekit.plugins.layer_split.model import SplitConfig, Tables
 from tunekit.search.elimination import CostGraph, EliminationStats, solve
 
 SPACES = ("best", "image_search", "image", "owt")

@@ -29,9 +29,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.operator_schemas import normalize_function
-from tunekit.plugins.layer_split.model import OpSpec, SplitConfig, owned_boxes
 
 from tunekit.errors import PluginError
+from tunekit.plugins.layer_split.model import OpSpec, SplitConfig, owned_boxes
 
 _ELEMENTWISE_MODULES = (
     nn.ReLU,

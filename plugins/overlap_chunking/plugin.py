@@ -24,6 +24,9 @@ from typing import Any
 import psutil
 import torch
 import torch.fx
+
+from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
+from tunekit.observe.observation import Observation
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers, paper_layers
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
@@ -50,9 +53,6 @@ from tunekit.plugins.overlap_chunking.timing import (
     measure_layer_times,
     measure_update_and_batch,
 )
-
-from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
-from tunekit.observe.observation import Observation
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tunekit.observe.observation import summarize_model
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, chunk_plan, paper_layers
 from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
 from tunekit.plugins.overlap_chunking.search import DEFAULT_CAP_MB, DEFAULT_FIRST_MB
 from tunekit.plugins.overlap_chunking.two_chunk import TwoChunkSync
-
-from tunekit.observe.observation import summarize_model
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 

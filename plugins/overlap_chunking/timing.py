@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers
 
+from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers
 from tunekit.workload import Workload
 
 

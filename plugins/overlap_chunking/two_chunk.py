@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
 
 from tunekit.errors import ConfigError
+from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
 from tunekit.runtime.sync import CommRecord, GradSync
 
 if TYPE_CHECKING:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+
 from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.plugins.batch_ps_sizing.runtime import probe_batch
 from tunekit.plugins.batch_ps_sizing.search import SweepSettings, coordinated_sweep
-
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 

@@ -6,6 +6,7 @@ import itertools
 import random
 
 import pytest
+
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.search import (
     AlgorithmOption,

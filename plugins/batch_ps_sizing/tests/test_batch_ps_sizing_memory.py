@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+
+from tunekit.errors import ConfigError
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import (
     PeakMeter,
@@ -19,8 +21,6 @@ from tunekit.plugins.batch_ps_sizing.measure import (
     measure_locally,
     saved_activation_bytes,
 )
-
-from tunekit.errors import ConfigError
 from tunekit.workload import load_workload
 
 MiB = 2**20

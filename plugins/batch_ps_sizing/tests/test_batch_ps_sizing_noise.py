@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from tunekit.plugins.batch_ps_sizing.runtime import gradient_noise_sums, session_noise_sums
 
+from tunekit.plugins.batch_ps_sizing.runtime import gradient_noise_sums, session_noise_sums
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from tunekit.plugins.batch_ps_sizing import model as zou
-from tunekit.plugins.batch_ps_sizing.tests.paper_batch_ps_sizing import PAPER_ALEXNET
 
 from tunekit.errors import ConfigError
 from tunekit.observe.graph import trace_model
+from tunekit.plugins.batch_ps_sizing import model as zou
+from tunekit.plugins.batch_ps_sizing.tests.paper_batch_ps_sizing import PAPER_ALEXNET
 from tunekit.workload import load_workload
 
 # -- Lemma 3.1 ----------------------------------------------------------------------------

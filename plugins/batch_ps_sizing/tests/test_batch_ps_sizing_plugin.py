@@ -6,8 +6,6 @@ import statistics
 
 import pytest
 import torch
-from tunekit.plugins.batch_ps_sizing import model as zou
-from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 
 from tunekit.config import TuningConfig
 from tunekit.errors import ConfigError
@@ -16,6 +14,8 @@ from tunekit.observe.breakdown import Breakdown, RankBreakdown, StepParts
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, Observation, summarize_model
 from tunekit.plugin_loading import load_all
+from tunekit.plugins.batch_ps_sizing import model as zou
+from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.runtime.session import Session
 from tunekit.store import Store, StudyCache
 from tunekit.workload import Workload, load_workload

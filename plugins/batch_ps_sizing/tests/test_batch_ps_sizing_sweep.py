@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tunekit.errors import ConfigError
 from tunekit.plugins.batch_ps_sizing.runtime import device_memory_bytes, probe_batch
 from tunekit.plugins.batch_ps_sizing.search import (
     SweepSettings,
@@ -16,8 +18,6 @@ from tunekit.plugins.batch_ps_sizing.tests.ranks_batch_ps_sizing import (
     search_hook_on_ranks,
     sweep_on_ranks,
 )
-
-from tunekit.errors import ConfigError
 from tunekit.runtime.session import Session
 from tunekit.testing import run_ranks
 from tunekit.workload import Workload, load_workload

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tunekit.plugins.cgdp.ranks import live_switch, run_search, train_params_many
 
+from tunekit.plugins.cgdp.ranks import live_switch, run_search, train_params_many
 from tunekit.testing import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tunekit.plugins.cgdp.ranks import train_params_many
 from tunekit.plugins.cgdp.runtime import CgdpSync
-
 from tunekit.runtime.session import Session
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from tunekit.hardware import load_profile
 from tunekit.plugins.cgdp.model import (
     HostRates,
     IterationPhases,
@@ -22,8 +24,6 @@ from tunekit.plugins.cgdp.model import (
     typical_backward_time,
     typical_overhead,
 )
-
-from tunekit.hardware import load_profile
 
 
 def three_layers(t_aa3: float = 15.0) -> list[LayerCost]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 import pytest
-from tunekit.plugins.cgdp.plugin import Cgdp
-from tunekit.plugins.cgdp.runtime import CgdpSync
 
 from tunekit.config import TuningConfig
 from tunekit.contract import Aspect
@@ -14,6 +12,8 @@ from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.plugins.cgdp.plugin import Cgdp
+from tunekit.plugins.cgdp.runtime import CgdpSync
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import LocalSync
 from tunekit.workload import load_workload
@@ -166,10 +166,9 @@ def test_plan_on_this_machine_ranks_chunk_sizes_and_offers_offload():
 
 
 def test_backward_times_come_from_the_layer_profile_when_it_fits():
-    from tunekit.plugins.cgdp.measure import backward_times_from_profile
-
     from tunekit.observe.graph import trace_model
     from tunekit.observe.layer_profile import profile_layers
+    from tunekit.plugins.cgdp.measure import backward_times_from_profile
 
     work = load_workload(TINY)
     model = work.model()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from tunekit.plugins.cgdp.runtime import CgdpSync, HostBuffers, parameterised_layers
 
 from tunekit.errors import PluginError
+from tunekit.plugins.cgdp.runtime import CgdpSync, HostBuffers, parameterised_layers
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import LocalSync
 from tunekit.workload import Workload, load_workload

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tunekit.plugins.cgdp.search import (
     Algorithm1,
     NoiseAwareChunkSearch,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+
+from tunekit.errors import ConfigError
+from tunekit.hardware import load_profile
 from tunekit.plugins.hybrid_mp.convergence import (
     allreduce_model,
     estimate_noise_scale,
     measure_epochs,
     noise_scale_epochs,
 )
-
-from tunekit.errors import ConfigError
-from tunekit.hardware import load_profile
 from tunekit.workload import Workload
 
 D, SIGMA = 4, 1.0

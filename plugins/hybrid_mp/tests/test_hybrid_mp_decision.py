@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from tunekit.errors import ConfigError
 from tunekit.plugins.hybrid_mp.model import (
     EpochTable,
     decide,
@@ -12,8 +14,6 @@ from tunekit.plugins.hybrid_mp.model import (
     implied_epoch_ratio,
     modelled_scaling_efficiency,
 )
-
-from tunekit.errors import ConfigError
 
 # Inception-V3, Figure 4 (128 GPUs: 12 epochs, inferred); SU^2 = 1.32 (Table 1); SE = 1.
 INCEPTION_E = EpochTable({32: 4, 64: 7, 128: 12, 256: 23})

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tunekit.errors import ConfigError
+from tunekit.hardware import load_profile
+from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.examples import branchy
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import (
@@ -25,10 +29,6 @@ from tunekit.plugins.hybrid_mp.render import (
 )
 from tunekit.plugins.hybrid_mp.schedule import Placement, check_schedule
 from tunekit.plugins.hybrid_mp.search import PlacerOptions, cut_ops, place
-
-from tunekit.errors import ConfigError
-from tunekit.hardware import load_profile
-from tunekit.observe.graph import trace_model
 
 
 @pytest.fixture(scope="module")

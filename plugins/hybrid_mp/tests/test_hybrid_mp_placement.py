@@ -6,6 +6,9 @@ import itertools
 import random
 
 import pytest
+
+from tunekit.errors import ConfigError
+from tunekit.hardware import load_profile
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import Edge, Op, OpGraph
 from tunekit.plugins.hybrid_mp.schedule import check_schedule, list_schedule
@@ -17,9 +20,6 @@ from tunekit.plugins.hybrid_mp.search import (
     place,
     speedup_bound,
 )
-
-from tunekit.errors import ConfigError
-from tunekit.hardware import load_profile
 
 GB = 1e9
 

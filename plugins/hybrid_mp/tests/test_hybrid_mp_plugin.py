@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tunekit.contract import Aspect
+from tunekit.errors import ConfigError
+from tunekit.hardware import load_profile
+from tunekit.observe.observation import Measurement, Observation, summarize_model
 from tunekit.plugins.hybrid_mp.examples import branchy
 from tunekit.plugins.hybrid_mp.plugin import (
     HybridMp,
@@ -17,11 +22,6 @@ from tunekit.plugins.hybrid_mp.plugin import (
     worker_plan,
 )
 from tunekit.plugins.hybrid_mp.render import format_decision_table, format_gantt
-
-from tunekit.contract import Aspect
-from tunekit.errors import ConfigError
-from tunekit.hardware import load_profile
-from tunekit.observe.observation import Measurement, Observation, summarize_model
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 
@@ -139,9 +139,8 @@ def test_worker_plan_maps_every_layer_node_to_a_device():
 
 
 def test_placement_knob_round_trips_through_json_onto_fx_nodes():
-    from tunekit.plugins.hybrid_mp.schedule import Placement, ScheduledTask
-
     from tunekit.observe.graph import trace_model
+    from tunekit.plugins.hybrid_mp.schedule import Placement, ScheduledTask
 
     w = branchy()
     x, _ = w.example_batch(2)

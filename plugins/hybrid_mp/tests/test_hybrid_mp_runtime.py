@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+
+from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.examples import Branchy, branchy
 from tunekit.plugins.hybrid_mp.harness import hybrid_rank, reference_run
 from tunekit.plugins.hybrid_mp.runtime import build_program, mesh_coords
-
-from tunekit.observe.graph import trace_model
 from tunekit.testing import run_ranks
 
 BRANCHY = "tunekit.plugins.hybrid_mp.examples:branchy"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from tunekit.hardware import CollectiveFit, load_profile
 from tunekit.plugins.layer_split.model import (
     CostOptions,
     OpSpec,
@@ -21,8 +23,6 @@ from tunekit.plugins.layer_split.model import (
     build_tables,
 )
 from tunekit.plugins.layer_split.search import evaluate, search
-
-from tunekit.hardware import CollectiveFit, load_profile
 
 MS = 1e-3
 

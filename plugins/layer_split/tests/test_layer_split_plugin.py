@@ -5,6 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tunekit.config import TuningConfig, resolve
+from tunekit.contract import Aspect, Diagnosis, Tuner
+from tunekit.errors import ConfigError, PluginError
+from tunekit.hardware import load_profile
+from tunekit.observe.graph import trace_model
+from tunekit.observe.local import describe_local_machine
+from tunekit.observe.observation import Observation, summarize_model
 from tunekit.plugins.layer_split.model import (
     SplitConfig,
     build_tables,
@@ -20,14 +28,6 @@ from tunekit.plugins.layer_split.search import (
     render_rich,
     search,
 )
-
-from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Aspect, Diagnosis, Tuner
-from tunekit.errors import ConfigError, PluginError
-from tunekit.hardware import load_profile
-from tunekit.observe.graph import trace_model
-from tunekit.observe.local import describe_local_machine
-from tunekit.observe.observation import Observation, summarize_model
 from tunekit.search.elimination import brute_force
 from tunekit.workload import load_workload
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from tunekit.plugins.layer_split.ranks import train_plans, train_single_process
 
+from tunekit.plugins.layer_split.ranks import train_plans, train_single_process
 from tunekit.testing import run_ranks
 
 CNN = "example:cnn"

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
-from tunekit.plugins.overlap_chunking.runtime import apply_two_chunk
 
 from tunekit.config import TuningConfig
+from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
+from tunekit.plugins.overlap_chunking.runtime import apply_two_chunk
 from tunekit.runtime.session import Session
 from tunekit.workload import Workload, load_workload
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tunekit.plugins.overlap_chunking.tests.ranks_overlap_chunking import train_many
 
+from tunekit.plugins.overlap_chunking.tests.ranks_overlap_chunking import train_many
 from tunekit.testing import run_ranks
 
 pytestmark = pytest.mark.slow

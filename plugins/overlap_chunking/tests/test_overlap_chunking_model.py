@@ -9,6 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+
+from tunekit.observe.graph import trace_model
+from tunekit.observe.layer_profile import profile_layers
+from tunekit.observe.observation import summarize_model
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, paper_layers
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
@@ -21,10 +25,6 @@ from tunekit.plugins.overlap_chunking.model import (
 )
 from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE, rank_settings, shortlist
 from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile
-
-from tunekit.observe.graph import trace_model
-from tunekit.observe.layer_profile import profile_layers
-from tunekit.observe.observation import summarize_model
 from tunekit.runtime.sync import DDPSync
 from tunekit.workload import load_workload
 

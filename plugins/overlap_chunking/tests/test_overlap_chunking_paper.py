@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tunekit.errors import ConfigError
+from tunekit.observe.observation import summarize_model
 from tunekit.plugins.overlap_chunking.layers import chunk_plan, fc_layers, is_pool, paper_layers
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
@@ -13,9 +16,6 @@ from tunekit.plugins.overlap_chunking.model import (
     predict_two_chunk,
 )
 from tunekit.plugins.overlap_chunking.timing import fc_shape
-
-from tunekit.errors import ConfigError
-from tunekit.observe.observation import summarize_model
 from tunekit.runtime.sync import CommRecord, overlap_ratio
 
 torchvision = pytest.importorskip("torchvision")

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
-from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE
 
 from tunekit.contract import Aspect
 from tunekit.errors import ConfigError
 from tunekit.hardware import CollectiveFit
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
+from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import LocalSync
 from tunekit.workload import load_workload
