@@ -10,7 +10,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tunekit.cli.common import DURATION, console, split_names
+from tunekit.cli.common import DURATION, STORE_OPTION, console, split_names
 from tunekit.config import TuningConfig
 from tunekit.events import (
     Decided,
@@ -39,7 +39,7 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
 @click.option("--budget", type=DURATION, default=None, help="Time budget instead of a trial count (90s, 5m, 1h).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
-@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"), show_default=True, help="Study store folder.")
+@STORE_OPTION
 @click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
 @click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -47,3 +48,9 @@ def split_names(values: tuple[str, ...]) -> list[str] | None:
     """``--plugins a,b --plugins c`` -> [a, b, c]; nothing given -> None."""
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
     return names or None
+
+
+STORE_OPTION = click.option(
+    "--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"),
+    show_default=True, help="Study store folder (studies, cached probes and profiles, runs/).",
+)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import STORE_OPTION, console
 from tunekit.hardware import GB, Hardware, list_profiles, load_profile
 
 
@@ -38,14 +38,7 @@ def hardware_group() -> None:
     default=None,
     help="Write the measured profile as TOML.",
 )
-@click.option(
-    "--store",
-    "store_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".tunekit"),
-    show_default=True,
-    help="Study store that caches the fits for plans.",
-)
+@STORE_OPTION
 @click.option("--no-store", is_flag=True, help="Do not cache the fits in the study store.")
 def probe_cmd(nproc, repeats, save, store_dir, no_store):
     """Measure all-reduce and point-to-point (and host<->GPU copies) on this machine.

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 from rich.markdown import Markdown
 from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import STORE_OPTION, console
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.observation import Measurement
@@ -23,7 +21,7 @@ from tunekit.store import Store
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (devices) to plan for.")
 @click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
 @click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Candidates to show.")
-@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"), show_default=True)
+@STORE_OPTION
 def plan_cmd(plugin, workload, nproc, hardware, limit, store_dir):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 

@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from tunekit.cli.auto import result_table
-from tunekit.cli.common import console
+from tunekit.cli.common import STORE_OPTION, console
 from tunekit.orchestrator import load_study
 from tunekit.plugin_loading import available_tuners
 from tunekit.report import report_data, write_report
@@ -19,7 +19,7 @@ from tunekit.trials.launcher import LaunchOptions
 
 @click.command("report")
 @click.argument("study", required=False)
-@click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"), show_default=True)
+@STORE_OPTION
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Also rewrite the report files here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report data as JSON.")
 @click.option("--list", "list_studies", is_flag=True, help="List the studies in the store.")

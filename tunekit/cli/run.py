@@ -8,14 +8,11 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import console
+from tunekit.cli.common import STORE_OPTION, console
 from tunekit.config import TuningConfig
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, create_run, prepare_resume, supervise, wait_for
-
-STORE = click.option("--store", "store_dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path(".tunekit"), show_default=True, help="Study store folder (runs live in runs/).")
 
 
 def read_config(text: str) -> TuningConfig:
@@ -36,7 +33,7 @@ def read_config(text: str) -> TuningConfig:
 @click.option("--resume", "resume", default=None, metavar="RUN", help="Continue RUN from its last checkpoint.")
 @click.option("--name", default=None, help="Run id (default: a timestamp).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@STORE
+@STORE_OPTION
 def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window, min_effect, resume, name, device, store_dir):
     """Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop."""
     if resume:
@@ -91,7 +88,7 @@ def _find(run: str, store_dir: Path) -> RunDir:
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Relaunch with this many ranks.")
 @click.option("--watch", type=click.IntRange(min=2), default=None, help="Steps to watch before keeping it.")
 @click.option("--no-wait", is_flag=True, help="Return once applied, without waiting for the watch verdict.")
-@STORE
+@STORE_OPTION
 def apply_cmd(run, config, nproc, watch, no_wait, store_dir):
     """Apply CONFIG (best_config.json or inline JSON) to the live RUN at its next step boundary."""
     rd = _find(run, store_dir)
@@ -134,7 +131,7 @@ def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, wat
 @click.command("status")
 @click.argument("run", default="latest")
 @click.option("--json", "as_json", is_flag=True)
-@STORE
+@STORE_OPTION
 def status_cmd(run, as_json, store_dir):
     """Print what the live RUN is doing (default: the latest run)."""
     rd = _find(run, store_dir)
@@ -158,7 +155,7 @@ def status_cmd(run, as_json, store_dir):
 @click.argument("run")
 @click.argument("config")
 @click.option("--window", type=click.IntRange(min=2), default=10, show_default=True, help="Steps per window.")
-@STORE
+@STORE_OPTION
 def trial_cmd(run, config, window, store_dir):
     """Try CONFIG inside the live RUN (candidate and current in alternating windows); keep the faster."""
     rd = _find(run, store_dir)
@@ -169,7 +166,7 @@ def trial_cmd(run, config, window, store_dir):
 
 @click.command("rollback")
 @click.argument("run")
-@STORE
+@STORE_OPTION
 def rollback_cmd(run, store_dir):
     """Go back to the config RUN had before its last apply."""
     r = client(_find(run, store_dir)).request("rollback")
@@ -178,7 +175,7 @@ def rollback_cmd(run, store_dir):
 
 @click.command("stop")
 @click.argument("run")
-@STORE
+@STORE_OPTION
 def stop_cmd(run, store_dir):
     """Checkpoint RUN and stop it cleanly (resume later with tunekit run --resume RUN)."""
     r = client(_find(run, store_dir)).request("stop")
