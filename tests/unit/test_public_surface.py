@@ -162,7 +162,19 @@ CLI_SURFACE = {
     ],
     "status": ["RUN", "--json", "--store"],
     "stop": ["RUN", "--store"],
-    "trial": ["RUN", "CONFIG", "--window", "--store"],
+    "trial": ["RUN", "CONFIG", "--window", "--store"],    "tui": [
+        "WORKLOAD",
+        "--attach",
+        "--nproc",
+        "--plugins",
+        "--trials",
+        "--steps",
+        "--warmup",
+        "--watch-window",
+        "--min-effect",
+        "--device",
+        "--store",
+    ],
 }
 
 

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import sys
+from importlib.metadata import entry_points
 
 import click
 
@@ -33,6 +34,11 @@ def cli() -> None:
 for command in (auto_cmd, plan_cmd, plugins_cmd, report_cmd, profile_cmd, hardware_group, new_plugin_cmd,
                 *RUN_COMMANDS):
     cli.add_command(command)
+
+# Commands outside the core (the TUI) register under this entry-point group,
+# as tuners do, so the core never imports them.
+for _ep in sorted(entry_points(group="tunekit.commands"), key=lambda e: e.name):
+    cli.add_command(_ep.load(), _ep.name)
 
 
 def _init_profiler_here() -> None:

@@ -1,0 +1,116 @@
+"""Apply screen: current vs best side by side, apply with confirmation, the watch verdict, roll back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunekit.tui.screens.apply import ApplyScreen
+from tunekit.tui.screens.confirm import ConfirmScreen
+from tunekit.tui.screens.trials import TrialTable
+
+pytestmark = pytest.mark.asyncio
+
+
+async def tuned(app, pilot, wait_for_app):
+    await wait_for_app(pilot, lambda: app.tuner_views)
+    await pilot.press("t")
+    await wait_for_app(pilot, lambda: app.study_view.state == "finished")
+
+
+async def test_apply_the_best_config_with_confirmation_then_roll_back(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    backend = backend_factory()
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await tuned(app, pilot, wait_for_app)
+        await pilot.press("5")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+        await pilot.pause(0.05)
+        screen = app.screen
+        assert "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x)" in text_of(
+            screen.query_one("#apply-line")
+        )
+        assert "baseline" in text_of(screen.query_one("#current"))
+        assert "bucket_cap_mb = 4.0" in text_of(screen.query_one("#target"))
+
+        await pilot.press("a")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("n")  # changed my mind
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+        assert backend.applied == [] and app.apply_view.state == "idle"
+
+        await pilot.press("a")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(
+            pilot, lambda: app.apply_view.state == "kept" and app.live_view.config == fixed.BUCKETS
+        )
+        await pilot.pause(0.1)
+        assert backend.applied == [fixed.BUCKETS]
+        assert screen.has_class("-kept")
+        result = text_of(screen.query_one("#apply-result"))
+        assert (
+            "kept" in result
+            and "before 277 samples/s → after 302 samples/s" in result
+            and "1.09x of before" in result
+        )
+        assert "overlap_chunking" in text_of(screen.query_one("#current"))
+
+        await pilot.press("r")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(
+            pilot,
+            lambda: app.apply_view.state == "rolled_back" and app.live_view.config == fixed.BASE,
+        )
+        await pilot.pause(0.05)
+        assert screen.has_class("-rolled-back")
+
+
+async def test_a_trial_picked_on_the_trials_screen_is_the_one_applied(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    backend = backend_factory()
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await tuned(app, pilot, wait_for_app)
+        await pilot.press("4")
+        await pilot.pause(0.05)
+        app.screen.query_one(TrialTable).focus()
+        await pilot.press(
+            "down", "down", "enter"
+        )  # trial 2, the one that crashed: its config is known
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+        await pilot.pause(0.05)
+        line = text_of(app.screen.query_one("#apply-line"))
+        assert "trial 2: batch_ps_sizing(batch_size=64)" in line
+        await pilot.press("b")  # back to the best
+        await pilot.pause(0.05)
+        assert "winner" in text_of(app.screen.query_one("#apply-line"))
+
+        await pilot.press("4")
+        await pilot.pause(0.05)
+        app.screen.query_one(TrialTable).focus()
+        await pilot.press("up", "a")  # trial 1, applied straight from the table
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(pilot, lambda: app.apply_view.state == "kept")
+        assert backend.applied == [fixed.BUCKETS]
+
+
+async def test_nothing_to_apply_and_a_refused_rollback_are_notifications(app_factory, wait_for_app):
+    app = app_factory()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("5")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+        await pilot.pause(0.05)
+        assert app.screen.has_class("-no-target")
+        await pilot.press("a")
+        assert any("nothing to apply yet" in n.message for n in app.notes)
+        await pilot.press("r")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(pilot, lambda: app.apply_view.state == "failed")
+        assert any("nothing to roll back" in n.message for n in app.notes)
+        assert app.is_running

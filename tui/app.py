@@ -1,0 +1,551 @@
+"""The tunekit app: six screens over one state, fed by workers that never block the UI.
+
+State lives in the app's reactive attributes (``live_view``, ``profile_view``,
+``tuner_views``, ``study_view``, ``apply_view`` ...); each screen follows the ones
+it renders. Everything slow runs in a worker thread — polling the job,
+diagnosing, profiling, the tuning itself (``run_auto`` on its own event loop),
+applying — and hands results back with ``call_from_thread``. A worker that
+fails becomes a notification, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.reactive import var
+from textual.screen import Screen
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from tunekit.errors import TunekitError
+from tunekit.events import Event, Notice, Observed, PluginProblem, StudyFinished, TrialFinished
+from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, TuneRequest
+from tunekit.tui.formatting import describe_config
+from tunekit.tui.screens.apply import ApplyScreen
+from tunekit.tui.screens.confirm import ConfirmScreen
+from tunekit.tui.screens.help import HelpScreen
+from tunekit.tui.screens.live import LiveScreen
+from tunekit.tui.screens.profile import ProfileScreen
+from tunekit.tui.screens.trials import TrialsScreen, TrialTable
+from tunekit.tui.screens.tuners import TunersScreen, TunerTable
+from tunekit.tui.state import (
+    ApplyTarget,
+    ApplyView,
+    HotSpots,
+    LiveView,
+    ProfileView,
+    StudyView,
+    TunerView,
+    best_target,
+    fold_study,
+    fold_tuners,
+    hotspots,
+    live_view,
+    profile_from_observed,
+    profile_from_report,
+    replace_tuner,
+    trial_target,
+    tuner_views,
+)
+
+SCREENS = {
+    "live": ("Live", LiveScreen),
+    "profile": ("Profile", ProfileScreen),
+    "tuners": ("Tuners", TunersScreen),
+    "trials": ("Trials", TrialsScreen),
+    "apply": ("Apply", ApplyScreen),
+    "help": ("Help", HelpScreen),
+}
+
+STYLES = Path(__file__).parent
+
+QUIT, DETACH = "quit", "detach"
+"""What :meth:`App.run` returns: stop a job the app started, or leave it running."""
+
+
+def prepare_process() -> None:
+    """Start multiprocessing's resource tracker while ``sys.stderr`` is still the real one.
+
+    Core code the workers call may start processes with multiprocessing (the
+    hardware probe's ranks). The tracker it needs is started on first use
+    with ``sys.stderr.fileno()`` among the descriptors to pass, and inside a
+    running app that is Textual's print capture, whose ``fileno()`` is -1:
+    starting it now avoids "bad value(s) in fds_to_keep".
+    """
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker.ensure_running()
+    except Exception:  # a platform without it: nothing to prepare
+        pass
+
+
+def one_line(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, TunekitError) else f"{type(exc).__name__}: {exc}"
+
+
+class TunekitApp(App[str]):
+    """See the module docstring. ``backend`` is the job and the core (:class:`LiveBackend`, or fixed data in tests)."""
+
+    TITLE = "tunekit"
+    # Absolute: Textual resolves relative paths against the module of the (sub)class that runs.
+    CSS_PATH = [
+        STYLES / f"{name}.tcss" for name in ("app", "live", "profile", "tuners", "trials", "apply")
+    ]
+    MODES = {mode: cls for mode, (_, cls) in SCREENS.items()}
+    DEFAULT_MODE = "live"
+    BINDINGS = [
+        Binding("1", "show('live')", "Live"),
+        Binding("2", "show('profile')", "Profile"),
+        Binding("3", "show('tuners')", "Tuners"),
+        Binding("4", "show('trials')", "Trials"),
+        Binding("5", "show('apply')", "Apply"),
+        Binding("question_mark,f1", "show('help')", "Help", key_display="?"),
+        Binding("t", "tune", "Tune", show=False),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    live_view: var[LiveView] = var(LiveView())
+    live_hotspots: var[tuple[HotSpots, ...]] = var(())
+    profile_view: var[ProfileView | None] = var(None)
+    profile_stage: var[str] = var("")
+    tuner_views: var[tuple[TunerView, ...]] = var(())
+    study_view: var[StudyView] = var(StudyView())
+    apply_view: var[ApplyView] = var(ApplyView())
+
+    def __init__(
+        self,
+        backend: Backend,
+        tune_request: TuneRequest | None = None,
+        *,
+        poll_s: float = 1.0,
+        plan_limit: int = 5,
+    ):
+        super().__init__()
+        prepare_process()
+        self.backend = backend
+        self.tune_request = tune_request or TuneRequest()
+        self.poll_s = poll_s
+        self.plan_limit = plan_limit
+        self._target_pinned = False  # the user picked a trial: a new best does not replace it
+        self._polling = False
+        self._pyspy_seen = 0
+        self._said: set[str] = set()  # notices shown once already (no GPU ...): never repeated
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.sub_title = f"{self.backend.workload} · run {self.backend.run_id}"
+        self.live_view = LiveView(
+            run_id=self.backend.run_id,
+            workload=self.backend.workload,
+            attached=not self.backend.owns_job,
+        )
+        for notice in self.backend.start():
+            self._said.add(notice)
+            self.notify(notice, title="telemetry", severity="warning", timeout=10)
+        self.load_plugins()
+        self.poll()
+        self.set_interval(self.poll_s, self.poll)
+
+    @work(thread=True, exclusive=True, group="plugins", exit_on_error=False, name="loading plugins")
+    def load_plugins(self) -> None:
+        records = self.backend.plugins()
+        self.call_from_thread(self._plugins_loaded, records)
+
+    def _plugins_loaded(self, records: list) -> None:
+        enabled = self.tune_request.plugins
+        self.tuner_views = tuner_views(records, enabled)
+        for r in records:
+            if not r.ok:
+                self.notify(
+                    f"{r.name} ({r.package}) {r.status}: {r.error}",
+                    title="plugin did not load",
+                    severity="warning",
+                    timeout=10,
+                )
+
+    # -- the live job ------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        if not self._polling:
+            self._polling = True
+            self._poll()
+
+    @work(thread=True, group="poll", exit_on_error=False, name="polling the job")
+    def _poll(self) -> None:
+        try:
+            snap = self.backend.poll()
+            view = live_view(
+                self.backend.run_id,
+                self.backend.workload,
+                snap.status,
+                snap.metrics,
+                snap.series,
+                snap.static,
+                snap.notices,
+                attached=not self.backend.owns_job,
+            )
+            spots = self._hotspots(snap)
+        except Exception as exc:  # an unreadable run directory: say so once, keep polling
+            self._call_ui(self._poll_failed, one_line(exc))
+        else:
+            self._call_ui(self._polled, view, spots)
+        finally:
+            self._polling = False
+
+    def _hotspots(self, snap: LiveSnapshot) -> tuple[HotSpots, ...] | None:
+        spy = snap.series.get("pyspy") or []
+        if len(spy) == self._pyspy_seen:
+            return None
+        self._pyspy_seen = len(spy)
+        return hotspots(spy)
+
+    def _poll_failed(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.notify(message, title="cannot read the job", severity="error", timeout=10)
+
+    def _polled(self, view: LiveView, spots: tuple[HotSpots, ...] | None) -> None:
+        self.live_view = view
+        if spots is not None:
+            self.live_hotspots = spots
+
+    # -- screens, the command palette --------------------------------------------------------
+
+    def action_show(self, mode: str) -> None:
+        self.switch_mode(mode)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield SystemCommand(
+            "Start tuning", "Trials of the enabled tuners' candidates (t)", self.action_tune
+        )
+        yield SystemCommand(
+            "Cancel tuning",
+            "Stop the running tuning; the study stays resumable (x)",
+            self.action_cancel_tuning,
+        )
+        yield SystemCommand(
+            "Diagnose tuners",
+            "Each enabled tuner's diagnosis and plan, no trials (d)",
+            self.action_diagnose,
+        )
+        yield SystemCommand(
+            "Profile the job",
+            "A profiled run: breakdown, layers, hot spots (p)",
+            self.action_profile,
+        )
+        yield SystemCommand(
+            "Apply…",
+            "Apply the chosen config to the live job, with confirmation (a)",
+            self.action_apply,
+        )
+        yield SystemCommand(
+            "Roll back…", "Back to the config before the last apply (r)", self.action_rollback
+        )
+        for mode, (title, _) in SCREENS.items():
+            yield SystemCommand(
+                f"Show {title}",
+                f"Switch to the {title.lower()} screen",
+                lambda mode=mode: self.action_show(mode),
+            )
+        yield SystemCommand(
+            "Detach",
+            "Quit and leave the job running (attach again with --attach)",
+            self.action_detach,
+        )
+        yield from super().get_system_commands(screen)
+
+    async def action_quit(self) -> None:
+        self.exit(QUIT)
+
+    def action_detach(self) -> None:
+        self.exit(DETACH)
+
+    # -- tuners: enable, diagnose ------------------------------------------------------------
+
+    def on_tuner_table_toggled(self, message: TunerTable.Toggled) -> None:
+        tuner = next((t for t in self.tuner_views if t.name == message.plugin), None)
+        if tuner is None:
+            return
+        if not tuner.loaded:
+            self.notify(
+                f"{tuner.name} did not load ({tuner.status}); it cannot be enabled",
+                severity="warning",
+            )
+            return
+        self.tuner_views = replace_tuner(self.tuner_views, tuner.name, enabled=not tuner.enabled)
+
+    def _enabled(self) -> list[str]:
+        return [t.name for t in self.tuner_views if t.enabled and t.loaded]
+
+    def action_diagnose(self) -> None:
+        names = self._enabled()
+        if not names:
+            self.notify(
+                "enable at least one tuner first (space on the tuners screen)", severity="warning"
+            )
+            return
+        for name in names:
+            self.tuner_views = replace_tuner(self.tuner_views, name, state="diagnosing")
+        self._diagnose(names)
+
+    @work(thread=True, exclusive=True, group="diagnose", exit_on_error=False, name="diagnosing")
+    def _diagnose(self, names: list[str]) -> None:
+        try:
+            for result in self.backend.diagnose(names, self.plan_limit):
+                self.call_from_thread(self._diagnosed, result)
+        finally:
+            self.call_from_thread(self._diagnosis_over)
+
+    def _diagnosed(self, r: DiagnosisResult) -> None:
+        if r.error:
+            self.tuner_views = replace_tuner(
+                self.tuner_views, r.name, state="failed", summary=r.error
+            )
+            self.notify(f"{r.name}: {r.error}", title="diagnosis failed", severity="error")
+            return
+        self.tuner_views = replace_tuner(
+            self.tuner_views,
+            r.name,
+            state="diagnosed",
+            applies=r.applies,
+            summary=r.summary,
+            expected_gain=r.expected_gain,
+            candidates=r.candidates,
+        )
+
+    def _diagnosis_over(self) -> None:
+        self.tuner_views = tuple(
+            dataclasses.replace(t, state="idle") if t.state == "diagnosing" else t
+            for t in self.tuner_views
+        )
+
+    # -- profile -----------------------------------------------------------------------------
+
+    def action_profile(self) -> None:
+        if self.profile_stage:
+            self.notify("a profiled run is already in progress")
+            return
+        self.profile_stage = "starting"
+        self._profile()
+
+    @work(thread=True, exclusive=True, group="profile", exit_on_error=False, name="profiling")
+    def _profile(self) -> None:
+        try:
+            report, spy = self.backend.profile(
+                lambda stage: self.call_from_thread(setattr, self, "profile_stage", stage)
+            )
+            view = profile_from_report(report, spy)
+            self.call_from_thread(setattr, self, "profile_view", view)
+        finally:
+            self.call_from_thread(setattr, self, "profile_stage", "")
+
+    # -- tuning ------------------------------------------------------------------------------
+
+    def action_tune(self) -> None:
+        if self.study_view.running:
+            self.notify("a tuning is already running (x cancels it)")
+            return
+        names = self._enabled()
+        if not names:
+            self.notify(
+                "enable at least one tuner first (space on the tuners screen)", severity="warning"
+            )
+            return
+        request = dataclasses.replace(self.tune_request, plugins=names)
+        self.study_view = StudyView(
+            state="running", message=f"starting {request.describe()} with {', '.join(names)}"
+        )
+        self._tune(request)
+
+    def action_cancel_tuning(self) -> None:
+        if not self.study_view.running:
+            self.notify("no tuning is running")
+            return
+        for w in self.workers:
+            if w.group == "tune":
+                w.cancel()
+        self.notify("cancelling the tuning: the trial in flight is stopped")
+
+    @work(thread=True, exclusive=True, group="tune", exit_on_error=False, name="tuning")
+    async def _tune(self, request: TuneRequest) -> None:
+        """``run_auto`` on this thread's own event loop; each event goes to the UI as it comes."""
+        worker = get_current_worker()
+        study_id: list[int] = []
+
+        async def pump() -> None:
+            async for ev in self.backend.tune(request):
+                config = None
+                if getattr(ev, "study_id", None) is not None and not study_id:
+                    study_id.append(ev.study_id)
+                if isinstance(ev, TrialFinished) and study_id:
+                    config = await asyncio.to_thread(
+                        self.backend.trial_config, study_id[0], ev.trial_id
+                    )
+                self.call_from_thread(self._tuning_event, ev, config)
+
+        task = asyncio.ensure_future(pump())
+        while not task.done():
+            if worker.is_cancelled or not self.is_running:  # cancelled, or the app is gone
+                task.cancel()
+                break
+            await asyncio.wait({task}, timeout=0.2)
+        try:
+            await task
+        except asyncio.CancelledError:
+            self._call_ui(
+                self._tuning_ended,
+                "cancelled",
+                "cancelled; `tunekit auto --resume` continues the study",
+            )
+        except Exception as exc:  # bad settings, a failed baseline: one line, the app goes on
+            self._call_ui(self._tuning_ended, "failed", one_line(exc))
+
+    def _call_ui(self, fn, *args) -> None:
+        try:
+            self.call_from_thread(fn, *args)
+        except RuntimeError:
+            pass  # the app is closing
+
+    def _tuning_event(self, ev: Event, config: Mapping[str, Any] | None) -> None:
+        if isinstance(ev, Notice) and ev.message in self._said:
+            return  # the trials' telemetry says "no GPU" again: it was said once
+        self.study_view = fold_study(self.study_view, ev, config)
+        self.tuner_views = fold_tuners(self.tuner_views, ev)
+        if isinstance(ev, PluginProblem):
+            self.notify(
+                f"{ev.plugin} {ev.status}: {ev.error}", title="plugin problem", severity="warning"
+            )
+        elif isinstance(ev, Notice) and ev.level == "warning":
+            self.notify(ev.message, severity="warning")
+        elif isinstance(ev, TrialFinished) and ev.status not in ("ok", "skipped"):
+            self.notify(
+                f"trial {ev.seq} {ev.description}: {ev.status} — {ev.error or 'no error message'}",
+                title="trial failed",
+                severity="error",
+            )
+        elif isinstance(ev, Observed) and (
+            self.profile_view is None or self.profile_view.source.startswith("baseline")
+        ):
+            self.profile_view = profile_from_observed(ev.summary)
+        elif isinstance(ev, StudyFinished):
+            self.notify(f"tuning finished: {self.study_view.message}", title=f"winner: {ev.winner}")
+        if not self._target_pinned:
+            self.apply_view = dataclasses.replace(
+                self.apply_view, target=best_target(self.study_view)
+            )
+
+    def _tuning_ended(self, state: str, message: str) -> None:
+        self.study_view = dataclasses.replace(
+            self.study_view, state=state, message=message, current=None, phase=""
+        )
+        self.notify(
+            f"tuning {state}: {message}", severity="error" if state == "failed" else "warning"
+        )
+
+    # -- apply, roll back --------------------------------------------------------------------
+
+    def on_trial_table_apply_requested(self, message: TrialTable.ApplyRequested) -> None:
+        trial = self.study_view.trial(message.trial_id)
+        target = trial_target(trial) if trial else None
+        if target is None:
+            self.notify("this trial has no measured config to apply", severity="warning")
+            return
+        self._target_pinned = True
+        self.apply_view = dataclasses.replace(self.apply_view, target=target)
+        if message.confirm_now:
+            self.action_apply()
+        else:
+            self.switch_mode("apply")
+
+    def action_target_best(self) -> None:
+        self._target_pinned = False
+        self.apply_view = dataclasses.replace(self.apply_view, target=best_target(self.study_view))
+
+    def action_apply(self) -> None:
+        target = self.apply_view.target
+        if target is None:
+            self.notify("nothing to apply yet: run a tuning, or pick a trial", severity="warning")
+            return
+        if self.apply_view.state == "applying":
+            self.notify("an apply is in progress")
+            return
+        detail = f"{describe_config(target.config)}\n({target.label})"
+        if not target.significant:
+            detail += "\nNot a significant win over the baseline: the watch window will judge it."
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.apply_view = dataclasses.replace(self.apply_view, state="applying", message="")
+                self._apply(target)
+
+        self.push_screen(ConfirmScreen(f"Apply to run {self.backend.run_id}?", detail), confirmed)
+
+    @work(thread=True, exclusive=True, group="apply", exit_on_error=False, name="applying")
+    def _apply(self, target: ApplyTarget) -> None:
+        try:
+            result = self.backend.apply(target.config)
+        except TunekitError as exc:
+            self.call_from_thread(self._applied, "failed", str(exc), None)
+            return
+        state = (
+            "rolled_back"
+            if result.get("rolled_back")
+            else "relaunched"
+            if result.get("relaunching")
+            else "kept"
+        )
+        self.call_from_thread(self._applied, state, result.get("message", ""), result)
+
+    def _applied(self, state: str, message: str, result: Mapping[str, Any] | None) -> None:
+        self.apply_view = dataclasses.replace(
+            self.apply_view, state=state, message=message, result=result
+        )
+        self.notify(
+            message,
+            title=f"apply: {state.replace('_', ' ')}",
+            severity="information" if state in ("kept", "relaunched") else "error",
+        )
+
+    def action_rollback(self) -> None:
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.apply_view = dataclasses.replace(
+                    self.apply_view, state="rolling_back", message=""
+                )
+                self._rollback()
+
+        self.push_screen(
+            ConfirmScreen(
+                f"Roll run {self.backend.run_id} back to its config before the last apply?"
+            ),
+            confirmed,
+        )
+
+    @work(thread=True, exclusive=True, group="apply", exit_on_error=False, name="rolling back")
+    def _rollback(self) -> None:
+        try:
+            result = self.backend.rollback()
+        except TunekitError as exc:
+            self.call_from_thread(self._applied, "failed", str(exc), None)
+            return
+        self.call_from_thread(self._applied, "rolled_back", result.get("message", ""), result)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """A worker that raised: a notification, and the state it left behind undone."""
+        if event.state != WorkerState.ERROR:
+            return
+        worker = event.worker
+        message = one_line(worker.error) if worker.error is not None else "failed"
+        self.notify(message, title=f"{worker.name} failed", severity="error", timeout=10)
+        if worker.group == "apply":
+            self.apply_view = dataclasses.replace(self.apply_view, state="failed", message=message)

@@ -1,0 +1,193 @@
+"""``tunekit tui``: start a live job (or attach to one) and open the app.
+
+This module imports no Textual at import time, so registering the command
+costs the CLI nothing; the app is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+from tunekit.cli.common import console, err_console, split_names
+from tunekit.plugin_loading import load_all, select
+from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
+
+
+@click.command("tui")
+@click.argument("workload", required=False)
+@click.option(
+    "--attach",
+    "attach_run",
+    default=None,
+    metavar="RUN",
+    help="Watch a run started with `tunekit run` (an id, a path or 'latest') instead of starting one.",
+)
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Ranks of the job it starts.",
+)
+@click.option(
+    "--plugins",
+    "plugins",
+    multiple=True,
+    metavar="NAMES",
+    help="Tuners enabled at start (comma-separated; default: all that load).",
+)
+@click.option(
+    "--trials",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Candidate trials per tuning.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    default=16,
+    show_default=True,
+    help="Measured steps per trial.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Warm-up steps per trial.",
+)
+@click.option(
+    "--watch-window",
+    type=click.IntRange(min=2),
+    default=10,
+    show_default=True,
+    help="Steps compared before and after an apply (the job it starts).",
+)
+@click.option(
+    "--min-effect",
+    type=click.FloatRange(0, 1),
+    default=0.02,
+    show_default=True,
+    help="Slowdown beyond noise that rolls an apply back (the job it starts).",
+)
+@click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+)
+@click.option(
+    "--store",
+    "store_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".tunekit"),
+    show_default=True,
+    help="Study store folder (runs live in runs/).",
+)
+def tui_cmd(
+    workload,
+    attach_run,
+    nproc,
+    plugins,
+    trials,
+    steps,
+    warmup,
+    watch_window,
+    min_effect,
+    device,
+    store_dir,
+):
+    """Watch WORKLOAD train, tune it and apply the winner, interactively (default: example:cnn).
+
+    Starts WORKLOAD as a live job (`tunekit run`) and opens the app; quitting
+    checkpoints and stops that job. With --attach RUN it watches a job that is
+    already running and leaves it running on quit.
+    """
+    from tunekit.tui.app import DETACH, TunekitApp
+
+    if workload and attach_run:
+        raise click.UsageError("give WORKLOAD or --attach RUN, not both")
+    request = TuneRequest(plugins=split_names(plugins), trials=trials, steps=steps, warmup=warmup)
+    if request.plugins:
+        select(
+            load_all(), request.plugins
+        )  # an unknown or broken name: one line, before anything starts
+    if attach_run:
+        backend = attach(attach_run, store_dir, device=device)
+    else:
+        from tunekit.examples import DEFAULT_EXAMPLE
+
+        err_console.print(
+            f"starting {workload or f'example:{DEFAULT_EXAMPLE}'} on {nproc} rank(s) …"
+        )
+        job = JobProcess.start(
+            workload or f"example:{DEFAULT_EXAMPLE}",
+            nproc=nproc,
+            store_dir=store_dir,
+            watch_window=watch_window,
+            min_effect=min_effect,
+            device=device,
+        )
+        backend = LiveBackend(job.rd, store_dir, job=job, device=device)
+    app = TunekitApp(backend, request)
+    outcome = None
+    log_path = backend.store_dir / "tui" / f"{backend.run_id}-app.log"
+    try:
+        with children_write_to(log_path):
+            outcome = app.run()
+    finally:
+        crashed = app.return_code not in (0, None) or outcome is None
+        keep = not backend.owns_job or outcome == DETACH or crashed
+        if keep and backend.owns_job:
+            console.print(
+                f"run {backend.run_id} keeps running: `tunekit tui --attach {backend.run_id}` to watch it, "
+                f"`tunekit stop {backend.run_id}` to stop it"
+            )
+        elif backend.owns_job:
+            console.print(f"stopping run {backend.run_id} (checkpoint first) …")
+        backend.close(stop_job=not keep)
+        if not keep:
+            st = backend.rd.read_status()
+            console.print(
+                f"run {backend.run_id} {st.get('status')} at step {st.get('step')}; "
+                f"resume with `tunekit run --resume {backend.run_id}`"
+            )
+
+
+@contextlib.contextmanager
+def children_write_to(log_path: Path) -> Iterator[None]:
+    """While the app runs, file descriptors 1 and 2 go to ``log_path``; the app draws on the terminal.
+
+    The app's workers call core code that may start processes (the hardware
+    probe's ranks) or print from native code (torch warnings); either would
+    write over the screen. Textual draws on ``sys.__stderr__``, so that is
+    pointed at a duplicate of the terminal, and everything else that writes
+    to descriptor 1 or 2 — this process's native code and every child that
+    inherits them — lands in the log.
+    """
+    if not os.isatty(2):
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    saved_stderr = sys.__stderr__
+    terminal = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(log_path, "ab") as log:
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        sys.__stderr__ = os.fdopen(
+            terminal, "w", buffering=1, encoding=saved_stderr.encoding, closefd=False
+        )
+        try:
+            yield
+        finally:
+            sys.__stderr__.flush()
+            sys.__stderr__ = saved_stderr
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            os.close(terminal)

@@ -1,0 +1,97 @@
+"""Apply: the config running now beside the one to apply; apply with confirmation, the watch verdict, roll back."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Static
+
+from tunekit.tui.formatting import per_sample_rate, speedup
+from tunekit.tui.screens.base import TunekitScreen
+from tunekit.tui.state import ApplyView, LiveView
+from tunekit.tui.widgets import ConfigPanel
+
+STATE_STYLE = {
+    "kept": "bold green",
+    "rolled_back": "bold red",
+    "failed": "bold red",
+    "applying": "bold yellow",
+    "rolling_back": "bold yellow",
+    "relaunched": "bold cyan",
+    "idle": "dim",
+}
+
+
+def result_text(view: ApplyView, live: LiveView) -> Text:
+    """The last apply's outcome and the live watch window: before vs after."""
+    text = Text("last apply: ", style="bold")
+    text.append(view.state.replace("_", " "), style=STATE_STYLE.get(view.state, "bold"))
+    if view.message:
+        text.append(f" — {view.message}")
+    w = live.watch
+    if w:
+        text.append("\nwatch window: ", style="bold")
+        text.append(
+            f"{w.get('state', '').replace('_', ' ')} · before {per_sample_rate(w.get('before_s_per_sample'))}"
+            f" → after {per_sample_rate(w.get('after_s_per_sample'))}"
+        )
+        if w.get("speedup"):
+            ci = w.get("ci") or [None, None]
+            text.append(f" · {speedup(w['speedup'])} of before")
+            if ci[0] is not None:
+                text.append(f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})", style="dim")
+    return text
+
+
+class ApplyScreen(TunekitScreen):
+    """See the module docstring."""
+
+    BINDINGS = [
+        Binding("a", "app.apply", "Apply…"),
+        Binding("r", "app.rollback", "Roll back…"),
+        Binding("b", "app.target_best", "Use best"),
+    ]
+    FOLLOWS = (("apply_view", "show_apply"), ("live_view", "show_live"))
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="apply-line")
+        with Horizontal(id="configs"):
+            yield ConfigPanel(id="current", classes="config-box")
+            yield ConfigPanel(id="target", classes="config-box")
+        yield Static(id="apply-result")
+
+    def on_mount(self) -> None:
+        self.query_one("#current").border_title = "running now"
+        self.query_one("#target").border_title = "to apply"
+
+    def show_apply(self, view: ApplyView) -> None:
+        for state in STATE_STYLE:
+            self.set_class(view.state == state, f"-{state.replace('_', '-')}")
+        self.set_class(view.target is None, "-no-target")
+        line = Text()
+        if view.target is None:
+            line.append(
+                "nothing to apply yet: start a tuning (3, t) or pick a trial on the trials screen (4, enter)",
+                style="dim",
+            )
+        else:
+            line.append("to apply: ", style="bold")
+            line.append(view.target.label, style="" if view.target.significant else "yellow")
+            line.append(
+                "  a applies (asks first) · r rolls back · b takes the best again", style="dim"
+            )
+        self.query_one("#apply-line", Static).update(line)
+        self.show_live(self.tk.live_view)
+
+    def show_live(self, live: LiveView) -> None:
+        view = self.tk.apply_view
+        target = view.target.config if view.target else None
+        self.query_one("#current", ConfigPanel).show(live.config, target)
+        panel = self.query_one("#target", ConfigPanel)
+        if target is None:
+            panel.update(Text("—", style="dim"))
+        else:
+            panel.show(target, live.config)
+        self.query_one("#apply-result", Static).update(result_text(view, live))

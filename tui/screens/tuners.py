@@ -1,0 +1,170 @@
+"""Tuners: every installed plugin — loaded?, enabled?, applies?, its diagnosis, gain and planned candidates."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import DataTable, Label, Static
+
+from tunekit.tui.formatting import ms, pct
+from tunekit.tui.screens.base import TunekitScreen
+from tunekit.tui.state import StudyView, TunerView
+
+
+def applies_cell(t: TunerView) -> Text:
+    if not t.loaded:
+        return Text(t.status, style="red")
+    if t.state == "diagnosing":
+        return Text("…", style="yellow")
+    if t.state == "failed":
+        return Text("failed", style="red")
+    if t.applies is None:
+        return Text("—", style="dim")
+    return Text("yes", style="green") if t.applies else Text("no", style="dim")
+
+
+class TunerTable(DataTable):
+    """One row per plugin; space toggles whether the next tuning uses it."""
+
+    BINDINGS = [Binding("space", "toggle", "Enable/disable")]
+
+    class Toggled(Message):
+        """The user asked to enable or disable ``plugin``."""
+
+        def __init__(self, plugin: str):
+            super().__init__()
+            self.plugin = plugin
+
+    def __init__(self, **kwargs):
+        super().__init__(cursor_type="row", **kwargs)
+
+    def on_mount(self) -> None:
+        for col in ("use", "tuner", "aspect", "applies", "gain", "best predicted", "diagnosis"):
+            self.add_column(col, key=col)
+
+    def show(self, tuners: tuple[TunerView, ...]) -> None:
+        row = self.cursor_row
+        self.clear()
+        for t in tuners:
+            mark = Text("[x]", style="bold green") if t.enabled else Text("[ ]", style="dim")
+            best = min((c.predicted_s for c in t.candidates if c.predicted_s), default=None)
+            summary = t.summary or (t.error if not t.loaded else "")
+            self.add_row(
+                mark,
+                Text(t.name, style="bold" if t.enabled else "dim"),
+                t.aspect or "—",
+                applies_cell(t),
+                pct(t.expected_gain),
+                ms(best),
+                summary[:90] + ("…" if len(summary) > 90 else ""),
+                key=t.name,
+            )
+        if tuners:
+            self.move_cursor(row=min(row, len(tuners) - 1))
+
+    def action_toggle(self) -> None:
+        if self.row_count:
+            key = self.coordinate_to_cell_key(self.cursor_coordinate).row_key
+            self.post_message(self.Toggled(str(key.value)))
+
+
+class CandidateTable(DataTable):
+    """The highlighted tuner's planned candidates, best predicted first."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+
+    def on_mount(self) -> None:
+        for col in ("#", "config", "predicted step", "why"):
+            self.add_column(col, key=col)
+
+    def show(self, tuner: TunerView | None) -> None:
+        self.clear()
+        for i, c in enumerate(tuner.candidates if tuner else (), 1):
+            self.add_row(str(i), c.description, ms(c.predicted_s), c.rationale)
+
+
+def detail_text(t: TunerView | None) -> Text:
+    if t is None:
+        return Text("no plugins installed", style="dim")
+    text = Text(t.name, style="bold")
+    text.append(f" — {t.title or '?'} · aspect {t.aspect or '?'} · {t.package}\n", style="dim")
+    if not t.loaded:
+        text.append(f"{t.status}: {t.error}", style="red")
+        return text
+    if t.state == "failed":
+        text.append(t.summary, style="red")
+    elif t.summary:
+        text.append(
+            ("applies: " if t.applies else "does not apply: "),
+            style="green" if t.applies else "yellow",
+        )
+        text.append(t.summary)
+    else:
+        text.append("not diagnosed yet: press d, or start a tuning with t", style="dim")
+    return text
+
+
+def tune_line(study: StudyView, settings: str, enabled: int) -> Text:
+    if study.running:
+        text = Text("tuning: ", style="bold")
+        text.append(
+            f"running · trial {study.index}/{study.total} · {study.message}", style="yellow"
+        )
+        text.append(" · 4 shows the trials, x cancels", style="dim")
+        return text
+    text = Text("tuning: ", style="bold")
+    text.append(f"{study.state} · " if study.state != "idle" else "")
+    text.append(
+        f"t starts {settings} with the {enabled} enabled tuner(s) · d diagnoses them now",
+        style="dim",
+    )
+    return text
+
+
+class TunersScreen(TunekitScreen):
+    """See the module docstring."""
+
+    BINDINGS = [
+        Binding("d", "app.diagnose", "Diagnose"),
+        Binding("t", "app.tune", "Tune"),
+        Binding("x", "app.cancel_tuning", "Cancel tuning"),
+    ]
+    FOLLOWS = (("tuner_views", "show_tuners"), ("study_view", "show_study"))
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="tune-line")
+        yield TunerTable(id="tuners")
+        yield Static(id="tuner-detail")
+        yield Label("planned candidates", classes="section")
+        yield CandidateTable(id="candidates")
+
+    def highlighted(self) -> TunerView | None:
+        table = self.query_one(TunerTable)
+        tuners = self.tk.tuner_views
+        if not tuners or not table.row_count:
+            return None
+        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        return next((t for t in tuners if t.name == key), None)
+
+    def show_tuners(self, tuners: tuple[TunerView, ...]) -> None:
+        self.query_one(TunerTable).show(tuners)
+        self._show_detail()
+        self.show_study(self.tk.study_view)
+
+    def show_study(self, study: StudyView) -> None:
+        enabled = sum(t.enabled for t in self.tk.tuner_views)
+        self.query_one("#tune-line", Static).update(
+            tune_line(study, self.tk.tune_request.describe(), enabled)
+        )
+
+    def _show_detail(self) -> None:
+        t = self.highlighted()
+        self.query_one("#tuner-detail", Static).update(detail_text(t))
+        self.query_one(CandidateTable).show(t)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.data_table.id == "tuners":
+            self._show_detail()
