@@ -93,7 +93,8 @@ def run(args) -> int:
     ]
     lo, hi = np.percentile(ratios, [2.5, 97.5])
     print(
-        f"example:cnn, {args.nproc} gloo ranks, {len(measured)} measured steps, "
+        f"example:cnn, {args.nproc} rank(s) ({out.ranks[0].get('device', 'cpu') if out.ranks else 'cpu'}), "
+        f"{len(measured)} measured steps, "
         f"{len([w for w in windows if w[2] is not None])} windows of {args.window:.0f} s; "
         f"telemetry every {args.interval} s, py-spy every {args.pyspy_interval} s"
     )

@@ -42,6 +42,7 @@ from tunekit.events import (
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.graph import ModelGraph, trace_model
+from tunekit.observe.kineto import start_profiler_in_main_thread
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
@@ -208,9 +209,13 @@ def observe_static(
             try:
                 profile = profile_layers(model, example, graph, device=device_type, warmup=1, repeats=3,
                                          hardware_fingerprint=hw.fingerprint())
+            except Exception as exc:  # the workload's own code failed; the baseline trial reports it
+                notices.append(f"could not time the model's layers ({type(exc).__name__}: {exc}); "
+                               "tuners fall back to the whole-step measurements")
             finally:
                 torch.set_num_threads(before)
-            store.cache_put(key, profile.to_dict())
+            if profile is not None:
+                store.cache_put(key, profile.to_dict())
     return StaticObservation(spec, wl, summary, graph, profile, hw, device_type, notices)
 
 
@@ -252,6 +257,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             observe_static, s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
             s.launch.threads_per_rank, True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1)
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
+        start_profiler_in_main_thread()  # before any tuner profiles from a worker thread
         for notice in static.notices:
             yield Notice(notice, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())

@@ -5,6 +5,7 @@ import time
 import torch
 from torch import nn
 
+from tunekit.examples.cnn import make_batch as cnn_batch
 from tunekit.examples.cnn import workload as cnn_workload
 from tunekit.workload import Workload
 
@@ -72,3 +73,16 @@ def factory_fails():
 
 def cnn():
     return cnn_workload()
+
+
+def light_cnn() -> Workload:
+    """The demo CNN on small batches that wait for their data: a live job that
+    leaves most of the CPU to the trials and tests running beside it."""
+    w = cnn_workload()
+
+    def make_batch(n, gen):
+        time.sleep(0.03)  # an input pipeline waiting on storage
+        return cnn_batch(n, gen)
+
+    w.make_batch, w.batch_size, w.batch_range = make_batch, 8, (2, 64)
+    return w

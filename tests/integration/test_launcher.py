@@ -39,7 +39,7 @@ def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
 
 def test_a_hanging_workload_is_killed_as_a_hang(tmp_path):
     start = time.monotonic()
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=20), tmp_path)
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=10), tmp_path)
     assert out.status == "hang"
     assert time.monotonic() - start < 45
     assert not _alive(tmp_path)  # the whole process group is gone

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import chaos_pythonpath, run_cli
+from support import WORKLOADS, chaos_pythonpath, run_cli
 
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
@@ -21,6 +21,7 @@ from tunekit.runtime.supervisor import client, wait_for
 pytestmark = pytest.mark.slow
 
 BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
+LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside the job
 
 
 def start_run(cwd: Path, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
@@ -52,15 +53,16 @@ def steps_of(rd: RunDir) -> list[int]:
 
 
 def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
-    steps = 60
+    steps = 40
+    # Both jobs at once: same seeds, same maths, whatever else shares the CPU.
     plain = start_run(tmp_path, "example:cnn", "--steps", str(steps), "--name", "plain")
-    assert plain.wait(timeout=300) == 0, plain.stdout.read()
     changed = start_run(tmp_path, "example:cnn", "--steps", str(steps), "--name", "changed")
     rd = rundir(tmp_path, "changed")
     wait_step(rd, 5)
     reply = client(rd).request("apply", config=json.loads(BUCKETS))
     assert 5 <= reply["step"] < steps
     assert changed.wait(timeout=300) == 0, changed.stdout.read()
+    assert plain.wait(timeout=300) == 0, plain.stdout.read()
 
     assert steps_of(rd) == list(range(steps))  # no step lost or repeated
     assert len({m["config_id"] for m in rd.read_metrics()}) == 2
@@ -69,12 +71,54 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
 
 
+def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
+    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
+    rd = rundir(tmp_path, "elastic")
+    wait_step(rd, 4)
+    for n in (1, 2):
+        res = run_cli("apply", "elastic", '{"plugins": {}}', "--nproc", str(n), cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert f"relaunching with {n} rank(s)" in res.stdout
+        at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)["step"]
+        wait_step(rd, at + 3)
+    assert run_cli("stop", "elastic", cwd=tmp_path).returncode == 0
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    metrics = rd.read_metrics()
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # nothing lost or repeated
+    sizes = [m["world_size"] for m in metrics]
+    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
+    assert [sizes[0], *(sizes[i] for i in changes)] == [2, 1, 2]
+    for i in changes:  # the loss curve continues across relaunches
+        assert abs(metrics[i]["loss"] - metrics[i - 1]["loss"]) < 0.5
+    relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"]
+    assert [e["nproc"] for e in relaunches] == [1, 2]
+    assert [e["step"] for e in relaunches] == [metrics[i]["step"] for i in changes]  # resumed at the same step
+
+
+def test_a_crash_leaves_the_run_resumable(tmp_path):
+    proc = start_run(tmp_path, "example:cnn", "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
+    rd = rundir(tmp_path, "fragile")
+    st = wait_step(rd, 12)
+    os.kill(st["pid"], signal.SIGKILL)  # rank 0 dies mid-training
+    assert proc.wait(timeout=300) == 1
+    st = rd.read_status()
+    assert st["status"] == "crashed"
+    json.loads(rd.run_file.read_text())  # still readable
+    resumed = start_run(tmp_path, "--resume", "fragile")
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+    assert steps_of(rd) == list(range(40))
+    assert rd.read_status()["status"] == "finished"
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """One job that trains until stopped, with the fault-injection plugin installed."""
+    """One job that trains until stopped, with the fault-injection plugin installed.
+
+    Tests that must not have it running beside them come before the first that uses it.
+    """
     cwd = tmp_path_factory.mktemp("live")
     env = chaos_pythonpath()
-    proc = start_run(cwd, "example:cnn", "--name", "job", "--watch-window", "6", env_extra=env)
+    proc = start_run(cwd, LIGHT, "--name", "job", "--watch-window", "6", env_extra=env)
     rd = rundir(cwd, "job")
     wait_step(rd, 3)
     yield cwd, rd, env
@@ -151,7 +195,7 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
 
 def test_auto_applies_its_winner_to_the_live_job(live):
     cwd, rd, env = live
-    res = run_cli("auto", "example:cnn", "--plugins", "overlap_chunking", "--trials", "1", "--steps", "4",
+    res = run_cli("auto", LIGHT, "--plugins", "overlap_chunking", "--trials", "1", "--steps", "4",
                   "--warmup", "1", "--no-probe", "--apply", "job", "--json", cwd=cwd, env_extra=env)
     assert res.returncode == 0, res.stderr
     events = [json.loads(line) for line in res.stdout.splitlines()]
@@ -171,42 +215,3 @@ def test_subscribe_streams_metrics(live):
     stream = client(rd).subscribe()
     first, second = next(stream), next(stream)
     assert second["step"] == first["step"] + 1 and second["loss"] > 0
-
-
-def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
-    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
-    rd = rundir(tmp_path, "elastic")
-    wait_step(rd, 4)
-    for n in (1, 2):
-        res = run_cli("apply", "elastic", '{"plugins": {}}', "--nproc", str(n), cwd=tmp_path)
-        assert res.returncode == 0, res.stderr
-        assert f"relaunching with {n} rank(s)" in res.stdout
-        at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)["step"]
-        wait_step(rd, at + 3)
-    assert run_cli("stop", "elastic", cwd=tmp_path).returncode == 0
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()
-    metrics = rd.read_metrics()
-    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # nothing lost or repeated
-    sizes = [m["world_size"] for m in metrics]
-    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
-    assert [sizes[0], *(sizes[i] for i in changes)] == [2, 1, 2]
-    for i in changes:  # the loss curve continues across relaunches
-        assert abs(metrics[i]["loss"] - metrics[i - 1]["loss"]) < 0.5
-    relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"]
-    assert [e["nproc"] for e in relaunches] == [1, 2]
-    assert [e["step"] for e in relaunches] == [metrics[i]["step"] for i in changes]  # resumed at the same step
-
-
-def test_a_crash_leaves_the_run_resumable(tmp_path):
-    proc = start_run(tmp_path, "example:cnn", "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
-    rd = rundir(tmp_path, "fragile")
-    st = wait_step(rd, 12)
-    os.kill(st["pid"], signal.SIGKILL)  # rank 0 dies mid-training
-    assert proc.wait(timeout=300) == 1
-    st = rd.read_status()
-    assert st["status"] == "crashed"
-    json.loads(rd.run_file.read_text())  # still readable
-    resumed = start_run(tmp_path, "--resume", "fragile")
-    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
-    assert steps_of(rd) == list(range(40))
-    assert rd.read_status()["status"] == "finished"

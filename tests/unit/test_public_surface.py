@@ -181,7 +181,10 @@ CLI_SURFACE = {
 def cli_surface(command: click.Command = cli, path: str = "") -> dict[str, list[str]]:
     """Every (sub)command -> its arguments (upper case) and options, in declaration order."""
     out: dict[str, list[str]] = {}
-    for name, sub in sorted(getattr(command, "commands", {}).items()):
+    ctx = click.Context(command)
+    names = command.list_commands(ctx) if isinstance(command, click.Group) else []
+    for name in sorted(names):
+        sub = command.get_command(ctx, name)
         key = f"{path} {name}".strip()
         out[key] = [
             p.name.upper() if isinstance(p, click.Argument) else "/".join(p.opts + p.secondary_opts)

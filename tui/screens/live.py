@@ -94,8 +94,20 @@ class DevicePanel(Vertical):
         for key, name, _ in self.ROWS:
             yield MetricRow(name, classes=f"metric-{key}")
 
+    _pending: DeviceView | None = None
+
+    def on_mount(self) -> None:
+        if self._pending is not None:
+            self.show(self._pending)
+
     def show(self, device: DeviceView) -> None:
-        self.query_one(".device-title", Label).update(f"GPU {device.index} {device.name}".rstrip())
+        titles = self.query(".device-title").results(Label)
+        title = next(titles, None)
+        if title is None:  # not composed yet (a busy machine): shown once mounted
+            self._pending = device
+            return
+        self._pending = None
+        title.update(f"GPU {device.index} {device.name}".rstrip())
         for key, _, get in self.ROWS:
             values, text = get(device)
             self.query_one(f".metric-{key}", MetricRow).show(

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import nnls
 
 from tunekit.hardware import GB, CollectiveFit, Hardware
 from tunekit.observe.local import describe_local_machine
@@ -87,6 +86,8 @@ def fit_latency_bandwidth(
     if np.any(t <= 0):
         raise ValueError("measured times must be positive")
     a = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
+    from scipy.optimize import nnls  # here: scipy costs every command a third of a second
+
     (lat, inv_bw), _ = nnls(a, np.ones_like(t))
     pred = lat + inv_bw * x
     residual = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))

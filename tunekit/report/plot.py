@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never a window
-import matplotlib.pyplot as plt  # noqa: E402
-
 COLOURS = {"baseline": "#7f7f7f", "candidate": "#1f77b4", "combined": "#9467bd", "search": "#2ca02c"}
 
 
 def plot_trials(data: dict[str, Any], path: Path) -> None:
+    import matplotlib  # here: a quarter second every command would pay otherwise
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
     trials = [t for t in data["trials"] if t["step_s"]]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(data["trials"]) + 2), 4), dpi=110)
     for t in trials:

@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tunekit.errors import ControlError
 
 RUNS_DIR = "runs"
@@ -182,6 +180,8 @@ class RunDir:
     def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
         path = self.checkpoints / f"step-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
+        import torch  # here: the control commands read run folders without importing torch
+
         torch.save(state, tmp)
         tmp.replace(path)
         for old in sorted(self.checkpoints.glob("step-*.pt"))[:-KEEP_CHECKPOINTS]:
@@ -195,5 +195,7 @@ class RunDir:
 
     @staticmethod
     def load_checkpoint(path: Path) -> dict[str, Any]:
+        import torch
+
         # Tensors, numbers and strings only: nothing is unpickled beyond that.
         return torch.load(path, map_location="cpu", weights_only=True)

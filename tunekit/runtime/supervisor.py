@@ -23,8 +23,9 @@ from tunekit.errors import ControlError, TunekitError
 from tunekit.plugin_loading import available_tuners
 from tunekit.runtime.control import ControlClient
 from tunekit.runtime.rundir import RunDir
-from tunekit.trials.launcher import LaunchOptions, agent_commands, launch_env
-from tunekit.workload import load_workload, resolve_spec
+
+# The launcher and workloads (and so torch) are imported where a job starts:
+# `tunekit status|apply|stop|...` only talk to the job's socket.
 
 
 def create_run(
@@ -42,6 +43,8 @@ def create_run(
     name: str | None = None,
 ) -> RunDir:
     """Check the inputs here, in one clear line each, then create the run directory."""
+    from tunekit.workload import load_workload, resolve_spec
+
     spec = resolve_spec(workload)
     load_workload(spec)
     config = config or TuningConfig()
@@ -70,6 +73,8 @@ def client(rd: RunDir, timeout_s: float = 600.0) -> ControlClient:
 
 def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_s: float = 0.5) -> int:
     """Run the job to its end; 0 when it finished or stopped, 1 when it crashed."""
+    from tunekit.trials.launcher import LaunchOptions, agent_commands, launch_env
+
     rolled_back_after_crash = False
     launches = 0
     while True:

@@ -2,7 +2,9 @@
 
 Each trial runs in its own process session, so that a crash, an
 out-of-memory or a hang fails the trial and not the tuner: on timeout the
-whole process group (torchrun agent and its workers) is killed.
+whole process group (torchrun agent and its workers) is killed. On Linux the
+agent also gets SIGTERM when tunekit itself dies, however it dies, so that
+an interrupted study leaves no trial running (or hanging) behind it.
 
 Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
 ``oom`` (a rank ran out of memory); ``hang`` (the trial outlived its timeout).
@@ -11,6 +13,7 @@ Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
@@ -128,6 +131,22 @@ def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.
     return [base + ["--standalone"] + worker]
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A pre-exec hook: the child is sent SIGTERM when ``parent`` exits (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def hook() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the hook was set
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
 def launch_env(opts: LaunchOptions) -> dict[str, str]:
     env = dict(os.environ)
     local_ranks = opts.nproc * opts.loopback_nodes
@@ -160,7 +179,8 @@ async def run_trial(
         logs.append(log)
         procs.append(
             await asyncio.create_subprocess_exec(
-                *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
+                *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
             )
         )
     timed_out = stopped_after_results = False
