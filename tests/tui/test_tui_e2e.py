@@ -1,9 +1,10 @@
-"""End to end, for real: the app on a live job (the demo CNN, light on CPU) with 2 gloo ranks.
+"""End to end, for real: the app on a live `example:cnn` job with 2 gloo ranks.
 
 A small tuning is started from the tuners screen, the best config (or, when
 the decision kept the baseline, the best measured candidate) is applied from
 the apply screen after confirmation, and the live job is checked to run it.
-Then the command itself in a pseudo-terminal: start, draw, quit, job stopped.
+Then the command itself in a pseudo-terminal (on a job light on CPU): start,
+draw, quit, job stopped.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, w
     store = tmp_path / ".tunekit"
     # On this shared 2-core machine the trials slow the job down while they run; only a
     # slowdown beyond 2x rolls the apply back, so the check sees the config that was applied.
-    job = JobProcess.start(f"{WORKLOADS}:light_cnn", nproc=2, store_dir=store, watch_window=6, min_effect=0.5)
+    job = JobProcess.start("example:cnn", nproc=2, store_dir=store, watch_window=6, min_effect=0.5)
     backend = LiveBackend(job.rd, store, job=job)
     request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=6, warmup=1)
     try:

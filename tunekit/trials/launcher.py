@@ -13,7 +13,6 @@ Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
@@ -131,20 +130,26 @@ def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.
     return [base + ["--standalone"] + worker]
 
 
-_PR_SET_PDEATHSIG = 1
+# Runs before torchrun in the agent's own process, then becomes torchrun (exec keeps
+# the death signal). Doing this in a pre-exec hook instead is unsafe in a process
+# with threads (the TUI, telemetry), which Python's docs warn may deadlock.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('tunekit exited before the trial started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A pre-exec hook: the child is sent SIGTERM when ``parent`` exits (Linux only)."""
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd``, made to get SIGTERM when this process exits, however it exits.
+
+    On Linux only; elsewhere ``cmd`` is returned unchanged.
+    """
     if not sys.platform.startswith("linux"):
-        return None
-
-    def hook() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the hook was set
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook
+        return cmd
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def launch_env(opts: LaunchOptions) -> dict[str, str]:
@@ -179,8 +184,8 @@ async def run_trial(
         logs.append(log)
         procs.append(
             await asyncio.create_subprocess_exec(
-                *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                *die_with_parent(cmd), stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=True,
             )
         )
     timed_out = stopped_after_results = False
