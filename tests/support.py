@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 DATA = Path(__file__).parent / "data"
 CHAOS_PLUGIN = DATA / "chaos_plugin"
 WORKLOADS = DATA / "workloads.py"
@@ -26,3 +28,15 @@ def chaos_pythonpath() -> dict[str, str]:
     """Environment that puts the fault-injection plugin where entry-point discovery finds it."""
     path = os.pathsep.join([str(CHAOS_PLUGIN), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {"PYTHONPATH": path}
+
+
+def live_rank_pids(root: Path) -> list[int]:
+    """Trial rank processes still running among those that wrote ``pids/rank*`` below ``root``."""
+    alive = []
+    for pid in {int(p.read_text()) for p in Path(root).glob("**/pids/rank*")}:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

@@ -11,6 +11,7 @@ fails becomes a notification, never a crash.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -409,10 +410,8 @@ class TunekitApp(App[str]):
             self._call_ui(self._tuning_ended, "failed", one_line(exc))
 
     def _call_ui(self, fn, *args) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the app is closing: nothing left to update
             self.call_from_thread(fn, *args)
-        except RuntimeError:
-            pass  # the app is closing
 
     def _tuning_event(self, ev: Event, config: Mapping[str, Any] | None) -> None:
         if isinstance(ev, Notice) and ev.message in self._said:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import console, err_console, split_names
+from tunekit.cli.common import STORE_OPTION, console, err_console, split_names
 from tunekit.plugin_loading import load_all, select
 from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
 
@@ -80,14 +80,7 @@ from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
 @click.option(
     "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
 )
-@click.option(
-    "--store",
-    "store_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path(".tunekit"),
-    show_default=True,
-    help="Study store folder (runs live in runs/).",
-)
+@STORE_OPTION
 def tui_cmd(
     workload,
     attach_run,

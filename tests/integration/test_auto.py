@@ -9,9 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from support import WORKLOADS
+from support import WORKLOADS, live_rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -107,15 +106,7 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
 
 def _wait_until_gone(trials: Path, timeout: float) -> None:
     """Every trial process that wrote a pid file under ``trials`` has exited."""
-    pids = {int(p.read_text()) for p in trials.glob("**/pids/rank*")}
     deadline = time.monotonic() + timeout
-    while (alive := [p for p in pids if _running(p)]):
+    while alive := live_rank_pids(trials):
         assert time.monotonic() < deadline, f"trial processes still running: {alive}"
         time.sleep(0.5)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -3,18 +3,12 @@
 import os
 import time
 
-import psutil
 import pytest
-from support import WORKLOADS, chaos_pythonpath
+from support import WORKLOADS, chaos_pythonpath, live_rank_pids
 
 from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(trial_dir):
-    pids = [int(p.read_text()) for p in (trial_dir / "pids").glob("rank*")]
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_ok_trial_reports_every_rank_and_progress(tmp_path):
@@ -34,7 +28,7 @@ def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
     out = run_trial_sync(TrialSpec(f"{WORKLOADS}:raises", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=120), tmp_path)
     assert out.status == "crash"
     assert "workload exploded on purpose" in out.error
-    assert not _alive(tmp_path)
+    assert not live_rank_pids(tmp_path)
 
 
 def test_a_hanging_workload_is_killed_as_a_hang(tmp_path):
@@ -42,7 +36,7 @@ def test_a_hanging_workload_is_killed_as_a_hang(tmp_path):
     out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=10), tmp_path)
     assert out.status == "hang"
     assert time.monotonic() - start < 45
-    assert not _alive(tmp_path)  # the whole process group is gone
+    assert not live_rank_pids(tmp_path)  # the whole process group is gone
 
 
 def test_out_of_memory_is_classified(tmp_path, monkeypatch):
