@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -40,3 +41,34 @@ def live_rank_pids(root: Path) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+# -- rank functions for run_ranks (importable by name in spawned ranks) -----------------------
+
+
+def rank_pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def rank_state_then_spoil(rank: int, world: int) -> tuple[float, int, bool]:
+    """What a call starts with; then leaves the process changed for the next call."""
+    import torch
+
+    start = (torch.rand(1).item(), torch.get_num_threads(), torch.is_grad_enabled())
+    torch.manual_seed(1234 + rank)
+    torch.set_num_threads(2)
+    torch.set_grad_enabled(False)
+    return start
+
+
+def rank_one_raises(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one broke on purpose")
+    dist.barrier()  # left waiting for rank 1
+    return rank
+
+
+def rank_sleeps(rank: int, world: int, seconds: float) -> None:
+    time.sleep(seconds)

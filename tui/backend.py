@@ -54,6 +54,8 @@ class TuneRequest:
     warmup: int = 3
     timeout_s: float = 300.0
     min_effect: float = 0.01
+    pause_job: bool = True
+    """Hold the attached job at a step boundary while the trials measure the machine."""
 
     def describe(self) -> str:
         return f"{self.trials} trial(s) × {self.steps} steps (+{self.warmup} warm-up)"
@@ -438,8 +440,12 @@ class LiveBackend(Backend):
             out_dir=self.out_dir / "tuning",
             store_dir=self.store_dir,
             device=self.device,
+            pause_run=self.rd if request.pause_job and self._job_running() else None,
         )
         return run_auto(settings)
+
+    def _job_running(self) -> bool:
+        return self.rd.read_status().get("status") == "running"
 
     def trial_config(self, study_id: int, trial_id: int) -> dict[str, Any] | None:
         from tunekit.store import Store

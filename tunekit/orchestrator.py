@@ -9,6 +9,7 @@ writes to the study store, so an interrupted study resumes where it stopped
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import shutil
@@ -23,7 +24,7 @@ import torch
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Tuner
-from tunekit.errors import ConfigError, TunekitError
+from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     Decided,
     Diagnosed,
@@ -49,6 +50,7 @@ from tunekit.observe.observation import Measurement, ModelSummary, Observation, 
 from tunekit.observe.probe import probe_hardware
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.plugin_loading import load_all, select
+from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyCache, StudyRow, TrialRow
 from tunekit.trials.decide import (
     BASELINE,
@@ -96,6 +98,10 @@ class AutoSettings:
     """Measure this machine's collectives once (cached) when no probe is stored."""
     search_steps: int = 60
     """Training steps an in-job search (a tuner's ``search`` hook) may use."""
+    pause_run: RunDir | None = None
+    """A live job on this machine to hold at a step boundary while the study measures
+    (it would slow the trials, and they it); it resumes when the trials end, fail or
+    tunekit exits."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -247,12 +253,16 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     run = _Run(s)
     store = Store.open_default(s.store_dir)
     sid: int | None = None
+    held = contextlib.ExitStack()  # the live job's pause, if any
     try:
         records = load_all()
         tuners = select(records, s.plugins)
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        if s.pause_run is not None:
+            paused = await _pause(held, s.pause_run, s.workload)
+            yield paused
         static = await asyncio.to_thread(
             observe_static, s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
             s.launch.threads_per_rank, True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1)
@@ -311,6 +321,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             yield ev
         async for ev in _confirm_leader(run, store, sid, spec, tuners):
             yield ev
+        if s.pause_run is not None and paused.level == "info":
+            held.close()
+            yield Notice(f"run {s.pause_run.run_id} resumed")
 
         decision = decide(store.trials(sid), s.min_effect, _describer(tuners))
         decision["global_batch"] = obs.global_batch
@@ -328,7 +341,20 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             store.set_study(sid, status="interrupted")
         raise
     finally:
+        held.close()
         store.close()
+
+
+async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> Notice:
+    """Hold the live job for as long as ``held`` is open; say what happened either way."""
+    from tunekit.runtime.supervisor import client
+
+    pause = client(rd).paused(f"tunekit auto is measuring {workload}")
+    try:
+        reply = await asyncio.to_thread(held.enter_context, pause)
+    except ControlError as exc:
+        return Notice(f"run {rd.run_id} could not be paused ({exc}); the trials share the machine with it", "warning")
+    return Notice(f"run {rd.run_id} paused at step {reply['paused_at']} while the trials measure this machine")
 
 
 def _describer(tuners: Mapping[str, Tuner]):

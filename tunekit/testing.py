@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tunekit import API_VERSION
+from tunekit import API_VERSION, rank_pool
 from tunekit.config import TuningConfig
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, Link
@@ -108,11 +108,32 @@ def _rank_main(rank: int, fn: Callable, world: int, port: int, out_dir: str, arg
         value = fn(rank, world, *args)
         torch.save({"ok": True, "value": value}, result_path)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        torch.save({"ok": False, "error": traceback.format_exc(), "t": time.time()}, result_path)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _spawn_ranks(fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, timeout_s: float) -> None:
+    ctx = mp.start_processes(
+        _rank_main,
+        args=(fn, nproc, free_port(), out_dir, args),
+        nprocs=nproc,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        pass  # the rank's own result file says what happened
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
 
 
 def run_ranks(
@@ -123,37 +144,24 @@ def run_ranks(
     ``fn`` must be importable by name (a module-level function) because each
     rank is a fresh interpreter. Values travel back with ``torch.save``, so
     tensors are fine. A failure on any rank raises ``RuntimeError`` with that
-    rank's traceback.
+    rank's traceback. With ``TUNEKIT_REUSE_RANKS=1`` the ranks are kept for the
+    next call (:mod:`tunekit.rank_pool`; tunekit's own test suite does this).
     """
     with tempfile.TemporaryDirectory(prefix="tunekit-ranks-") as out_dir:
-        ctx = mp.start_processes(
-            _rank_main,
-            args=(fn, nproc, free_port(), out_dir, args),
-            nprocs=nproc,
-            join=False,
-            start_method="spawn",
-        )
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            pass  # the rank's own result file says what happened
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = []
-        for rank in range(nproc):
-            path = Path(out_dir) / f"rank{rank}.pt"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} died without a result")
-            res = torch.load(path, weights_only=False)
-            if not res["ok"]:
-                raise RuntimeError(f"rank {rank} failed:\n{res['error']}")
-            results.append(res["value"])
-        return results
+        if rank_pool.enabled():
+            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, free_port(), out_dir, args), timeout_s)
+        else:
+            _spawn_ranks(fn, nproc, out_dir, args, timeout_s)
+        paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]
+        found = [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
+    failed = [(res["t"], rank, res["error"]) for rank, res in enumerate(found) if res and not res["ok"]]
+    if failed:  # the first to fail; the others mostly fail because it left them waiting
+        _, rank, error = min(failed)
+        raise RuntimeError(f"rank {rank} failed:\n{error}")
+    for rank, res in enumerate(found):
+        if res is None:
+            raise RuntimeError(f"rank {rank} died without a result")
+    return [res["value"] for res in found]
 
 
 @contextmanager

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from tunekit.errors import ConfigError
 from tunekit.plugins.batch_ps_sizing.measure import is_out_of_memory, release_memory
@@ -351,6 +350,8 @@ def choose_algorithms(
     sizes = [len(opts) for opts in layers]
     if min(sizes) < 1:
         raise ConfigError("every layer needs at least one algorithm option")
+    from scipy.optimize import Bounds, LinearConstraint, milp  # 0.3 s to import: only when solving
+
     n = sum(sizes)
     cost = np.array([o.time_s for opts in layers for o in opts], dtype=float)
     memory = np.array([[o.memory_bytes for opts in layers for o in opts]], dtype=float)

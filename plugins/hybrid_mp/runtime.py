@@ -651,7 +651,8 @@ def _broadcast_json(obj: Any, src: int, group) -> Any:
 # -- installing --------------------------------------------------------------------------------
 
 
-_MESHES: dict[tuple[int, int], Any] = {}
+_MESHES: dict[tuple[int, int], tuple[Any, Any]] = {}
+"""(world, mp) -> (the default process group it was built in, the mesh)."""
 
 
 def make_groups(
@@ -667,14 +668,14 @@ def make_groups(
     if world == 1:
         return None, None, None
     key = (world, mp)
-    if key not in _MESHES:
+    world_group = dist.group.WORLD
+    built_in, mesh = _MESHES.get(key, (None, None))
+    if mesh is None or built_in is not world_group:  # a new process group: the old groups are gone
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        _MESHES[key] = init_device_mesh(
-            device_type, (world // mp, mp), mesh_dim_names=("data", "model")
-        )
-    mesh = _MESHES[key]
+        mesh = init_device_mesh(device_type, (world // mp, mp), mesh_dim_names=("data", "model"))
+        _MESHES[key] = (world_group, mesh)
     return mesh.get_group("data"), mesh.get_group("model"), mesh
 
 

@@ -72,7 +72,7 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
-    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
+    proc = start_run(tmp_path, LIGHT, "--name", "elastic")  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
     for n in (1, 2):
@@ -81,7 +81,11 @@ def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
         assert f"relaunching with {n} rank(s)" in res.stdout
         at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)["step"]
         wait_step(rd, at + 3)
-    assert run_cli("stop", "elastic", cwd=tmp_path).returncode == 0
+    holder, _ = hold_pause(tmp_path, "elastic")  # a stop goes through a pause
+    try:
+        assert run_cli("stop", "elastic", cwd=tmp_path).returncode == 0
+    finally:
+        holder.kill()
     assert proc.wait(timeout=300) == 0, proc.stdout.read()
     metrics = rd.read_metrics()
     assert [m["step"] for m in metrics] == list(range(len(metrics)))  # nothing lost or repeated
@@ -95,8 +99,26 @@ def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
     assert [e["step"] for e in relaunches] == [metrics[i]["step"] for i in changes]  # resumed at the same step
 
 
+HOLD = """
+import sys, time
+from pathlib import Path
+from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.supervisor import client
+with client(RunDir.find(sys.argv[1], Path(sys.argv[2]))).paused("held by a child") as reply:
+    print(reply["paused_at"], flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_pause(cwd: Path, run: str) -> tuple[subprocess.Popen, int]:
+    """A separate process that pauses ``run`` and holds the pause until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, run, str(cwd / ".tunekit")], cwd=cwd,
+                            stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
 def test_a_crash_leaves_the_run_resumable(tmp_path):
-    proc = start_run(tmp_path, "example:cnn", "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
+    proc = start_run(tmp_path, LIGHT, "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
     rd = rundir(tmp_path, "fragile")
     st = wait_step(rd, 12)
     os.kill(st["pid"], signal.SIGKILL)  # rank 0 dies mid-training
@@ -202,12 +224,43 @@ def test_auto_applies_its_winner_to_the_live_job(live):
     decision = next(e for e in events if e["event"] == "Decided")["decision"]
     applied = next(e for e in events if e["event"] == "Applied")
     running = rd.read_status()["config"]["plugins"]
+    # The job was held while the trials measured the machine, and went on after.
+    notices = [e["message"] for e in events if e["event"] == "Notice"]
+    assert any(n.startswith("run job paused at step") for n in notices) and "run job resumed" in notices
+    paused, resumed = [e for e in rd.read_events() if e["kind"] in ("paused", "resumed")][-2:]
+    assert (paused["kind"], resumed["kind"]) == ("paused", "resumed") and paused["step"] == resumed["step"]
     if decision["winner"] == "baseline":
         assert applied["applied"] is False and "the baseline stays" in applied["message"]
     else:
         assert "applied at step" in applied["message"]
         if not applied.get("rolled_back"):
             assert running == decision["winner_config"]["plugins"]
+
+
+def test_a_pause_holds_every_rank_until_its_holder_lets_go(live):
+    cwd, rd, env = live
+    c = client(rd)
+    with c.paused("a test") as reply:
+        at = reply["paused_at"]
+        status = c.request("status")
+        assert status["status"] == "paused" and status["paused"] == {"step": at, "reason": "a test"}
+        time.sleep(1.0)  # about 15 steps of this job
+        assert c.request("status")["step"] == at
+        with pytest.raises(ControlError, match=r"the job is paused \(a test\); apply is refused"):
+            c.request("apply", config={"plugins": {}})
+        with pytest.raises(ControlError, match="pause is refused"), c.paused("a second holder"):
+            pass
+    assert wait_step(rd, at + 2)["paused"] is None
+    kinds = [e["kind"] for e in rd.read_events()]
+    assert kinds[-2:] == ["paused", "resumed"]
+
+    # A holder that dies without a word (kill -9) lets go too: the pause lives on its connection.
+    holder, at = hold_pause(cwd, "job")
+    time.sleep(0.5)
+    assert c.request("status")["step"] == at
+    holder.kill()
+    holder.wait()
+    wait_step(rd, at + 2)
 
 
 def test_subscribe_streams_metrics(live):

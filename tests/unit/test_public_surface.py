@@ -134,6 +134,7 @@ CLI_SURFACE = {
         "--loopback-nodes",
         "--json",
         "--apply",
+        "--keep-running",
         "--no-probe",
         "--search-steps",
     ],

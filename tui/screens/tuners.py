@@ -107,7 +107,7 @@ def detail_text(t: TunerView | None) -> Text:
     return text
 
 
-def tune_line(study: StudyView, settings: str, enabled: int) -> Text:
+def tune_line(study: StudyView, settings: str, enabled: int, pauses_job: bool = False) -> Text:
     if study.running:
         text = Text("tuning: ", style="bold")
         text.append(
@@ -118,7 +118,8 @@ def tune_line(study: StudyView, settings: str, enabled: int) -> Text:
     text = Text("tuning: ", style="bold")
     text.append(f"{study.state} · " if study.state != "idle" else "")
     text.append(
-        f"t starts {settings} with the {enabled} enabled tuner(s) · d diagnoses them now",
+        f"t starts {settings} with the {enabled} enabled tuner(s)"
+        f"{', the job paused meanwhile' if pauses_job else ''} · d diagnoses them now",
         style="dim",
     )
     return text
@@ -157,7 +158,7 @@ class TunersScreen(TunekitScreen):
     def show_study(self, study: StudyView) -> None:
         enabled = sum(t.enabled for t in self.tk.tuner_views)
         self.query_one("#tune-line", Static).update(
-            tune_line(study, self.tk.tune_request.describe(), enabled)
+            tune_line(study, self.tk.tune_request.describe(), enabled, self.tk.tune_request.pause_job)
         )
 
     def _show_detail(self) -> None:

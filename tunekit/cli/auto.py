@@ -54,31 +54,35 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
+@click.option("--keep-running", is_flag=True, help="With --apply: let the run train while the trials measure (they share the machine).")
 @click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
 @click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run, no_probe, search_steps):
+             apply_run, keep_running, no_probe, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
     the best candidates with short torchrun trials, and writes report.md,
     report.json, best_config.json, best_config.md and trials.png to --out.
+    With --apply RUN, that live run is paused while the trials measure.
     """
     if trials is not None and budget is not None:
         raise click.UsageError("give --trials or --budget, not both")
     if nnodes > 1 and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+    if keep_running and not apply_run:
+        raise click.UsageError("--keep-running goes with --apply RUN")
+    run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
     settings = AutoSettings(
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
         timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
-        search_steps=search_steps,
+        search_steps=search_steps, pause_run=None if keep_running else run_dir,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
-    run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
     decision = asyncio.run(_drive(settings, as_json))
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)

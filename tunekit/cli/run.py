@@ -149,6 +149,8 @@ def status_cmd(run, as_json, store_dir):
     console.print(f"  config: {TuningConfig.from_dict(st.get('config') or {}).describe()}")
     if st.get("watch"):
         console.print(f"  watch: {st['watch']['state']} {st['watch'].get('reason', '')}")
+    if st.get("paused"):
+        console.print(f"  paused at step {st['paused']['step']}: {st['paused']['reason'] or 'no reason given'}")
 
 
 @click.command("trial")

@@ -10,10 +10,15 @@ object on one line; nothing is ever unpickled. Requests:
     {"token": T, "op": "rollback"}
     {"token": T, "op": "trial", "config": {...}, "window": W?}
     {"token": T, "op": "stop"}
+    {"token": T, "op": "pause", "reason": "..."?}       -> held until the client hangs up
 
 Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
 Requests that change the job are queued and carried out by the training loop
 at the next step boundary; the reply comes when they took effect.
+
+A pause is a lease held by its connection: every rank waits at a step boundary
+from the reply on, and training resumes when the client closes the connection
+(or sends another line), so a tuner that dies can never leave the job paused.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any
 from tunekit.errors import ControlError
 
 MAX_MESSAGE = 1 << 20  # one request line, at most 1 MiB
-OPS = ("status", "subscribe", "apply", "rollback", "trial", "stop")
+OPS = ("status", "subscribe", "apply", "rollback", "trial", "stop", "pause")
+RESUME = "resume"  # queued by the server when a pause's connection ends; not a client op
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -166,15 +172,29 @@ class ControlServer:
             self._unwritten += 1
         try:
             self.requests.put(req)
-            if not req.done.wait(self.reply_timeout_s):
+            if req.done.wait(self.reply_timeout_s):
+                wfile.write(encode(req.reply))
+                wfile.flush()
+            else:
                 wfile.write(encode({"ok": False, "error": "timed out waiting for the job"}))
-                return
-            wfile.write(encode(req.reply))
-            wfile.flush()
         finally:
             with self._written:
                 self._unwritten -= 1
                 self._written.notify_all()
+            if op == "pause":
+                self._hold(req, rfile, granted=bool(req.reply and req.reply.get("ok")))
+
+    def _hold(self, req: Request, rfile, granted: bool) -> None:
+        """Keep a granted pause until the client hangs up (or writes); then resume.
+
+        The resume names its pause, so it lifts that one only. It is queued even
+        when the pause was not granted in time: the loop may still carry the
+        pause out later, and nobody else would lift it.
+        """
+        if granted:
+            with contextlib.suppress(OSError, ValueError):
+                rfile.readline(MAX_MESSAGE + 1)
+        self.requests.put(Request(RESUME, {"of": req}))
 
     def _stream(self, wfile) -> None:
         q: queue.Queue = queue.Queue(maxsize=10_000)
@@ -232,6 +252,24 @@ class ControlClient:
         if not line:
             raise ControlError("the job closed the connection without a reply")
         return decode(line)
+
+    @contextlib.contextmanager
+    def paused(self, reason: str = "") -> Iterator[dict[str, Any]]:
+        """Hold the job at a step boundary for the ``with`` block; it resumes on exit.
+
+        The pause lives as long as this connection: if this process dies, the
+        job resumes by itself. Yields the reply (``paused_at``: the step).
+        """
+        with self._connect() as sock:
+            sock.sendall(encode({"token": self.token, "op": "pause", "reason": reason}))
+            with sock.makefile("rb") as f:
+                reply = decode(f.readline(MAX_MESSAGE + 1) or b'{"ok": false, "error": "the job closed the connection"}')
+                if not reply.get("ok"):
+                    raise ControlError(reply.get("error", "pause refused"))
+                sock.settimeout(None)  # held for as long as the block runs
+                yield reply
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"\n")  # resume now, not when the socket is collected
 
     def subscribe(self) -> Iterator[dict[str, Any]]:
         """Metrics as the job produces them, until the job stops."""

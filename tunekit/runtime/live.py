@@ -11,7 +11,8 @@ pickle), one tiny broadcast per step when there is nothing to say.
 Rank 0 also runs the control socket (:mod:`tunekit.runtime.control`), writes
 ``status.json`` and ``metrics.jsonl``, watches each applied config against
 the steps before it (rolling back a slowdown beyond noise), and runs in-job
-trials (candidate and current config in alternating windows).
+trials (candidate and current config in alternating windows). A pause holds
+every rank at a step boundary while a tuner's trials use the machine.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import torch.distributed as dist
 from tunekit.config import TuningConfig, resolve
 from tunekit.errors import TunekitError
 from tunekit.plugin_loading import available_tuners
-from tunekit.runtime.control import ControlServer, Request
+from tunekit.runtime.control import RESUME, ControlServer, Request
 from tunekit.runtime.dist import init_from_env
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
 from tunekit.workload import load_workload
 
-STOP, RELAUNCH = "stop", "relaunch"
+STOP, RELAUNCH, PAUSE = "stop", "relaunch", "pause"
 
 
 # -- rank 0's judgement: watch an applied config, run an in-job trial ---------------------
@@ -159,6 +160,8 @@ class Controller:
         self.history: deque[tuple[int, float, str]] = deque(maxlen=500)
         self.watch: Watch | None = None
         self.trial: InJobTrial | None = None
+        self.pause: tuple[Request, dict[str, Any]] | None = None
+        """The request holding the job paused, and what status says of it."""
         self.last: dict[str, Any] = {}
         rd = job.rd
         self.server = ControlServer(rd.socket_path, rd.token(), self.status, self.validate)
@@ -174,6 +177,7 @@ class Controller:
             "config_id": s.config.config_id, "last": self.last,
             "watch": self.watch.to_dict() if self.watch else None,
             "trial": self.trial.to_dict() if self.trial else None, "pid": os.getpid(),
+            "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
         }
 
     def validate(self, msg: dict[str, Any]) -> str | None:
@@ -228,11 +232,23 @@ class Controller:
         req = self.server.next_request()
         if req is None:
             return None
+        if req.op == RESUME:  # a pause's connection ended: lift that pause, and only that one
+            if self.pause is not None and req.body.get("of") is self.pause[0]:
+                self.pause = None
+                return {"op": RESUME}
+            return None
+        if self.pause is not None and req.op != "stop":
+            why = self.pause[1]["reason"] or "paused"
+            req.answer({"ok": False, "error": f"the job is paused ({why}); {req.op} is refused until it resumes"})
+            return None
         self.ids += 1
         self.waiting[self.ids] = req
         body = req.body
         if req.op == "stop":
             return {"op": STOP, "id": self.ids}
+        if req.op == PAUSE:
+            self.pause = (req, {"step": self.job.session.step, "reason": str(body.get("reason") or "")[:200]})
+            return {"op": PAUSE, "id": self.ids}
         if req.op == "rollback":
             prev = self.job.applied[-1] if self.job.applied else self.job.session.config.to_dict()
             return {"op": "apply", "config": prev, "source": "rollback", "id": self.ids}
@@ -380,6 +396,8 @@ class LiveJob:
         op = cmd["op"]
         result: dict[str, Any]
         outcome = None
+        if op == PAUSE:
+            return self._hold(cmd)
         if op == "apply":
             result = self._apply(cmd)
         elif op == STOP:
@@ -399,6 +417,33 @@ class LiveJob:
         if self.controller is not None:
             self.controller.executed(cmd, result)
         return outcome
+
+    def _hold(self, cmd: dict) -> str | None:
+        """Every rank waits at this step boundary until rank 0 passes on a resume (or a stop).
+
+        Rank 0 paces the wait; the others sit in the command broadcast, which
+        an empty command every 0.1 s keeps well inside the group's timeout.
+        """
+        self.state = "paused"
+        if self.controller is not None:
+            self.controller.executed(cmd, {"ok": True, "paused_at": self.session.step})
+            self.rd.log_event("paused", step=self.session.step, reason=self.controller.status()["paused"]["reason"])
+            self.write_status()
+        while True:
+            if self.controller is not None:
+                time.sleep(0.1)
+            nxt = self.exchange()
+            if nxt is None:
+                continue
+            if nxt["op"] == RESUME:
+                self.state = "running"
+                if self.controller is not None:
+                    self.rd.log_event("resumed", step=self.session.step)
+                    self.write_status()
+                return None
+            outcome = self.execute(nxt)
+            if outcome is not None:
+                return outcome
 
     def _apply(self, cmd: dict) -> dict[str, Any]:
         s = self.session

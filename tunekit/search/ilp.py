@@ -16,8 +16,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
 
 __all__ = ["MilpModel", "MilpSolution"]
 
@@ -142,6 +140,10 @@ class MilpModel:
         verbose: bool = False,
     ) -> MilpSolution:
         """Minimise the objective; stop at ``time_limit`` seconds or a relative gap of ``mip_rel_gap``."""
+        # SciPy takes 0.3 s to import: only when solving.
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array
+
         n = self.num_vars
         c = np.zeros(n)
         for i, v in self._objective.items():

@@ -1,0 +1,40 @@
+"""run_ranks with reused ranks (tunekit.rank_pool): same processes, fresh start each call."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+from support import rank_one_raises, rank_pid, rank_sleeps, rank_state_then_spoil
+
+from tunekit import rank_pool
+from tunekit.testing import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def pooled(monkeypatch):
+    monkeypatch.setenv(rank_pool.ENV, "1")
+
+
+def test_each_call_starts_as_a_fresh_rank_would_on_the_same_processes(pooled):
+    pids = run_ranks(rank_pid, 2)
+    run_ranks(rank_state_then_spoil, 2)  # leaves a fixed seed, 2 threads and grad mode off
+    again = run_ranks(rank_state_then_spoil, 2)
+    assert run_ranks(rank_pid, 2) == pids
+    for rank, (draw, threads, grad) in enumerate(again):
+        assert (threads, grad) == (1, True)
+        assert draw != torch.rand(1, generator=torch.Generator().manual_seed(1234 + rank)).item()
+    assert again[0][0] != again[1][0]  # random seeds, as fresh processes have
+
+
+def test_a_failing_call_retires_its_ranks_and_the_next_call_gets_new_ones(pooled):
+    before = run_ranks(rank_pid, 2)
+    with pytest.raises(RuntimeError, match=r"rank 1 failed:(.|\n)*rank one broke on purpose"):
+        run_ranks(rank_one_raises, 2, timeout_s=60)
+    assert not any(psutil.pid_exists(p) for p in before)
+    with pytest.raises(TimeoutError, match="within 1 s"):
+        run_ranks(rank_sleeps, 2, args=(30,), timeout_s=1)
+    after = run_ranks(rank_pid, 2)
+    assert set(after).isdisjoint(before)

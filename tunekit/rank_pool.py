@@ -1,0 +1,131 @@
+"""Rank processes kept alive between :func:`tunekit.testing.run_ranks` calls.
+
+A fresh spawned rank spends about 2 s importing torch and, at its first
+optimizer, 1.5 s more importing ``torch._dynamo``; a test suite that runs
+ranks a few dozen times spends most of its multi-process time there. With
+``TUNEKIT_REUSE_RANKS=1`` in the environment, ``run_ranks`` hands each call to
+a pool of spawned ranks that outlive it instead. Each call still gets its own
+process group (a fresh port), a random torch seed as a fresh process has, one
+thread per rank, grad mode on, and float32 as the default dtype. Any failure or timeout
+kills the pool, so a broken call never leaks into the next one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.multiprocessing as mp
+
+ENV = "TUNEKIT_REUSE_RANKS"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def _serve(rank: int, conn: Connection, run: Callable[..., None]) -> None:
+    """A pooled rank: run each call as a fresh rank would, until told to stop or one fails."""
+    while True:
+        call = conn.recv()
+        if call is None:
+            return
+        torch.seed()  # a fresh process starts from a random seed too
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        try:
+            run(rank, *call)
+        except BaseException:  # the result file says what; this process is done for
+            conn.send(False)
+            raise
+        conn.send(True)
+
+
+class RankPool:
+    """``nproc`` spawned ranks that take calls one at a time."""
+
+    def __init__(self, nproc: int, run: Callable[..., None]):
+        ctx = mp.get_context("spawn")
+        self.nproc = nproc
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(nproc):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, child, run), name=f"tunekit-rank{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def call(self, args: tuple, timeout_s: float) -> bool:
+        """Run one call on every rank; True when every rank finished it without raising.
+
+        Raises ``TimeoutError`` (after closing the pool) past ``timeout_s``.
+        """
+        for conn in self.conns:
+            conn.send(args)
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
+            ready = wait([*pending.values(), *(p.sentinel for p in self.procs)], timeout=min(left, 1.0))
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        ok = conn.recv()
+                    except EOFError:
+                        ok = False
+                    if not ok:
+                        return False
+                    del pending[rank]
+            if any(not p.is_alive() for p in self.procs) and pending:
+                return False
+        return True
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def run_on_pool(nproc: int, run: Callable[..., None], args: tuple, timeout_s: float) -> None:
+    """``run(rank, *args)`` on every rank of the pool for ``nproc``; a failure retires the pool."""
+    pool = _pools.get(nproc)
+    if pool is None:
+        pool = _pools[nproc] = RankPool(nproc, run)
+    try:
+        ok = pool.call(args, timeout_s)
+    except BaseException:
+        _pools.pop(nproc, None)
+        pool.close()
+        raise
+    if not ok:
+        _pools.pop(nproc, None)
+        pool.close()
+
+
+@atexit.register
+def _close_all() -> None:  # before multiprocessing's own exit handler joins them
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
