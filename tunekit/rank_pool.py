@@ -31,7 +31,10 @@ def enabled() -> bool:
 def _serve(rank: int, conn: Connection, run: Callable[..., None]) -> None:
     """A pooled rank: run each call as a fresh rank would, until told to stop or one fails."""
     while True:
-        call = conn.recv()
+        try:
+            call = conn.recv()
+        except EOFError:  # the caller is gone
+            return
         if call is None:
             return
         torch.seed()  # a fresh process starts from a random seed too
