@@ -260,9 +260,10 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        paused = False
         if s.pause_run is not None:
-            paused = await _pause(held, s.pause_run, s.workload)
-            yield paused
+            paused, notice = await _pause(held, s.pause_run, s.workload)
+            yield notice
         static = await asyncio.to_thread(
             observe_static, s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
             s.launch.threads_per_rank, True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1)
@@ -321,7 +322,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             yield ev
         async for ev in _confirm_leader(run, store, sid, spec, tuners):
             yield ev
-        if s.pause_run is not None and paused.level == "info":
+        if paused:
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
@@ -345,16 +346,17 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         store.close()
 
 
-async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> Notice:
-    """Hold the live job for as long as ``held`` is open; say what happened either way."""
+async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> tuple[bool, Notice]:
+    """Hold the live job for as long as ``held`` is open; whether it is held, and a word on it."""
     from tunekit.runtime.supervisor import client
 
     pause = client(rd).paused(f"tunekit auto is measuring {workload}")
     try:
         reply = await asyncio.to_thread(held.enter_context, pause)
     except ControlError as exc:
-        return Notice(f"run {rd.run_id} could not be paused ({exc}); the trials share the machine with it", "warning")
-    return Notice(f"run {rd.run_id} paused at step {reply['paused_at']} while the trials measure this machine")
+        return False, Notice(f"run {rd.run_id} could not be paused ({exc}); the trials share the machine with it",
+                             "warning")
+    return True, Notice(f"run {rd.run_id} paused at step {reply['paused_at']} while the trials measure this machine")
 
 
 def _describer(tuners: Mapping[str, Tuner]):

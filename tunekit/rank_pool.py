@@ -6,8 +6,8 @@ ranks a few dozen times spends most of its multi-process time there. With
 ``TUNEKIT_REUSE_RANKS=1`` in the environment, ``run_ranks`` hands each call to
 a pool of spawned ranks that outlive it instead. Each call still gets its own
 process group (a fresh port), a random torch seed as a fresh process has, one
-thread per rank, grad mode on, and float32 as the default dtype. Any failure or timeout
-kills the pool, so a broken call never leaks into the next one.
+thread per rank, grad mode on, and float32 as the default dtype. Any failure
+or timeout kills the pool, so a broken call never leaks into the next one.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RankPool:
     def call(self, args: tuple, timeout_s: float) -> bool:
         """Run one call on every rank; True when every rank finished it without raising.
 
-        Raises ``TimeoutError`` (after closing the pool) past ``timeout_s``.
+        Raises ``TimeoutError`` past ``timeout_s``.
         """
         for conn in self.conns:
             conn.send(args)
@@ -77,7 +77,6 @@ class RankPool:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.close()
                 raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
             ready = wait([*pending.values(), *(p.sentinel for p in self.procs)], timeout=min(left, 1.0))
             for rank, conn in list(pending.items()):
@@ -116,15 +115,13 @@ def run_on_pool(nproc: int, run: Callable[..., None], args: tuple, timeout_s: fl
     pool = _pools.get(nproc)
     if pool is None:
         pool = _pools[nproc] = RankPool(nproc, run)
+    ok = False
     try:
         ok = pool.call(args, timeout_s)
-    except BaseException:
-        _pools.pop(nproc, None)
-        pool.close()
-        raise
-    if not ok:
-        _pools.pop(nproc, None)
-        pool.close()
+    finally:
+        if not ok:
+            del _pools[nproc]
+            pool.close()
 
 
 @atexit.register

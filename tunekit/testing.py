@@ -28,6 +28,7 @@ against DDP, a placement against single-process training).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -123,13 +124,13 @@ def _spawn_ranks(fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, 
         join=False,
         start_method="spawn",
     )
+    deadline = time.monotonic() + timeout_s
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        pass  # the rank's own result file says what happened
+        # A rank that raised or died: its own result file says what happened.
+        with contextlib.suppress(mp.ProcessRaisedException, mp.ProcessExitedException):
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
