@@ -72,7 +72,8 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
-    proc = start_run(tmp_path, LIGHT, "--name", "elastic")  # until stopped
+    # example:cnn (batch 32): light_cnn's batch of 8 makes step-to-step loss too noisy for the check below.
+    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
     for n in (1, 2):
