@@ -2,6 +2,21 @@
 
 import os
 
+import pytest
+
 # run_ranks keeps its spawned gloo ranks between tests (tunekit.rank_pool): each
 # fresh rank would spend about 3.5 s importing torch and torch._dynamo.
 os.environ.setdefault("TUNEKIT_REUSE_RANKS", "1")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Under xdist (`-n 2 --dist loadgroup`, the default), the multi-process tests
+    # run one after another on one worker: each already uses both cores, and two
+    # at once would only contend and skew the timings some of them judge. Those
+    # marked busy_ok (their checks hold on a busy machine) form a second group, run
+    # beside the first on the other worker with the single-process tests.
+    for item in items:
+        if item.get_closest_marker("slow"):
+            busy_ok = item.get_closest_marker("busy_ok") is not None
+            item.add_marker(pytest.mark.xdist_group("processes-busy-ok" if busy_ok else "processes"))

@@ -85,6 +85,8 @@ class AutoSettings:
     warmup: int = 3
     steps: int = 16
     timeout_s: float = 300.0
+    stall_s: float | None = 60.0
+    """A trial that finishes no step for this long is a hang (see ``LaunchOptions.stall_s``)."""
     min_effect: float = 0.01
     """A winner must be faster than the baseline by this fraction beyond noise."""
     baseline_every: int = 3
@@ -115,6 +117,7 @@ class AutoSettings:
         self.out_dir, self.store_dir = Path(self.out_dir), Path(self.store_dir)
         self.launch.nproc = self.nproc
         self.launch.timeout_s = self.timeout_s
+        self.launch.stall_s = self.stall_s
 
     def study_settings(self) -> dict[str, Any]:
         """The settings that decide what a trial measures (part of the study key)."""

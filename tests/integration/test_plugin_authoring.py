@@ -129,6 +129,7 @@ def test_the_scaffolded_tuner_honours_the_contract_as_generated(tmp_path, monkey
 
 
 @pytest.mark.slow
+@pytest.mark.busy_ok
 def test_a_scaffolded_plugin_installs_lists_and_runs_without_edits(cli, workdir):
     res = cli("new-plugin", "prefetch_demo", "--dir", "pkg")
     assert res.returncode == 0, res.stderr
@@ -180,6 +181,7 @@ def test_a_scaffolded_plugin_installs_lists_and_runs_without_edits(cli, workdir)
 
 
 @pytest.mark.slow
+@pytest.mark.busy_ok
 def test_the_example_dataloader_plugin_tunes_the_slow_loader_end_to_end(cli, workdir):
     examples = workdir / "examples"  # a copy: the example's tests find the workload beside it
     shutil.copytree(
@@ -264,6 +266,7 @@ class Future(Tuner):
 
 
 @pytest.mark.slow
+@pytest.mark.busy_ok
 def test_a_plugin_for_another_api_major_is_refused_and_the_others_still_load(cli, workdir):
     site = workdir / "site"  # installed as pip would leave it: a module and its dist-info
     site.mkdir()

@@ -105,6 +105,7 @@ def read_until(fd: int, needle: bytes, timeout: float) -> bytes:
     return out
 
 
+@pytest.mark.busy_ok
 @pytest.mark.timeout(600)
 def test_the_command_in_a_terminal_starts_draws_and_stops_the_job(tmp_path):
     main, child = pty.openpty()

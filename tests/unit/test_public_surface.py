@@ -16,6 +16,8 @@ registers it, is such an addition).
 
 import dataclasses
 import inspect
+import subprocess
+import sys
 import typing
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -24,7 +26,7 @@ import click
 import tomllib
 
 from tunekit import API_VERSION
-from tunekit.cli.main import cli
+from tunekit.cli.main import SUMMARIES, cli
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugin_loading import FAILED, GROUP, INCOMPATIBLE, INVALID, OK
 
@@ -124,6 +126,7 @@ CLI_SURFACE = {
         "--steps",
         "--warmup",
         "--timeout",
+        "--stall",
         "--min-effect",
         "--device",
         "--hardware",
@@ -218,6 +221,21 @@ def test_every_cli_command_and_option_is_frozen():
         )
     ctx = click.Context(cli, **cli.context_settings)
     assert ["/".join(p.opts + p.secondary_opts) for p in cli.get_params(ctx)] == ROOT_OPTIONS
+
+
+def test_the_command_list_shows_each_commands_own_summary_without_importing_it():
+    ctx = click.Context(cli, **cli.context_settings)
+    for name, summary in SUMMARIES.items():
+        assert cli.get_command(ctx, name).get_short_help_str(10**4) == summary, name
+    # `tunekit --help` in a fresh interpreter loads no command module, hence no torch.
+    code = (
+        "import sys; from tunekit.cli.main import main; main(['--help']); "
+        "print('torch' in sys.modules, any(m.startswith('tunekit.cli.run') for m in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = res.stdout.splitlines()
+    assert lines[-1] == "False False"
+    assert any(line.split()[:1] == ["report"] for line in lines)
 
 
 if __name__ == "__main__":

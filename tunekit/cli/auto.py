@@ -44,6 +44,8 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")
 @click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is a hang [default: 5m].")
+@click.option("--stall", "stall_s", type=DURATION, default=60.0,
+              help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].")
 @click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
@@ -57,7 +59,7 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--keep-running", is_flag=True, help="With --apply: let the run train while the trials measure (they share the machine).")
 @click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
 @click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
-def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s,
+def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s, stall_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
              apply_run, keep_running, no_probe, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
@@ -78,7 +80,7 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
-        timeout_s=timeout_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
+        timeout_s=timeout_s, stall_s=stall_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
         search_steps=search_steps, pause_run=None if keep_running else run_dir,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),

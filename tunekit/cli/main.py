@@ -38,6 +38,24 @@ COMMANDS = {
 }
 """The core's commands: name -> ``module:attribute``."""
 
+SUMMARIES = {
+    "apply": "Apply CONFIG (best_config.json or inline JSON) to the live RUN at its next step boundary.",
+    "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
+    "hardware": "Hardware models: measure this machine or validate and print a profile.",
+    "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",
+    "plan": "Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.",
+    "plugins": "List installed tuner plugins: name, aspect, title, package, status.",
+    "profile": "Profile WORKLOAD on NPROC ranks and print where the step time goes.",
+    "report": "Print STUDY (an id; default: the latest) from the study store.",
+    "rollback": "Go back to the config RUN had before its last apply.",
+    "run": "Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop.",
+    "status": "Print what the live RUN is doing (default: the latest run).",
+    "stop": "Checkpoint RUN and stop it cleanly (resume later with tunekit run --resume RUN).",
+    "trial": "Try CONFIG inside the live RUN (candidate and current in alternating windows); keep the faster.",
+}
+"""Each core command's first help line, so that ``tunekit --help`` imports none of them
+(most import torch: 2 s). A test keeps these equal to the commands' own."""
+
 
 def _extension_commands() -> dict[str, object]:
     """Commands outside the core (the TUI) register under this entry-point group, as
@@ -63,6 +81,18 @@ class LazyGroup(click.Group):
             return None
         self.add_command(command, name)
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        width = formatter.width - 6 - max(len(n) for n in self.list_commands(ctx))
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in SUMMARIES and name not in self.commands:
+                rows.append((name, click.utils.make_default_short_help(SUMMARIES[name], width)))
+            elif (command := self.get_command(ctx, name)) is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(width)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -60,6 +60,10 @@ class LaunchOptions:
     """Ranks per node (``torchrun --nproc-per-node``)."""
     timeout_s: float = 300.0
     """Wall-clock limit of the trial; past it the trial is a hang."""
+    stall_s: float | None = 60.0
+    """Once training steps run, a trial whose rank 0 finishes no step for this long
+    (and for ``STALL_STEPS`` times its slowest step so far) is a hang, without waiting
+    for ``timeout_s``. None: only ``timeout_s`` counts."""
     nnodes: int = 1
     """Nodes in the job (``--nnodes``); several machines need ``rdzv_endpoint``."""
     node_rank: int = 0
@@ -78,6 +82,8 @@ class LaunchOptions:
             raise ValueError("nproc, nnodes and loopback_nodes must be at least 1")
         if self.loopback_nodes > 1 and self.nnodes > 1:
             raise ValueError("use either loopback_nodes or nnodes, not both")
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise ValueError("stall_s must be positive (or None)")
 
     @property
     def world_size(self) -> int:
@@ -163,6 +169,47 @@ def launch_env(opts: LaunchOptions) -> dict[str, str]:
     return env
 
 
+STALL_STEPS = 10
+"""A stalled trial has gone this many of its slowest steps without finishing one."""
+
+_TIMED_PHASES = ("warmup", "measure", "profile")
+
+
+class StallWatch:
+    """Tells a hung trial from a slow one by rank 0's step lines in ``progress.jsonl``.
+
+    Armed from the first timed step to the trial's last one: before it, process
+    start-up and compilation have no steps to show, and an in-job search runs steps
+    without lines; after it, only ``timeout_s`` bounds the trace export and teardown.
+    """
+
+    def __init__(self, spec: TrialSpec, limit_s: float | None, clock: Callable[[], float] = time.monotonic):
+        self.limit_s = limit_s
+        self.clock = clock
+        profiled = spec.profile_steps > 0
+        self.final = ("profile", spec.profile_steps) if profiled else ("measure", spec.steps)
+        self.last_at: float | None = None
+        self.slowest_s = 0.0
+        self.where = ""
+
+    def saw(self, line: dict[str, Any]) -> None:
+        phase, index = line.get("phase"), line.get("index")
+        timed = phase in _TIMED_PHASES and (phase, index) != self.final
+        self.last_at = self.clock() if timed else None
+        self.slowest_s = max(self.slowest_s, float(line.get("step_s") or 0.0))
+        self.where = f"{phase} step {index}/{line.get('total')}"
+
+    def stalled(self) -> str | None:
+        """Why the trial counts as hung now, or None."""
+        if self.limit_s is None or self.last_at is None:
+            return None
+        limit = max(self.limit_s, STALL_STEPS * self.slowest_s)
+        idle = self.clock() - self.last_at
+        if idle <= limit:
+            return None
+        return f"no step finished for {idle:.0f} s after {self.where}; killed the trial's processes"
+
+
 async def run_trial(
     spec: TrialSpec,
     opts: LaunchOptions,
@@ -188,22 +235,26 @@ async def run_trial(
                 start_new_session=True,
             )
         )
-    timed_out = stopped_after_results = False
+    hang: str | None = None
+    stopped_after_results = False
+    watch = StallWatch(spec, opts.stall_s)
     seen = 0
     try:
         while any(p.returncode is None for p in procs):
-            seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
+            seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
             if _all_ranks_reported(trial_dir, opts.world_size):
                 stopped_after_results = True  # no need to wait for torchrun's teardown
                 break
             if time.monotonic() - start > opts.timeout_s:
-                timed_out = True
+                hang = f"no result within {opts.timeout_s:.0f} s; killed the trial's processes"
+                break
+            if hang := watch.stalled():
                 break
             try:
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
             except TimeoutError:
                 pass
-        _forward_progress(trial_dir / "progress.jsonl", seen, on_progress)
+        _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
     finally:
         await stop_all(procs)
         for log in logs:
@@ -212,7 +263,7 @@ async def run_trial(
     if stopped_after_results:
         # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
         codes = [0] * len(procs)
-    return collect(trial_dir, opts, codes, timed_out, time.monotonic() - start)
+    return collect(trial_dir, opts, codes, hang, time.monotonic() - start)
 
 
 def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
@@ -224,15 +275,18 @@ def _all_ranks_reported(trial_dir: Path, world_size: int) -> bool:
     return all((trial_dir / f"rank{r}.json").exists() for r in range(world_size))
 
 
-def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None) -> int:
-    if on_progress is None or not path.exists():
+def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None, watch: StallWatch) -> int:
+    if not path.exists():
         return seen
     lines = path.read_text().splitlines()
     for line in lines[seen:]:
         try:
-            on_progress(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             return seen  # a line still being written: read it next time
+        watch.saw(event)
+        if on_progress is not None:
+            on_progress(event)
         seen += 1
     return seen
 
@@ -254,8 +308,8 @@ async def stop_all(procs) -> None:
             continue
 
 
-def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], timed_out: bool, wall_s: float) -> TrialOutcome:
-    """Turn the rank files and exit codes into an outcome."""
+def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], hang: str | None, wall_s: float) -> TrialOutcome:
+    """Turn the rank files and exit codes into an outcome (``hang``: why it was killed as hung)."""
     ranks = []
     for r in range(opts.world_size):
         path = trial_dir / f"rank{r}.json"
@@ -267,9 +321,9 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
     logs = "\n".join(p.read_text(errors="replace") for p in sorted(trial_dir.glob("agent*.log")))
     failed = [r for r in ranks if r.get("status") != OK]
     out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks)
-    if timed_out:
+    if hang:
         out.status = HANG
-        out.error = f"no result within {opts.timeout_s:.0f} s; killed the trial's processes"
+        out.error = hang
     elif any(r.get("status") == OOM for r in ranks) or any(m in logs for m in OOM_MARKERS):
         out.status = OOM
         out.error = next((r["error"] for r in ranks if r.get("status") == OOM), "out of memory")

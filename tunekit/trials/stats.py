@@ -104,15 +104,24 @@ def _run_effects(runs: list[np.ndarray]) -> list[float]:
 
 
 def _boot_medians(runs: list[np.ndarray], effects: list[float], n_boot: int, rng) -> np.ndarray:
-    out = np.empty(n_boot)
+    """Medians of ``n_boot`` two-level resamples: ``k`` runs with replacement, then each run's steps.
+
+    Vectorised: runs are padded with NaN to one length and the padding is
+    masked out of each resample, so unequal run lengths keep their weights.
+    """
     k = len(runs)
-    eff = np.asarray(effects or [1.0])
-    for b in range(n_boot):
-        picks = rng.integers(k, size=k)
-        sample = np.concatenate([rng.choice(runs[i], size=len(runs[i])) for i in picks])
-        m = np.median(sample)
-        # One run says nothing about run-to-run spread: borrow it.
-        out[b] = m * rng.choice(eff) if k == 1 else m
+    lengths = np.array([len(r) for r in runs])
+    table = np.full((k, lengths.max()), np.nan)
+    for i, r in enumerate(runs):
+        table[i, : len(r)] = r
+    picks = rng.integers(k, size=(n_boot, k))
+    n = lengths[picks][..., None]  # (n_boot, k, 1): the picked run's length
+    slots = np.arange(table.shape[1])
+    steps = (rng.random((n_boot, k, table.shape[1])) * n).astype(np.int64)
+    sample = np.where(slots < n, table[picks[..., None], steps], np.nan)
+    out = np.nanmedian(sample.reshape(n_boot, -1), axis=1)
+    if k == 1:  # one run says nothing about run-to-run spread: borrow it
+        out = out * rng.choice(np.asarray(effects or [1.0]), size=n_boot)
     return out
 
 

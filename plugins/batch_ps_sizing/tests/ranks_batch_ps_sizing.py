@@ -62,7 +62,10 @@ def search_hook_on_ranks(rank: int, world: int):
     workload = load_workload("example:cnn")
     session = Session(workload, rank=rank, world_size=world, group=torch.distributed.group.WORLD)
     session.model.register_forward_pre_hook(InjectedOOM(rank, (0,), 128))
-    tuner = BatchPsSizing(SweepSettings(warmup_steps=1, measure_steps=2, noise_scale_batches=2))
+    # Patience past the ladder's length: the climb must end at the injected OOM, not
+    # wherever two busy CPU cores happen to make throughput look flat.
+    settings = SweepSettings(warmup_steps=1, measure_steps=2, patience=10, noise_scale_batches=2)
+    tuner = BatchPsSizing(settings)
     knobs = tuner.validate({"knee_tolerance": 0.1})
     tuner.apply(session, knobs)
     result = tuner.search(session, knobs, max_steps=40)
