@@ -15,8 +15,10 @@ def pytest_collection_modifyitems(config, items):
     # run one after another on one worker: each already uses both cores, and two
     # at once would only contend and skew the timings some of them judge. Those
     # marked busy_ok (their checks hold on a busy machine) form a second group, run
-    # beside the first on the other worker with the single-process tests.
+    # beside the first on the other worker with the single-process tests. GPU tests
+    # join the first group: two of them at once would share the one device.
     for item in items:
-        if item.get_closest_marker("slow"):
-            busy_ok = item.get_closest_marker("busy_ok") is not None
-            item.add_marker(pytest.mark.xdist_group("processes-busy-ok" if busy_ok else "processes"))
+        if item.get_closest_marker("busy_ok") and item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("processes-busy-ok"))
+        elif item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
