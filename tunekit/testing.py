@@ -59,7 +59,6 @@ from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, T
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, Link
 from tunekit.observe.breakdown import PARTS, Breakdown, CollectiveTiming, RankBreakdown, StepParts
 from tunekit.observe.observation import Measurement, Observation, summarize_model
-from tunekit.runtime.dist import free_port
 from tunekit.runtime.session import Session
 from tunekit.workload import Workload, load_workload
 
@@ -88,24 +87,48 @@ __all__ = [
 # == real ranks ===========================================================================
 
 
-def _rank_main(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+_STORE_TIMEOUT = timedelta(seconds=120)
+
+
+def _store(rank: int, world: int, out_dir: str) -> dist.TCPStore:
+    """The call's rendezvous store, on a port rank 0 binds itself.
+
+    Rank 0 asks the kernel for the port (0) and publishes it in ``out_dir``; a
+    port picked earlier by the caller could be taken by any other process on the
+    machine (a parallel test's ranks, a trial) while the ranks start.
+    """
+    published = Path(out_dir) / "store_port"
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False
+        )
+        staging = published.with_suffix(".tmp")
+        staging.write_text(str(store.port))
+        staging.replace(published)  # atomic: the others never read half a number
+        return store
+    deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no store port within {_STORE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.01)
+    port = int(published.read_text())
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=_STORE_TIMEOUT)
+
+
+def _rank_main(rank: int, fn: Callable, world: int, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world,
-            init_method=f"tcp://127.0.0.1:{port}",
-            timeout=timedelta(seconds=120),
+        store = _store(rank, world, out_dir)
+        # What a torchrun rank sees, for code that reads it.
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
         )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_STORE_TIMEOUT)
         value = fn(rank, world, *args)
         torch.save({"ok": True, "value": value}, result_path)
     except BaseException:
@@ -119,7 +142,7 @@ def _rank_main(rank: int, fn: Callable, world: int, port: int, out_dir: str, arg
 def _spawn_ranks(fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, timeout_s: float) -> None:
     ctx = mp.start_processes(
         _rank_main,
-        args=(fn, nproc, free_port(), out_dir, args),
+        args=(fn, nproc, out_dir, args),
         nprocs=nproc,
         join=False,
         start_method="spawn",
@@ -150,7 +173,7 @@ def run_ranks(
     """
     with tempfile.TemporaryDirectory(prefix="tunekit-ranks-") as out_dir:
         if rank_pool.enabled():
-            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, free_port(), out_dir, args), timeout_s)
+            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, out_dir, args), timeout_s)
         else:
             _spawn_ranks(fn, nproc, out_dir, args, timeout_s)
         paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,10 +51,38 @@ def init_from_env(prefer_device: str = "auto", timeout_s: float = 300.0) -> Dist
 
 
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
+    """A TCP port on loopback that was free a moment ago, for a server started later.
+
+    Chosen below the kernel's ephemeral range where that range can be read: the
+    kernel hands ports in that range to every ``bind(0)`` and outgoing connection
+    on the machine, any of which could take the port before its server binds it.
+    """
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(max(1024, low - 12_000), low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
