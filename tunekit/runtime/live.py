@@ -427,7 +427,7 @@ class LiveJob:
         self.state = "paused"
         if self.controller is not None:
             self.controller.executed(cmd, {"ok": True, "paused_at": self.session.step})
-            self.rd.log_event("paused", step=self.session.step, reason=self.controller.status()["paused"]["reason"])
+            self.rd.log_event("paused", step=self.session.step, reason=self.controller.pause[1]["reason"])
             self.write_status()
         while True:
             if self.controller is not None:
