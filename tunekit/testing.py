@@ -23,7 +23,11 @@ For plugin authors (see ``docs/plugins.md``, "Testing"):
 For multi-process tests, :func:`run_ranks` runs a function on N real
 processes joined in a gloo process group on loopback, the way torchrun would,
 and returns what each rank returned (equivalence tests: a gradient reducer
-against DDP, a placement against single-process training).
+against DDP, a placement against single-process training). Equivalence tests
+run in float64 (``run_ranks(..., dtype=torch.float64)``, :func:`default_dtype`
+for the reference run) and compare with :func:`assert_states_close`: float
+summation order then costs ~1e-15, so a tight tolerance holds on any CPU and
+still catches a real mistake.
 """
 
 from __future__ import annotations
@@ -68,10 +72,12 @@ __all__ = [
     "MemoryCache",
     "SessionState",
     "TinyDataset",
+    "assert_states_close",
     "check_conformance",
     "check_declaration",
     "check_diagnose_and_plan",
     "check_runtime",
+    "default_dtype",
     "local_hardware",
     "run_ranks",
     "snapshot_session",
@@ -115,8 +121,21 @@ def _store(rank: int, world: int, out_dir: str) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=_STORE_TIMEOUT)
 
 
-def _rank_main(rank: int, fn: Callable, world: int, out_dir: str, args: tuple) -> None:
-    torch.set_num_threads(1)
+RANK_THREADS_ENV = "TUNEKIT_RANK_THREADS"
+"""Intra-op threads per rank in :func:`run_ranks` (default 1): equivalence tests are run
+under 1 and 2 to check that no tolerance depends on how a kernel splits its work."""
+
+
+def rank_threads() -> int:
+    return int(os.environ.get(RANK_THREADS_ENV, "1"))
+
+
+def _rank_main(
+    rank: int, fn: Callable, world: int, out_dir: str, args: tuple, dtype: torch.dtype | None = None
+) -> None:
+    torch.set_num_threads(rank_threads())
+    if dtype is not None:
+        torch.set_default_dtype(dtype)  # a pooled rank returns to float32 at its next call
     result_path = Path(out_dir) / f"rank{rank}.pt"
     try:
         store = _store(rank, world, out_dir)
@@ -139,10 +158,12 @@ def _rank_main(rank: int, fn: Callable, world: int, out_dir: str, args: tuple) -
             dist.destroy_process_group()
 
 
-def _spawn_ranks(fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, timeout_s: float) -> None:
+def _spawn_ranks(
+    fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, timeout_s: float, dtype
+) -> None:
     ctx = mp.start_processes(
         _rank_main,
-        args=(fn, nproc, out_dir, args),
+        args=(fn, nproc, out_dir, args, dtype),
         nprocs=nproc,
         join=False,
         start_method="spawn",
@@ -161,9 +182,18 @@ def _spawn_ranks(fn: Callable[..., Any], nproc: int, out_dir: str, args: tuple, 
 
 
 def run_ranks(
-    fn: Callable[..., Any], nproc: int = 2, args: tuple = (), timeout_s: float = 180
+    fn: Callable[..., Any],
+    nproc: int = 2,
+    args: tuple = (),
+    timeout_s: float = 180,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` gloo ranks; return each rank's value.
+
+    ``dtype`` sets each rank's default dtype before ``fn`` runs (models and
+    synthetic batches are then built in it): equivalence tests pass
+    ``torch.float64``. Each rank runs :func:`rank_threads` intra-op threads.
 
     ``fn`` must be importable by name (a module-level function) because each
     rank is a fresh interpreter. Values travel back with ``torch.save``, so
@@ -173,9 +203,9 @@ def run_ranks(
     """
     with tempfile.TemporaryDirectory(prefix="tunekit-ranks-") as out_dir:
         if rank_pool.enabled():
-            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, out_dir, args), timeout_s)
+            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, out_dir, args, dtype), timeout_s)
         else:
-            _spawn_ranks(fn, nproc, out_dir, args, timeout_s)
+            _spawn_ranks(fn, nproc, out_dir, args, timeout_s, dtype)
         paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]
         found = [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
     failed = [(res["t"], rank, res["error"]) for rank, res in enumerate(found) if res and not res["ok"]]
@@ -205,6 +235,69 @@ def single_rank_group() -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+# == numerical equivalence ================================================================
+
+EQUIVALENCE_RTOL = 1e-9
+"""Relative tolerance of a float64 equivalence check (see :func:`assert_states_close`).
+
+Why this value: float64's unit roundoff is u = 2**-53 ~ 1.1e-16. Two runs of the
+same mathematics differ only in summation order (a gradient reduced in chunks,
+a model-parallel split, a gathered batch, another kernel or thread split), and
+a sum of n terms in another order differs by at most ~n*u of the sum of the
+terms' magnitudes. Our reductions are at most ~1e5 terms deep (batch x spatial
+positions), so one step differs by <= ~1e-11 of the tensor's scale, and a few
+steps compound that additively. 1e-9 leaves a 100x margin on any CPU, while a
+real mistake (a gradient contribution missed, doubled or stale, a wrong
+learning rate) moves parameters by ~lr x |grad| >= 1e-5 of their scale."""
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build models and synthetic batches in ``dtype`` for the duration (a reference run)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def assert_states_close(actual: Any, expected: Any, what: str, *, rtol: float = EQUIVALENCE_RTOL) -> None:
+    """Assert two training states (nested dicts/lists of tensors and values) agree.
+
+    Floating tensors must be float64 (the claim is "the same mathematics", see
+    :data:`EQUIVALENCE_RTOL`) and agree elementwise within ``rtol`` of their own
+    value plus ``rtol`` of the tensor's scale (a bias near zero is compared at its
+    weight's precision, not its own); integer tensors and other values exactly.
+    """
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), (
+            f"{what}: keys differ: {sorted(map(str, actual))} vs {sorted(map(str, expected))}"
+        )
+        for key in expected:
+            assert_states_close(actual[key], expected[key], f"{what}.{key}", rtol=rtol)
+    elif isinstance(expected, list | tuple):
+        assert isinstance(actual, list | tuple) and len(actual) == len(expected), (
+            f"{what}: lengths differ"
+        )
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_states_close(a, e, f"{what}[{i}]", rtol=rtol)
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{what}: {type(actual).__name__} is no tensor"
+        if not expected.is_floating_point():
+            assert torch.equal(actual, expected), f"{what} differs"
+            return
+        assert expected.dtype == actual.dtype == torch.float64, (
+            f"{what}: compared in {actual.dtype}/{expected.dtype}; equivalence runs in float64"
+        )
+        scale = float(expected.abs().max()) if expected.numel() else 0.0
+        torch.testing.assert_close(
+            actual, expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what} differs: {m}"
+        )
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
 
 
 # == workloads ============================================================================

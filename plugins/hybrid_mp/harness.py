@@ -31,7 +31,7 @@ def hybrid_rank(
     mp: int,
     plan: Mapping[str, Any] | None = None,
     knobs: Mapping[str, Any] | None = None,
-    threads: int = 1,
+    threads: int | None = None,
     reset_steps: int = 0,
 ) -> dict[str, Any]:
     """Train ``steps`` steps as rank ``rank`` of an N × ``mp`` hybrid; return losses, times, state.
@@ -40,9 +40,11 @@ def hybrid_rank(
     given, else whatever :class:`~tunekit.plugins.hybrid_mp.plugin.HybridMp`
     plans for ``knobs`` in the worker, as a trial would. With ``reset_steps``
     the session then returns to its defaults (plain DDP, as a rollback would)
-    and trains that many steps more.
+    and trains that many steps more. ``threads`` sets intra-op threads (default:
+    leave what the caller set).
     """
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     workload = load_workload(spec)
     session = Session(
         workload, rank=rank, world_size=world, group=dist.group.WORLD if world > 1 else None
@@ -90,14 +92,15 @@ def reference_run(
     steps: int,
     dp: int,
     lr: float,
-    threads: int = 1,
+    threads: int | None = None,
     then: tuple[int, int, float] | None = None,
 ) -> dict[str, Any]:
     """One process training on the global batches of an N = ``dp`` hybrid (N × B samples).
 
     ``then = (steps, world, lr)`` continues as a ``world``-rank DDP job would.
     """
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     workload = load_workload(spec)
     session = Session(workload)
     phases = [(range(steps), dp, lr)]

@@ -86,3 +86,17 @@ def light_cnn() -> Workload:
 
     w.make_batch, w.batch_size, w.batch_range = make_batch, 8, (2, 64)
     return w
+
+
+def cnn_float64() -> Workload:
+    """The demo CNN in float64: two runs of the same mathematics (a live job with
+    and without a math-preserving apply) are compared at float64 precision."""
+    w = cnn_workload()
+
+    def make_batch(n, gen):
+        images, labels = cnn_batch(n, gen)
+        return images.double(), labels
+
+    build = w.model
+    w.model, w.make_batch = (lambda: build().double()), make_batch
+    return w

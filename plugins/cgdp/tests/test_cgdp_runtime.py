@@ -25,6 +25,7 @@ def params_after(sync_factory, steps: int = 3, spec: str = TINY) -> list[torch.T
     return [p.detach().clone() for p in session.model.parameters()]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -92,6 +93,7 @@ def test_detach_removes_every_hook():
     session.close()
 
 
+@pytest.mark.equivalence
 def test_observed_backward_order_replaces_registration_order():
     class Backwards(nn.Module):
         def __init__(self):
@@ -121,6 +123,7 @@ def test_observed_backward_order_replaces_registration_order():
     session.close()
 
 
+@pytest.mark.equivalence
 def test_offload_keeps_state_on_the_host_and_gives_it_back():
     spec = TINY
     reference = Session(load_workload(spec))
@@ -150,6 +153,7 @@ def test_offload_keeps_state_on_the_host_and_gives_it_back():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.equivalence
 def test_offload_follows_learning_rate_changes():
     a, b = Session(load_workload(TINY)), Session(load_workload(TINY))
     b.set_grad_sync(CgdpSync(offload_optimizer=True))

@@ -1,0 +1,41 @@
+"""The equivalence tests hold on another CPU code path, not only on this machine's default.
+
+Equivalence tests compare two numerical paths (a tuner's runtime against DDP or
+one process). A tolerance tuned to one CPU's kernels fails on the next CPU (see
+tunekit.testing.EQUIVALENCE_RTOL); this runs every test marked ``equivalence``
+again with ATen's portable scalar kernels and two intra-op threads per rank, so
+such a tolerance cannot come back unnoticed. ``scripts/equivalence_code_paths.sh``
+runs the whole sweep (every ATen capability and oneDNN ISA this CPU has, 1 and 2
+threads).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(900)
+def test_equivalence_tests_pass_with_scalar_kernels_and_two_threads():
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "default",  # no AVX2/AVX512 vector kernels
+        "TUNEKIT_RANK_THREADS": "2",  # kernels split their reductions across threads
+    }
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "equivalence and not gpu", "-n", "0", "-q",
+         "-p", "no:cacheprovider"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
