@@ -178,7 +178,10 @@ class Diagnosis:
     """Whether the technique can help this job on this hardware at all."""
     summary: str
     """One line for people: the evidence and the expectation
-    ("exposed communication is 31% of the step; chunked overlap should recover ~25%")."""
+    ("exposed communication 31% of the step (12.0 ms, measured); chunked overlap should
+    recover ~25%"). Quote what was measured from ``obs.truth`` (``obs.truth.phrase(part)``),
+    so a diagnosis never contradicts the step breakdown beside it; a figure of the
+    tuner's own model is labelled as such ("model: ...")."""
     expected_gain: float | None = None
     """Predicted fraction of step time saved (0.25 = 25 %), if the model gives one."""
     details: dict[str, Any] = field(default_factory=dict)
@@ -192,11 +195,20 @@ class Candidate:
     knobs: dict[str, Any]
     """Knob values; knobs left out keep their defaults."""
     predicted_step_s: float | None
-    """Predicted time of one training step on the observed job, in seconds."""
+    """Predicted time of one training step on the observed job, in seconds; None when
+    the model cannot predict it (say why in ``rationale``: "no prediction: ...").
+    Predict relative to what was measured: a model first reproduces the measured
+    baseline step (``obs.truth``), then predicts the candidate as a change to it."""
     rationale: str = ""
     """Why this candidate: one line for people."""
     details: dict[str, Any] = field(default_factory=dict)
     """Plain JSON-able extras (a per-layer plan table, a schedule ...)."""
+    predicted_range_s: tuple[float, float] | None = None
+    """(low, high) step time given the uncertainty of the prediction's inputs."""
+    global_batch: int | None = None
+    """Samples one step of this candidate consumes over all ranks, when that is not the
+    job's own (a batch size or a model-parallel degree changes it); None: unchanged.
+    Candidates are ranked by predicted time per sample."""
 
 
 @dataclass

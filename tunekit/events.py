@@ -66,6 +66,8 @@ class TrialStarted(Event):
     index: int
     """1-based position among the trials this run executes."""
     total: int
+    corrected_s: float | None = None
+    """``predicted_s`` corrected by the trials before this one (see tunekit.trials.feedback)."""
 
 
 @dataclass
@@ -89,6 +91,19 @@ class TrialFinished(Event):
     spread_s: float | None
     predicted_s: float | None
     error: str | None = None
+    corrected_s: float | None = None
+
+
+@dataclass
+class Reranked(Event):
+    """Trials so far corrected the tuners' predictions; what is left to run was re-ranked."""
+
+    corrections: dict[str, dict[str, Any]]
+    """Per tuner: fitted bias and slope, trials they came from, a sentence."""
+    upcoming: list[dict[str, Any]]
+    """The candidates now scheduled, in order: plugin, description, predicted and corrected."""
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    """Candidates no longer worth a trial: corrected prediction slower than the baseline."""
 
 
 @dataclass

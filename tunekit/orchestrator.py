@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import statistics
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from tunekit.events import (
     Planned,
     PluginProblem,
     ReportWritten,
+    Reranked,
     StudyFinished,
     StudyStarted,
     TrialFinished,
@@ -63,6 +65,7 @@ from tunekit.trials.decide import (
     leader_to_confirm,
     schedule,
 )
+from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
 from tunekit.workload import Workload, load_workload, resolve_spec
 
@@ -306,7 +309,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
         baseline = Measurement(**base_row.result["measurement"])
         obs = static.observation(s.launch.world_size, baseline, store)
-        obs.breakdown, obs.telemetry = _observed_baseline(base_row)
+        obs.breakdown, obs.telemetry = observed_baseline(base_row)
         observation = study.observation or {}
         if "summary" not in observation:
             observation["summary"] = _observation_summary(obs)
@@ -388,6 +391,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         "baseline_samples_per_s": obs.baseline.samples_per_s if obs.baseline else None,
         "graph": obs.graph.summary() if obs.graph is not None else None,
         "breakdown": obs.breakdown.summary() if obs.breakdown is not None else None,
+        "truth": _truth_dict(obs),
         "telemetry": obs.telemetry,
         "top_layers": [
             {"name": t.name, "kind": t.kind, "forward_s": t.forward_s, "backward_s": t.backward_s}
@@ -399,7 +403,8 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
 async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation) -> AsyncIterator[Event]:
     diagnoses: dict[str, Any] = {}
     plans: dict[str, Any] = {}
-    ranked: dict[str, list[PlannedTrial]] = {}
+    pool: list[dict[str, Any]] = []
+    searches: list[PlannedTrial] = []
     gains: dict[str, float] = {}
     limit = max(run.s.trials or 8, 1)
     for name, tuner in tuners.items():
@@ -422,20 +427,69 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
             yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
             continue
         if type(tuner).search is not Tuner.search:
-            trials.insert(0, PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
-                                          search={"plugin": name, "max_steps": run.s.search_steps}))
+            searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
+                                         search={"plugin": name, "max_steps": run.s.search_steps}))
         plans[name] = [asdict(c) for c in candidates]
+        pool += [{"plugin": name, "config": t.config.to_dict(), "config_id": t.config.config_id,
+                  "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
+                 for c, t in zip(candidates, trials, strict=True)]
         yield Planned(name, plans[name])
-        ranked[name] = trials
         gains[name] = diag.expected_gain or 0.0
-    order = sorted(ranked, key=lambda n: -gains[n])
-    planned = schedule({n: ranked[n] for n in order}, run.s.trials, run.s.baseline_every)
+    searches.sort(key=lambda t: -gains[t.plugin])
+    # The first candidates: every tuner's best, then the best predicted (no trials yet
+    # to correct the predictions); after each trial `_feedback` re-ranks what is left.
+    slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
+    ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
+    chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                            run.s.min_effect)
+    queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
+                                     r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
+    planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
     for seq, pt in enumerate(planned, start=1):
         store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
                         config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
-                        predicted_s=pt.predicted_s)
-    observation.update(diagnoses=diagnoses, plans=plans)
+                        predicted_s=pt.predicted_s, corrected_s=pt.corrected_s)
+    observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
     store.set_study(sid, observation=observation)
+
+
+def _truth_dict(obs: Observation) -> dict[str, Any] | None:
+    truth = obs.truth
+    return truth.to_dict() if truth is not None else None
+
+
+def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
+    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run.
+
+    Returns what changed, or None when nothing is left to re-rank.
+    """
+    study = store.study(sid)
+    observation = study.observation or {}
+    pool = [PoolEntry(**e) for e in observation.get("pool", [])]
+    trials = store.trials(sid)
+    pending = [t for t in trials if t.role == CANDIDATE and t.status == "pending"]
+    base = [t.median_s for t in trials if t.role == BASELINE and t.status == "ok" and t.median_s]
+    if not pool or not base:
+        return None
+    corrector = Corrector(statistics.median(base), outcomes_of(trials))
+    observation["corrections"] = corrector.summary()
+    store.set_study(sid, observation=observation)
+    if not pending:
+        return None
+    not_pending = {t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")}
+    tried = {t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"}
+    base_batch = (observation.get("summary") or {}).get("global_batch") or 1
+    ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
+    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect)
+    store.replace_pending_candidates(sid, [
+        {"plugin": r.entry.plugin, "config_id": r.entry.config_id, "config": r.entry.config,
+         "predicted_s": r.entry.predicted_s, "corrected_s": r.corrected_s} for r in chosen])
+
+    def row(r) -> dict[str, Any]:
+        return {"plugin": r.entry.plugin, "config": r.entry.config, "predicted_s": r.entry.predicted_s,
+                "corrected_s": r.corrected_s}
+
+    return Reranked(corrector.summary(), [row(r) for r in chosen], [row(r) for r in dropped])
 
 
 def _planned(tuner: Tuner, c: Candidate) -> PlannedTrial:
@@ -507,7 +561,7 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
 PROFILE_STEPS = 3
 
 
-def _observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] | None]:
+def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] | None]:
     """The baseline trial's step breakdown (from its traces) and telemetry summary."""
     result = row.result or {}
     breakdown = None
@@ -523,16 +577,26 @@ def _observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] 
 async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None,
                        observe: bool = False) -> AsyncIterator[Event]:
     s = run.s
-    pending = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
     describe = _describer(tuners)
-    for index, row in enumerate(pending, 1):
+    index = 0
+
+    def next_pending() -> tuple[TrialRow | None, int]:
+        # Read afresh each time: feedback after a trial may have re-ranked the rest.
+        rows = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
+        return (rows[0] if rows else None), len(rows)
+
+    while True:
+        row, left = next_pending()
+        if row is None:
+            return
+        index += 1
         if not run.fits_budget():
             store.finish_trial(row.id, status="skipped", error="did not fit the time budget")
             yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
-                                None, None, row.predicted_s, "did not fit the time budget")
+                                None, None, row.predicted_s, "did not fit the time budget", row.corrected_s)
             continue
         yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
-                           index, len(pending))
+                           index, index - 1 + left, row.corrected_s)
         store.start_trial(row.id)
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
@@ -581,7 +645,11 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             _record_search_config(store, row.id, result["config_found"])
         yield TrialFinished(row.id, row.seq, row.role, row.plugin, config_desc, outcome.status,
                             m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
-                            outcome.error or None)
+                            outcome.error or None, row.corrected_s)
+        if row.role != BASELINE:
+            reranked = _feedback(store, sid, s.min_effect)
+            if reranked is not None:
+                yield reranked
 
 
 def _record_search_config(store: Store, trial_id: int, config: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from tunekit.errors import StoreError
 
 DEFAULT_DIR = ".tunekit"
 DB_NAME = "tunekit.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS studies (
@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS trials (
     plugin TEXT,
     config_id TEXT NOT NULL,
     config TEXT NOT NULL,
-    predicted_s REAL,
+    predicted_s REAL,              -- the tuner's own prediction (seconds per step)
+    corrected_s REAL,              -- that prediction corrected by the trials before this one ran
     status TEXT NOT NULL,          -- pending | running | ok | crash | oom | hang | skipped
     median_s REAL,
     spread_s REAL,
@@ -111,6 +112,8 @@ class TrialRow:
     error: str | None
     started: float | None
     finished: float | None
+    corrected_s: float | None = None
+    """``predicted_s`` corrected by the trials that finished before this one ran."""
 
     @property
     def done(self) -> bool:
@@ -139,12 +142,19 @@ class Store:
                     f"study store {self.path} was written by a newer tunekit (schema {version}); upgrade tunekit"
                 )
             self.conn.executescript(_SCHEMA)
+            self._migrate(version)
             self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self.conn.execute("SELECT count(*) FROM studies").fetchone()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"study store {self.path} is unreadable or corrupt ({exc}); move it aside") from None
         except OSError as exc:
             raise StoreError(f"cannot open study store {self.path}: {exc}") from None
+
+    def _migrate(self, version: int) -> None:
+        """Bring a store written by an older tunekit up to this schema (columns only added)."""
+        columns = {r["name"] for r in self.conn.execute("PRAGMA table_info(trials)")}
+        if "corrected_s" not in columns:  # schema 1 -> 2
+            self.conn.execute("ALTER TABLE trials ADD COLUMN corrected_s REAL")
 
     @classmethod
     def open_default(cls, directory: str | Path | None = None) -> Store:
@@ -231,15 +241,48 @@ class Store:
 
     def add_trial(
         self, study_id: int, *, seq: int, role: str, plugin: str | None, config_id: str,
-        config: dict[str, Any], predicted_s: float | None = None,
+        config: dict[str, Any], predicted_s: float | None = None, corrected_s: float | None = None,
     ) -> int:
         with self._tx() as c:
             cur = c.execute(
-                "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, status)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending')",
-                (study_id, seq, role, plugin, config_id, json.dumps(config), predicted_s),
+                "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
+                " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
+                (study_id, seq, role, plugin, config_id, json.dumps(config), predicted_s, corrected_s),
             )
             return int(cur.lastrowid)
+
+    def replace_pending_candidates(self, study_id: int, rows: list[dict[str, Any]]) -> None:
+        """Fill the study's pending candidate slots with ``rows``, in one transaction.
+
+        The slots are the seq numbers of the pending ``candidate`` rows, in order;
+        ``rows`` (each with plugin, config_id, config, predicted_s, corrected_s) take
+        them in turn, and slots left over are dropped. Baselines, searches and
+        everything already run keep their rows.
+        """
+        with self._tx() as c:
+            slots = [r["seq"] for r in c.execute(
+                "SELECT seq FROM trials WHERE study_id=? AND role='candidate' AND status='pending' ORDER BY seq",
+                (study_id,))]
+            c.execute("DELETE FROM trials WHERE study_id=? AND role='candidate' AND status='pending'", (study_id,))
+            for seq, row in zip(slots, rows, strict=False):
+                c.execute(
+                    "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
+                    " status) VALUES (?, ?, 'candidate', ?, ?, ?, ?, ?, 'pending')",
+                    (study_id, seq, row["plugin"], row["config_id"], json.dumps(row["config"]),
+                     row.get("predicted_s"), row.get("corrected_s")),
+                )
+            self._drop_repeated_baselines(c, study_id)
+
+    @staticmethod
+    def _drop_repeated_baselines(c: sqlite3.Connection, study_id: int) -> None:
+        """A pending baseline right after another baseline (the candidates between them were
+        dropped) measures nothing new next to it: drop it."""
+        previous = None
+        for r in c.execute("SELECT id, role, status FROM trials WHERE study_id=? ORDER BY seq", (study_id,)).fetchall():
+            if r["role"] == "baseline" and r["status"] == "pending" and previous == "baseline":
+                c.execute("DELETE FROM trials WHERE id=?", (r["id"],))
+                continue
+            previous = r["role"]
 
     def start_trial(self, trial_id: int) -> None:
         with self._tx() as c:
@@ -280,7 +323,7 @@ class Store:
                 config_id=r["config_id"], config=json.loads(r["config"]), predicted_s=r["predicted_s"],
                 status=r["status"], median_s=r["median_s"], spread_s=r["spread_s"],
                 samples_per_s=r["samples_per_s"], result=_loads(r["result"]), error=r["error"],
-                started=r["started"], finished=r["finished"],
+                started=r["started"], finished=r["finished"], corrected_s=r["corrected_s"],
             )
             for r in rows
         ]

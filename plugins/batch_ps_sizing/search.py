@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tunekit.costmodel import ComputeRate, training_flops
 from tunekit.errors import ConfigError
 from tunekit.plugins.batch_ps_sizing.measure import is_out_of_memory, release_memory
 from tunekit.plugins.batch_ps_sizing.model import CnnSpec, feature_shapes
@@ -436,10 +437,14 @@ def conv_algorithm_tables(
     (X B_out H_out F^2 D_in floats); the FFT path's complex64 transforms of
     input, filters and output at the padded size (Mathieu et al.); implicit
     GEMM needs none. Times are FLOPs over an assumed fraction of peak
-    (the module constants); backward costs twice the forward. A planning model:
+    (the module constants); backward costs twice the forward
+    (:func:`tunekit.costmodel.training_flops`). A planning model:
     measured tables replace it where they exist.
     """
     shapes = feature_shapes(spec)
+    implicit = ComputeRate.assumed(peak_flops, IMPLICIT_EFFICIENCY)
+    gemm = ComputeRate.assumed(peak_flops, GEMM_EFFICIENCY)
+    fft = ComputeRate.assumed(peak_flops, FFT_EFFICIENCY)
     tables = []
     for i, layer in enumerate(spec.features, start=1):
         if layer.kind != "conv":
@@ -458,11 +463,9 @@ def conv_algorithm_tables(
         )
         tables.append(
             [
-                AlgorithmOption(
-                    "implicit_gemm", 3 * direct / (peak_flops * IMPLICIT_EFFICIENCY), 0.0
-                ),
-                AlgorithmOption("gemm", 3 * direct / (peak_flops * GEMM_EFFICIENCY), lowered),
-                AlgorithmOption("fft", 3 * fft_flops / (peak_flops * FFT_EFFICIENCY), fft_ws),
+                AlgorithmOption("implicit_gemm", implicit.seconds(training_flops(direct)), 0.0),
+                AlgorithmOption("gemm", gemm.seconds(training_flops(direct)), lowered),
+                AlgorithmOption("fft", fft.seconds(training_flops(fft_flops)), fft_ws),
             ]
         )
     return tables

@@ -1,12 +1,10 @@
 """Measurements behind the cost model: per-layer backward times, host rates, sync overhead.
 
-``t_bp`` per layer is timed from gradient readiness: a post-accumulate-grad
-hook stamps the moment each parameterised layer's last gradient is ready
-(CUDA events on a GPU), and a layer's ``t_bp`` is the gap to the previous
-layer's stamp. That is the quantity CGDP cares about: the time between two
-possible synchronisation points. (``tunekit/observe/layer_profile.py``, when
-it exists, measures forward and backward per layer for every tuner; this
-module measures only what CGDP needs, so it does not depend on it.)
+``t_bp`` per layer is timed from gradient readiness (the core's
+:func:`tunekit.observe.grad_timing.time_groups`, which overlap_chunking uses
+too): the moment backprop has passed each parameterised layer, and a layer's
+``t_bp`` is the gap to the previous one. That is the quantity CGDP cares
+about: the time between two possible synchronisation points.
 
 For hardware one does not have, :func:`estimate_backward_times` turns the
 backward FLOPs of each layer (``torch.utils.flop_counter``) into seconds at a
@@ -26,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from tunekit.costmodel import ComputeRate
+from tunekit.observe.grad_timing import time_groups
 from tunekit.plugins.cgdp.model import HostRates, host_sum_bandwidth
 from tunekit.plugins.cgdp.runtime import parameterised_layers
 
@@ -64,64 +64,25 @@ def time_layer_backward(
     repeats: int = 5,
     warmup: int = 1,
 ) -> LayerTimes:
-    """Median per-layer backward time over ``repeats`` backward passes (after ``warmup``)."""
+    """Median ``t_bp`` per parameterised layer over ``repeats`` steps (after ``warmup``), in
+    backward order, from the core's gradient-ready timing (:func:`time_groups`)."""
     device = next(model.parameters()).device
     layers = parameterised_layers(model)
-    layer_of = {id(p): li for li, layer in enumerate(layers) for p in layer.params}
-    cuda = device.type == "cuda"
-    stamps: dict[int, Any] = {}
-    left: list[int] = []
-
-    def hook(p: torch.Tensor) -> None:
-        li = layer_of[id(p)]
-        left[li] -= 1
-        if left[li] == 0:
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                stamps[li] = ev
-            else:
-                stamps[li] = time.perf_counter()
-
-    handles = [p.register_post_accumulate_grad_hook(hook) for layer in layers for p in layer.params]
-    runs: list[tuple[list[int], dict[int, float]]] = []
+    # A zero learning rate: the steps time backward without changing the model.
+    optimizer = torch.optim.SGD([p for layer in layers for p in layer.params], lr=0.0)
     try:
-        for r in range(warmup + repeats):
-            model.zero_grad(set_to_none=True)
-            left[:] = [len(layer.params) for layer in layers]
-            stamps.clear()
-            loss = loss_fn(model(inputs), targets)
-            _sync(device)
-            if cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                start = time.perf_counter()
-            loss.backward()
-            _sync(device)
-            order = list(stamps)  # insertion order = completion order
-            if cuda:
-                at = {li: start.elapsed_time(ev) / 1e3 for li, ev in stamps.items()}
-            else:
-                at = {li: t - start for li, t in stamps.items()}
-            if r >= warmup:
-                runs.append((order, at))
+        timing = time_groups(
+            model, optimizer, loss_fn, inputs, targets,
+            [(layer.name, [layer.path]) for layer in layers],
+            device=device, warmup=warmup, repeats=repeats,
+        )
     finally:
-        for h in handles:
-            h.remove()
         model.zero_grad(set_to_none=True)
-    order = runs[0][0] + [li for li in range(len(layers)) if li not in runs[0][1]]
-    gaps: dict[int, list[float]] = {li: [] for li in order}
-    for _, at in runs:
-        prev = 0.0
-        for li in order:
-            t = at.get(li, prev)
-            gaps[li].append(max(0.0, t - prev))
-            prev = max(prev, t)
+    order = list(reversed(range(len(layers))))
     return LayerTimes(
-        names=[layers[li].name for li in order],
-        t_bp=[statistics.median(gaps[li]) for li in order],
-        nbytes=[sum(p.numel() * p.element_size() for p in layers[li].params) for li in order],
+        names=[layers[i].name for i in order],
+        t_bp=[timing.groups[i].backward_s for i in order],
+        nbytes=[sum(p.numel() * p.element_size() for p in layers[i].params) for i in order],
     )
 
 
@@ -152,12 +113,12 @@ def estimate_backward_times(
     def flops(counts: dict, name: str) -> int:
         return sum(counts.get(f"{root}.{name}", {}).values())
 
-    rate = peak_flops * efficiency
+    rate = ComputeRate.assumed(peak_flops, efficiency)
     ordered = list(reversed(layers))
     return LayerTimes(
         names=[layer.name for layer in ordered],
         t_bp=[
-            max(0, flops(total, layer.name) - flops(forward, layer.name)) / rate
+            rate.seconds(max(0, flops(total, layer.name) - flops(forward, layer.name)))
             for layer in ordered
         ],
         nbytes=[sum(p.numel() * p.element_size() for p in layer.params) for layer in ordered],

@@ -54,6 +54,8 @@ class Layer:
 
     name: str
     params: list[nn.Parameter]
+    path: str = ""
+    """Module path in the model ("" for the root; ``name`` then shows its class)."""
 
 
 def parameterised_layers(model: nn.Module) -> list[Layer]:
@@ -70,7 +72,7 @@ def parameterised_layers(model: nn.Module) -> list[Layer]:
                 seen.add(id(p))
                 own.append(p)
         if own:
-            layers.append(Layer(name or type(module).__name__, own))
+            layers.append(Layer(name or type(module).__name__, own, name))
     return layers
 
 

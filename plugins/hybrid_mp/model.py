@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tunekit.costmodel import ComputeRate
 from tunekit.errors import ConfigError
 
 # -- the op graph -----------------------------------------------------------------------
@@ -112,8 +113,6 @@ class OpGraph:
 
 # -- Δ(k), M(k), D(e) from a traced model ------------------------------------------------
 
-BACKWARD_FLOPS_RATIO = 2.0
-"""Backward FLOPs per forward FLOP: gradients w.r.t. the input and the weights."""
 
 
 def optimizer_state_factor(optimizer_name: str) -> int:
@@ -140,7 +139,7 @@ def op_graph_from_model(
 
     Δ(k) is ``measured[layer] = (forward_s, backward_s)`` where given, else
     analytic: FLOPs / (``peak_flops`` × ``efficiency``) forward and
-    :data:`BACKWARD_FLOPS_RATIO` times that backward (the paper used FLOPs /
+    :data:`tunekit.costmodel.BACKWARD_FLOPS_RATIO` times that backward (the paper used FLOPs /
     advertised peak for Inception-V3). M(k) = parameters × (weights + gradients
     + ``state_factor`` optimizer tensors) + the layer's output, kept for
     backward. D(e) = the producer layer's output bytes. Shapes, bytes and FLOPs
@@ -162,8 +161,7 @@ def op_graph_from_model(
             fwd, bwd = measured[name]
             fwd, bwd = fwd * scale, bwd * scale
         elif peak_flops:
-            fwd = lay.flops * scale / (peak_flops * efficiency)
-            bwd = BACKWARD_FLOPS_RATIO * fwd
+            fwd, bwd = ComputeRate.assumed(peak_flops, efficiency).forward_backward_s(lay.flops * scale)
         else:
             raise ConfigError(f"op graph: no measured time for layer {name} and no peak FLOP/s")
         memory = lay.param_bytes * (2 + state_factor) + lay.activation_bytes * scale

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from tunekit.costmodel import ComputeRate
 from tunekit.errors import PluginError
 from tunekit.hardware import Hardware
 
@@ -588,7 +589,7 @@ def analytic_compute(hw: Hardware, options: CostOptions) -> ComputeFn:
     """compute(v, c) from FLOPs: the largest worker's share at ``efficiency`` x peak,
     never below its memory traffic, plus a fixed per-op overhead."""
     dev = hw.devices[0]
-    peak = dev.peak_flops * options.efficiency
+    rate = ComputeRate.assumed(dev.peak_flops, options.efficiency)
     mem_bw = dev.peak_flops / options.flops_per_byte
 
     def compute(spec: OpSpec, cfg: SplitConfig) -> float:
@@ -597,7 +598,7 @@ def analytic_compute(hw: Hardware, options: CostOptions) -> ComputeFn:
         largest = int(box_numel(owned_boxes(spec, cfg)).max())
         share = largest / spec.numel
         passes = 3.0 if spec.param_bytes else 2.0  # backward = data grad (+ weight grad)
-        flop_s = passes * spec.flops * share / peak
+        flop_s = rate.seconds(passes * spec.flops * share)
         mem_s = passes * 2 * largest * spec.elem_bytes / mem_bw  # read input + write output, ~
         return max(flop_s, mem_s) + options.op_overhead_s
 

@@ -1,8 +1,8 @@
 """The per-rank times the cost model needs, measured in this process.
 
 * per paper layer: forward time, and backward time as "when has backprop
-  passed this layer" (post-accumulate-grad hooks on its parameters and a hook
-  on the gradient of its input, so branches are handled);
+  passed this layer" (the core's gradient-ready timing,
+  :func:`tunekit.observe.grad_timing.time_groups`);
 * the optimizer step per parameter byte, and the time to get a batch;
 * per fully-connected layer: the local and the full-batch weight-gradient
   matmuls (what replicating its gradient saves and costs).
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from tunekit.observe.grad_timing import Clock, time_groups
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers
 from tunekit.workload import Workload
 
@@ -72,31 +72,6 @@ class StepProfile:
         )
 
 
-class _Clock:
-    """Timestamps on the host (CPU) or as CUDA events (GPU work is asynchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[tuple, Any]] = []
-
-    def mark(self, key: tuple) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append((key, event))
-        else:
-            self.marks.append((key, time.perf_counter()))
-
-    def times(self) -> dict[tuple, float]:
-        """Seconds since the first mark; repeated keys keep their latest time."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            base = self.marks[0][1]
-            return {k: base.elapsed_time(e) / 1e3 for k, e in self.marks}
-        base = self.marks[0][1]
-        return {k: t - base for k, t in self.marks}
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -106,7 +81,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     fn()
     samples = []
     for _ in range(repeats):
-        clock = _Clock(device)
+        clock = Clock(device)
         clock.mark(("a",))
         fn()
         clock.mark(("b",))
@@ -178,80 +153,13 @@ def _to(x, device):
 
 
 def _profile_model(model, optimizer, workload, layers, inputs, targets, device, warmup, repeats):
-    modules = dict(model.named_modules())
-    holder: dict[str, _Clock] = {}
-    handles = []
-
-    def pre_hook(j):
-        def hook(_module, args):
-            clock = holder["clock"]
-            clock.mark(("fs", j))
-            x = args[0] if args else None
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda _g: clock.mark(("in", j)))
-
-        return hook
-
-    def grad_hook(j):
-        def hook(_p):
-            holder["clock"].mark(("pg", j, holder["count"].setdefault(j, 0)))
-            holder["count"][j] += 1
-
-        return hook
-
-    for j, layer in enumerate(layers):
-        module = modules[layer.name]
-        handles.append(module.register_forward_pre_hook(pre_hook(j)))
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(grad_hook(j)))
-    n = len(layers)
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    upd: list[float] = []
-    try:
-        for it in range(warmup + repeats):
-            clock = _Clock(device)
-            holder["clock"], holder["count"] = clock, {}
-            clock.mark(("start",))
-            loss = workload.loss(model(inputs), targets)
-            clock.mark(("fwd_end",))
-            loss.backward()
-            clock.mark(("bwd_end",))
-            optimizer.step()
-            clock.mark(("upd_end",))
-            optimizer.zero_grad(set_to_none=True)
-            if it < warmup:
-                continue
-            t = clock.times()
-            starts = [t.get(("fs", j)) for j in range(n)]
-            f_end, b_end = t[("fwd_end",)], t[("bwd_end",)]
-            for j in range(n):
-                if starts[j] is None:
-                    fwd[j].append(0.0)
-                    continue
-                nxt = next((s for s in starts[j + 1 :] if s is not None), f_end)
-                lead = starts[j] if j else 0.0  # time before the first layer is its own
-                fwd[j].append(nxt - lead)
-            passed = cumulative = 0.0
-            cum = [0.0] * n
-            for j in reversed(range(n)):
-                marks = [v for k, v in t.items() if k[:2] in (("in", j), ("pg", j))]
-                passed = max(marks) - f_end if marks else passed
-                cumulative = max(cumulative, passed)
-                cum[j] = cumulative
-            cum[0] = max(cum[0], b_end - f_end)
-            for j in range(n):
-                bwd[j].append(cum[j] - (cum[j + 1] if j + 1 < n else 0.0))
-            upd.append(t[("upd_end",)] - b_end)
-    finally:
-        for h in handles:
-            h.remove()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    times = [
-        LayerTime(layer.name, _median(fwd[j]), _median(bwd[j])) for j, layer in enumerate(layers)
-    ]
-    return times, _median(upd) / max(param_bytes, 1)
+    timing = time_groups(
+        model, optimizer, workload.loss, inputs, targets,
+        [(layer.name, [layer.name]) for layer in layers],
+        device=device, warmup=warmup, repeats=repeats,
+    )
+    times = [LayerTime(g.name, g.forward_s, g.backward_s) for g in timing.groups]
+    return times, timing.update_s / max(timing.param_bytes, 1)
 
 
 def layer_times_from_profile(

@@ -63,7 +63,7 @@ FIELDS = {
         "parse",
     ),
     Diagnosis: ("applies", "summary", "expected_gain", "details"),
-    Candidate: ("knobs", "predicted_step_s", "rationale", "details"),
+    Candidate: ("knobs", "predicted_step_s", "rationale", "details", "predicted_range_s", "global_batch"),
     SearchResult: ("knobs", "trace", "summary", "details"),
 }
 KNOB_TYPES = ("int", "float", "bool", "choice", "str")

@@ -20,6 +20,7 @@ from tunekit.events import (
     Planned,
     PluginProblem,
     ReportWritten,
+    Reranked,
     StudyFinished,
     StudyStarted,
     TrialFinished,
@@ -27,6 +28,7 @@ from tunekit.events import (
     TrialStarted,
 )
 from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.observe.truth import PART_LABELS
 from tunekit.orchestrator import AutoSettings, run_auto
 from tunekit.runtime.rundir import RunDir
 from tunekit.trials.launcher import LaunchOptions
@@ -153,18 +155,19 @@ class _ProgressView:
             s = ev.summary
             self.say(f"observed: {s['num_params']:,} parameters, global batch {s['global_batch']}, "
                      f"baseline {_ms(s['baseline_median_s'])} ± {_ms(s['baseline_spread_s'])} per step")
-            b = s.get("breakdown")
-            if b:
-                parts = " · ".join(f"{p.replace('_', ' ')} {f:.0%}" for p, f in b["fractions"].items() if f >= 0.005)
-                r = f" · overlap R {b['overlap_R']:.0f}" if b.get("overlap_R") is not None else ""
-                self.say(f"  breakdown: {parts}{r}")
+            t = s.get("truth")
+            if t and t.get("parts_s"):
+                parts = " · ".join(f"{PART_LABELS[p]} {f:.0%}" for p, f in t["fractions"].items() if f >= 0.005)
+                r = f" · overlap R {t['overlap_R']:.0f}" if t.get("overlap_R") is not None else ""
+                self.say(f"  where the step goes (measured): {parts}{r}")
         elif isinstance(ev, Diagnosed):
             mark = "[green]applies[/]" if ev.applies else "[dim]does not apply[/]"
             self.say(f"  {ev.plugin}: {mark} — {ev.summary}")
         elif isinstance(ev, Planned):
             self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
         elif isinstance(ev, TrialStarted):
-            pred = f", predicted {_ms(ev.predicted_s)}" if ev.predicted_s else ""
+            pred = _prediction(ev.predicted_s, ev.corrected_s)
+            pred = f", predicted {pred}" if pred else ""
             self.tasks[ev.trial_id] = self.progress.add_task(
                 f"[{ev.index}/{ev.total}] {ev.role} {ev.description}{pred}", total=None, last="")
         elif isinstance(ev, TrialProgress):
@@ -177,10 +180,17 @@ class _ProgressView:
             if task is not None:
                 self.progress.remove_task(task)
             if ev.status == "ok":
+                pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
-                         + (f" (predicted {_ms(ev.predicted_s)})" if ev.predicted_s else ""))
+                         + (f" (predicted {pred})" if pred else ""))
             else:
                 self.say(f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}")
+        elif isinstance(ev, Reranked):
+            learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
+            if learnt:
+                self.say(f"  [dim]feedback — {learnt}[/]")
+            if ev.dropped:
+                self.say(f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]")
         elif isinstance(ev, Decided):
             self.decision = ev.decision
         elif isinstance(ev, ReportWritten):
@@ -194,6 +204,15 @@ class _ProgressView:
             console.print(f"decision: {self.decision.get('reason', '')}")
         if self.paths:
             console.print(f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}")
+
+
+def _prediction(raw: float | None, corrected: float | None) -> str:
+    """``12.3 ms`` or ``12.3 ms → 14.0 ms corrected`` (empty without a prediction)."""
+    if not raw:
+        return ""
+    if corrected and abs(corrected - raw) > 0.0005 * raw:
+        return f"{_ms(raw)} → {_ms(corrected)} corrected"
+    return _ms(raw)
 
 
 def result_table(decision: dict) -> Table:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.table import Table
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -54,3 +55,27 @@ STORE_OPTION = click.option(
     "--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"),
     show_default=True, help="Study store folder (studies, cached probes and profiles, runs/).",
 )
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def trials_table(rows: list[dict], title: str = "trials") -> Table:
+    """Every trial: its prediction, raw and corrected by the trials before it, what was
+    measured and the error of each (rows from ``tunekit.report.data.report_data``)."""
+    table = Table(title=title + " (per step; error = |prediction − measured| / measured)", title_justify="left")
+    for col in ("#", "role", "config", "status", "predicted", "corrected", "measured", "error", "note"):
+        table.add_column(col, overflow="fold")
+    for t in rows:
+        med = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
+        err = _pct(t.get("prediction_error"))
+        if t.get("corrected_prediction_error") is not None:
+            err += f" → {_pct(t['corrected_prediction_error'])}"
+        table.add_row(str(t["seq"]), t["role"], t["description"], t["status"], _ms(t["predicted_s"]),
+                      _ms(t.get("corrected_s")), med, err, (t.get("error") or "")[:60])
+    return table

@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from tunekit.cli.auto import result_table
-from tunekit.cli.common import STORE_OPTION, console
+from tunekit.cli.common import STORE_OPTION, console, trials_table
 from tunekit.orchestrator import load_study
 from tunekit.plugin_loading import available_tuners
 from tunekit.report import report_data, write_report
@@ -49,14 +49,7 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
             return
         st = data["study"]
         console.print(f"[bold]study {st['id']}[/] · {st['workload']} · {st['nproc']} rank(s) · {st['status']}")
-        trials = Table(title="trials", title_justify="left")
-        for col in ("#", "role", "config", "status", "predicted", "measured", "note"):
-            trials.add_column(col)
-        for t in data["trials"]:
-            med = "—" if t["median_s"] is None else f"{t['median_s'] * 1e3:.1f} ± {t['spread_s'] * 1e3:.1f} ms"
-            pred = "—" if t["predicted_s"] is None else f"{t['predicted_s'] * 1e3:.1f} ms"
-            trials.add_row(str(t["seq"]), t["role"], t["description"], t["status"], pred, med, (t["error"] or "")[:60])
-        console.print(trials)
+        console.print(trials_table(data["trials"]))
         if data["decision"]:
             console.print(result_table(data["decision"]))
             console.print(f"decision: {data['decision'].get('reason', '')}")

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tunekit.observe.truth import StepTruth
+
 if TYPE_CHECKING:
     from tunekit.hardware import Hardware
     from tunekit.workload import Workload
@@ -144,3 +146,10 @@ class Observation:
     @property
     def global_batch(self) -> int:
         return self.workload.batch_size * self.nproc
+
+    @property
+    def truth(self) -> StepTruth | None:
+        """The baseline's measured step and where it goes: what every diagnosis starts from.
+
+        None when no baseline was measured (``tunekit plan`` without a study)."""
+        return StepTruth.of(self.baseline, self.breakdown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Tuner
 from tunekit.store import Store
 from tunekit.trials.decide import decide
+from tunekit.trials.feedback import relative_error
 from tunekit.trials.launcher import LaunchOptions
 
 
@@ -31,7 +33,10 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
         rows.append({
             "id": t.id, "seq": t.seq, "role": t.role, "plugin": t.plugin,
             "config": t.config, "description": describe(t.config), "status": t.status,
-            "predicted_s": t.predicted_s, "median_s": t.median_s, "spread_s": t.spread_s,
+            "predicted_s": t.predicted_s, "corrected_s": t.corrected_s,
+            "prediction_error": relative_error(t.predicted_s, t.median_s),
+            "corrected_prediction_error": relative_error(t.corrected_s, t.median_s),
+            "median_s": t.median_s, "spread_s": t.spread_s,
             "samples_per_s": t.samples_per_s, "step_s": m.get("step_s"),
             "overlap_R": sum(rs) / len(rs) if rs else None, "error": t.error,
             "wall_s": (t.result or {}).get("wall_s"),
@@ -53,6 +58,8 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
         "diagnoses": obs.get("diagnoses", {}),
         "plans": obs.get("plans", {}),
         "trials": rows,
+        "prediction_errors": prediction_errors(rows),
+        "corrections": obs.get("corrections", {}),
         "decision": decision,
         "headline": {
             "baseline_median_s": base_med,
@@ -73,6 +80,24 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
         "snippet": snippet(study.workload, best, tuners, launch),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
+
+
+def prediction_errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tuner: median |predicted - measured| / measured of its trials, raw and corrected."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["role"] == "baseline" or r["prediction_error"] is None or not r["plugin"]:
+            continue
+        entry = out.setdefault(r["plugin"], {"trials": 0, "raw": [], "corrected": []})
+        entry["trials"] += 1
+        entry["raw"].append(r["prediction_error"])
+        if r["corrected_prediction_error"] is not None:
+            entry["corrected"].append(r["corrected_prediction_error"])
+    for entry in out.values():
+        entry["median_error"] = statistics.median(entry.pop("raw"))
+        corrected = entry.pop("corrected")
+        entry["median_corrected_error"] = statistics.median(corrected) if corrected else None
+    return out
 
 
 def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]) -> str | None:

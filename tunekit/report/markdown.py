@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunekit.observe.truth import PART_LABELS
+
 
 def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.1f} ms"
@@ -46,8 +48,12 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         "",
         "## Trials",
         "",
-        "| # | role | config | status | predicted | measured (median ± IQR) | R | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Per step. *Predicted*: the tuner's cost model, calibrated on the measured baseline; "
+        "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
+        "|prediction − measured| / measured, raw → corrected.",
+        "",
+        "| # | role | config | status | predicted | corrected | measured (median ± IQR) | error | R | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in data["trials"]:
         measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
@@ -55,8 +61,9 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         note = (t.get("error") or "").replace("|", "/")[:80]
         out.append(
             f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {_ms(t['predicted_s'])} | "
-            f"{measured} | {r} | {note} |"
+            f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {r} | {note} |"
         )
+    out += _prediction_section(data)
     out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
     if data.get("explanation"):
         out += ["## The winning plan in detail", "", data["explanation"], ""]
@@ -66,11 +73,12 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
 def _observation_section(obs: dict[str, Any]) -> list[str]:
     """The baseline's step breakdown and slowest layers, when they were observed."""
     out: list[str] = []
-    b = obs.get("breakdown")
-    if b:
+    b = obs.get("truth")
+    if b and b.get("parts_s"):
         out += ["## Where the baseline's step goes", "", "| part | per step | share |", "| --- | --- | --- |"]
-        for part, frac in b["fractions"].items():
-            out.append(f"| {part.replace('_', ' ')} | {_ms(b[f'{part}_s'])} | {frac:.0%} |")
+        for part, seconds in b["parts_s"].items():
+            out.append(f"| {PART_LABELS[part]} | {_ms(seconds)} | {b['fractions'][part]:.0%} |")
+        out += ["", f"Source: {b['source']}. Every diagnosis below starts from these figures."]
         if b.get("overlap_R") is not None:
             out += ["", f"Overlap ratio R (Lee et al. Eq. 11): {b['overlap_R']:.1f} — the share of "
                     "communication time hidden behind computation."]
@@ -80,6 +88,32 @@ def _observation_section(obs: dict[str, Any]) -> list[str]:
         for t in obs["top_layers"]:
             out.append(f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} |")
         out.append("")
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def _errors(t: dict[str, Any]) -> str:
+    raw, corrected = t.get("prediction_error"), t.get("corrected_prediction_error")
+    if raw is None:
+        return "—"
+    return _pct(raw) if corrected is None else f"{_pct(raw)} → {_pct(corrected)}"
+
+
+def _prediction_section(data: dict[str, Any]) -> list[str]:
+    """How far each tuner's predictions were from what its trials measured."""
+    errors = data.get("prediction_errors") or {}
+    if not errors:
+        return []
+    out = ["", "## How good were the predictions", "",
+           "| tuner | trials | median error | corrected | correction learnt |", "| --- | --- | --- | --- | --- |"]
+    corrections = data.get("corrections") or {}
+    for name, e in sorted(errors.items()):
+        learnt = (corrections.get(name) or {}).get("text", "—")
+        out.append(f"| {name} | {e['trials']} | {_pct(e['median_error'])} | "
+                   f"{_pct(e['median_corrected_error'])} | {learnt} |")
     return out
 
 

@@ -25,6 +25,7 @@ class PlannedTrial:
     config: TuningConfig
     predicted_s: float | None = None
     search: dict[str, Any] | None = None
+    corrected_s: float | None = None
 
 
 def schedule(

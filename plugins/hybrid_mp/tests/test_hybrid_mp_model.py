@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from tunekit.costmodel import BACKWARD_FLOPS_RATIO
 from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.examples import branchy
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import (
-    BACKWARD_FLOPS_RATIO,
     EpochTable,
     OpGraph,
     decide,
