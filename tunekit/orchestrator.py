@@ -103,6 +103,15 @@ class AutoSettings:
     """Measure this machine's collectives once (cached) when no probe is stored."""
     search_steps: int = 60
     """Training steps an in-job search (a tuner's ``search`` hook) may use."""
+    plan_limit: int | None = None
+    """Candidates each tuner plans (None: as many as ``trials``, at least 8)."""
+    in_job_search: bool = True
+    """Run the in-job searches of tuners that have one (cgdp, batch_ps_sizing) as trials."""
+    rerank: bool = True
+    """After every trial, re-rank the candidates left to run by predictions corrected from
+    the trials so far (and drop those now predicted slower than the baseline). Off: run
+    every tuner's planned candidates in plan order, round-robin across tuners; corrected
+    predictions are still recorded (``benchmarks/prediction_error.py`` measures this way)."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -406,7 +415,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
     pool: list[dict[str, Any]] = []
     searches: list[PlannedTrial] = []
     gains: dict[str, float] = {}
-    limit = max(run.s.trials or 8, 1)
+    limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     for name, tuner in tuners.items():
         try:
             diag = await asyncio.to_thread(tuner.diagnose, obs)
@@ -426,7 +435,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         except Exception as exc:
             yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
             continue
-        if type(tuner).search is not Tuner.search:
+        if run.s.in_job_search and type(tuner).search is not Tuner.search:
             searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
                                          search={"plugin": name, "max_steps": run.s.search_steps}))
         plans[name] = [asdict(c) for c in candidates]
@@ -436,15 +445,24 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         yield Planned(name, plans[name])
         gains[name] = diag.expected_gain or 0.0
     searches.sort(key=lambda t: -gains[t.plugin])
-    # The first candidates: every tuner's best, then the best predicted (no trials yet
-    # to correct the predictions); after each trial `_feedback` re-ranks what is left.
-    slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
-    ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-    chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                            run.s.min_effect)
-    queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
-                                     r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
-    planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    if run.s.rerank:
+        # The first candidates: every tuner's best, then the best predicted (no trials yet
+        # to correct the predictions); after each trial `_feedback` re-ranks what is left.
+        slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
+        ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
+        chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                                run.s.min_effect)
+        queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
+                                         r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
+        planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    else:  # every tuner's plan in its own order, round-robin by expected gain
+        queues: dict[str, list[PlannedTrial]] = {t.plugin: [t] for t in searches}
+        for e in pool:
+            queues.setdefault(e["plugin"], []).append(PlannedTrial(
+                CANDIDATE, e["plugin"], TuningConfig.from_dict(e["config"]), e["predicted_s"],
+                corrected_s=e["predicted_s"]))
+        planned = schedule(dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
+                           run.s.trials, run.s.baseline_every)
     for seq, pt in enumerate(planned, start=1):
         store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
                         config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
@@ -458,8 +476,9 @@ def _truth_dict(obs: Observation) -> dict[str, Any] | None:
     return truth.to_dict() if truth is not None else None
 
 
-def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
-    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run.
+def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) -> Reranked | None:
+    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run
+    (with ``rerank`` off, only their corrected predictions are updated).
 
     Returns what changed, or None when nothing is left to re-rank.
     """
@@ -475,6 +494,10 @@ def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
     observation["corrections"] = corrector.summary()
     store.set_study(sid, observation=observation)
     if not pending:
+        return None
+    if not rerank:
+        for t in pending:
+            store.set_corrected(t.id, corrector.corrected(t.plugin, t.predicted_s))
         return None
     not_pending = {t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")}
     tried = {t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"}
@@ -647,7 +670,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                             m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
                             outcome.error or None, row.corrected_s)
         if row.role != BASELINE:
-            reranked = _feedback(store, sid, s.min_effect)
+            reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:
                 yield reranked
 

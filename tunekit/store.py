@@ -302,6 +302,11 @@ class Store:
                  error, time.time(), trial_id),
             )
 
+    def set_corrected(self, trial_id: int, corrected_s: float | None) -> None:
+        """Record a pending trial's prediction as corrected by the trials so far."""
+        with self._tx() as c:
+            c.execute("UPDATE trials SET corrected_s=? WHERE id=?", (corrected_s, trial_id))
+
     def set_trial_config(self, trial_id: int, config_id: str, config: dict[str, Any]) -> None:
         """Replace a trial's config (an in-job search records the config it settled on)."""
         with self._tx() as c:
