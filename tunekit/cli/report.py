@@ -55,7 +55,7 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
         for t in data["trials"]:
             med = "—" if t["median_s"] is None else f"{t['median_s'] * 1e3:.1f} ± {t['spread_s'] * 1e3:.1f} ms"
             pred = "—" if t["predicted_s"] is None else f"{t['predicted_s'] * 1e3:.1f} ms"
-            trials.add_row(str(t["seq"]), t["role"], t["description"], t["status"], pred, med, (t["error"] or "")[:60])
+            trials.add_row(str(t["seq"]), t["role"], t["description"], t["status"], pred, med, (t["note"] or "")[:160])
         console.print(trials)
         if data["decision"]:
             console.print(result_table(data["decision"]))

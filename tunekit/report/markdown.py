@@ -46,16 +46,16 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         "",
         "## Trials",
         "",
-        "| # | role | config | status | predicted | measured (median ± IQR) | R | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| # | role | config | status | steps | predicted | measured (median ± IQR) | R | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in data["trials"]:
         measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
         r = "—" if t.get("overlap_R") is None else f"{t['overlap_R']:.0f}"
-        note = (t.get("error") or "").replace("|", "/")[:80]
+        note = (t.get("note") or "").replace("|", "/")[:200]
         out.append(
-            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {_ms(t['predicted_s'])} | "
-            f"{measured} | {r} | {note} |"
+            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
+            f"{_ms(t['predicted_s'])} | {measured} | {r} | {note} |"
         )
     out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
     if data.get("explanation"):
