@@ -205,7 +205,7 @@ def observe_static(
         hw = describe_local_machine(world_size, device_type)
         fits = store.cache_get(probe_cache_key(hw))
         if not fits and probe and world_size >= 2:
-            result = probe_hardware(world_size, repeats=3, device_type=device_type)
+            result = probe_hardware(world_size, device_type=device_type)
             fits = [asdict(f) for f in result.hardware.collectives]
             store.cache_put(probe_cache_key(hw), fits)
             notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
