@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Candidate, Tuner
+from tunekit.contract import Candidate, Diagnosis, Tuner
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     Decided,
@@ -45,12 +45,18 @@ from tunekit.events import (
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.graph import ModelGraph, trace_model
-from tunekit.observe.kineto import start_profiler_in_main_thread
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
 from tunekit.observe.probe import probe_hardware
 from tunekit.observe.telemetry import TelemetrySampler
+from tunekit.observe.workload_process import (
+    ChildRaised,
+    ObservationFailed,
+    WorkloadProcess,
+    observation_parts,
+    stand_in_workload,
+)
 from tunekit.plugin_loading import load_all, select
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyCache, StudyRow, TrialRow
@@ -66,8 +72,9 @@ from tunekit.trials.decide import (
     schedule,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
-from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.launcher import CRASH, LaunchOptions, TrialOutcome, TrialSpec, run_trial
 from tunekit.trials.length import trial_length
+from tunekit.trials.output import OutputRecord
 from tunekit.workload import Workload, load_workload, resolve_spec
 
 
@@ -186,32 +193,99 @@ class StaticObservation:
         )
 
 
+def _device_type(device: str) -> str:
+    return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def _rank_threads(world_size: int, threads_per_rank: int | None) -> int:
+    return threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // max(world_size, 1))
+
+
+def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str:
+    return f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
+
+
+def describe_hardware(world_size: int, device_type: str, hardware: str | None, store: Store,
+                      probe: bool = False) -> tuple[Hardware, list[str]]:
+    """The hardware to plan for: a profile, or this machine with its collectives probed once (cached)."""
+    if hardware:
+        return load_profile(hardware), []
+    notices: list[str] = []
+    hw = describe_local_machine(world_size, device_type)
+    fits = store.cache_get(probe_cache_key(hw))
+    if not fits and probe and world_size >= 2:
+        result = probe_hardware(world_size, device_type=device_type)
+        fits = [asdict(f) for f in result.hardware.collectives]
+        store.cache_put(probe_cache_key(hw), fits)
+        notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
+                       "cached for later studies (tunekit hardware probe re-measures)")
+    if fits:
+        hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
+    return hw, notices
+
+
+OBSERVE_LOG = "observe.log"
+"""In the store folder: what the workload printed while it was observed (capped)."""
+
+
+async def observe_in_child(
+    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
+    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
+    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"),
+) -> StaticObservation:
+    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
+    a workload that crashes, hangs or exits while it is built, traced or timed fails with
+    :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
+
+    The child is ended before this returns: nothing of the workload runs beside the trials.
+    """
+    spec = resolve_spec(workload)
+    device_type = _device_type(device)
+    async with WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s) as child:
+        try:
+            seen = await child.call("observe", "building and tracing the model", workload=spec, seed=seed)
+        except ChildRaised as exc:  # a WorkloadError (bad name, factory raised) stays what it was
+            raise exc.as_tunekit_error() or ObservationFailed(
+                CRASH, f"{exc.one_line()} while building and tracing the model") from None
+        graph = ModelGraph.from_dict(seen["graph"])
+        hw, notices = await asyncio.to_thread(describe_hardware, world_size, device_type, hardware, store, probe)
+        if graph.notice:
+            notices.append(graph.notice)
+        profile = None
+        if time_layers and not hardware:
+            key = _layer_profile_key(graph, hw, device_type)
+            if cached := store.cache_get(key):
+                profile = LayerProfile.from_dict(cached)
+            else:
+                try:
+                    timed = await child.call("profile_layers", "timing the model's layers", device=device_type,
+                                             threads=_rank_threads(world_size, threads_per_rank),
+                                             hardware_fingerprint=hw.fingerprint())
+                except ChildRaised as exc:
+                    raise ObservationFailed(CRASH, f"{exc.one_line()} while timing the model's layers") from None
+                if timed["layer_profile"]:
+                    profile = LayerProfile.from_dict(timed["layer_profile"])
+                    store.cache_put(key, timed["layer_profile"])
+                else:
+                    notices.append(timed["notice"])
+    return StaticObservation(spec, stand_in_workload(seen["workload"]), ModelSummary.from_dict(seen["summary"]),
+                             graph, profile, hw, device_type, notices)
+
+
 def observe_static(
     workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
     threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
 ) -> StaticObservation:
     """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
 
-    Layers are timed with the thread count each rank gets, so that their
-    times add up to a rank's compute; the profile is cached in the store.
+    Runs the workload's code in this process (``tunekit plan``, the TUI); ``tunekit auto``
+    uses :func:`observe_in_child`. Layers are timed with the thread count each rank gets,
+    so that their times add up to a rank's compute; the profile is cached in the store.
     """
     spec = resolve_spec(workload)
     wl = load_workload(spec)
-    device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
-    notices: list[str] = []
-    if hardware:
-        hw = load_profile(hardware)
-    else:
-        hw = describe_local_machine(world_size, device_type)
-        fits = store.cache_get(probe_cache_key(hw))
-        if not fits and probe and world_size >= 2:
-            result = probe_hardware(world_size, device_type=device_type)
-            fits = [asdict(f) for f in result.hardware.collectives]
-            store.cache_put(probe_cache_key(hw), fits)
-            notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
-                           "cached for later studies (tunekit hardware probe re-measures)")
-        if fits:
-            hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
+    device_type = _device_type(device)
+    hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
     model = wl.model()
     example = wl.example_batch(wl.batch_size, seed=seed)[0]
     summary = summarize_model(model, example)
@@ -220,12 +294,12 @@ def observe_static(
         notices.append(graph.notice)
     profile = None
     if time_layers and not hardware:
-        key = f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
+        key = _layer_profile_key(graph, hw, device_type)
         cached = store.cache_get(key)
         if cached:
             profile = LayerProfile.from_dict(cached)
         else:
-            threads = threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // max(world_size, 1))
+            threads = _rank_threads(world_size, threads_per_rank)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
@@ -280,11 +354,15 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if s.pause_run is not None:
             paused, notice = await _pause(held, s.pause_run, s.workload)
             yield notice
-        static = await asyncio.to_thread(
-            observe_static, s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed,
-            s.launch.threads_per_rank, True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1)
+        try:
+            static = await observe_in_child(
+                s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed, s.launch.threads_per_rank,
+                True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1, s.timeout_s, s.store_dir)
+        except ObservationFailed as exc:  # no study yet (its key is the graph's hash): an event says it
+            store.log_event(None, "observation_failed", {"workload": s.workload, "status": exc.status,
+                                                         "error": str(exc)})
+            raise ObservationFailed(exc.status, f"could not observe {s.workload} ({exc.status}): {exc}") from None
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
-        start_profiler_in_main_thread()  # before any tuner profiles from a worker thread
         for notice in static.notices:
             yield Notice(notice, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
@@ -410,41 +488,32 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
     }
 
 
+TUNERS_LOG = "tuners.log"
+"""In the study's trial folder: what the workload's process printed while tuners diagnosed and planned."""
+
+
+@dataclass
+class _Planning:
+    """What the tuners' diagnoses and plans add up to, tuner by tuner."""
+
+    diagnoses: dict[str, Any] = field(default_factory=dict)
+    plans: dict[str, Any] = field(default_factory=dict)
+    pool: list[dict[str, Any]] = field(default_factory=list)
+    searches: list[PlannedTrial] = field(default_factory=list)
+    gains: dict[str, float] = field(default_factory=dict)
+
+
 async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation) -> AsyncIterator[Event]:
-    diagnoses: dict[str, Any] = {}
-    plans: dict[str, Any] = {}
-    pool: list[dict[str, Any]] = []
-    searches: list[PlannedTrial] = []
-    gains: dict[str, float] = {}
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
-    for name, tuner in tuners.items():
-        try:
-            diag = await asyncio.to_thread(tuner.diagnose, obs)
-        except TunekitError as exc:
-            yield PluginProblem(name, "", "diagnose failed", str(exc))
-            continue
-        except Exception as exc:  # a broken plugin must not stop the study
-            yield PluginProblem(name, "", "diagnose failed", f"{type(exc).__name__}: {exc}")
-            continue
-        diagnoses[name] = asdict(diag)
-        yield Diagnosed(name, diag.applies, diag.summary, diag.expected_gain)
-        if not diag.applies:
-            continue
-        try:
-            candidates: list[Candidate] = await asyncio.to_thread(tuner.plan, obs, limit)
-            trials = [_planned(tuner, c) for c in candidates]
-        except Exception as exc:
-            yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
-            continue
-        if run.s.in_job_search and type(tuner).search is not Tuner.search:
-            searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
-                                         search={"plugin": name, "max_steps": run.s.search_steps}))
-        plans[name] = [asdict(c) for c in candidates]
-        pool += [{"plugin": name, "config": t.config.to_dict(), "config_id": t.config.config_id,
-                  "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
-                 for c, t in zip(candidates, trials, strict=True)]
-        yield Planned(name, plans[name])
-        gains[name] = diag.expected_gain or 0.0
+    # Tuners time pieces of the model: their hooks run in the workload's own process, one
+    # child for all of them (a fresh one after a tuner kills it), under the trial timeout.
+    parts = observation_parts(obs, obs.cache.items() if obs.cache is not None else {})
+    log = run.s.store_dir / "trials" / f"study{sid}" / TUNERS_LOG
+    got = _Planning()
+    async with WorkloadProcess(log, run.s.timeout_s, setup={"op": "observation", "parts": parts}) as child:
+        async for ev in _tuner_hooks(run, child, parts, obs, tuners, limit, got):
+            yield ev
+    diagnoses, plans, pool, searches, gains = got.diagnoses, got.plans, got.pool, got.searches, got.gains
     searches.sort(key=lambda t: -gains[t.plugin])
     if run.s.rerank:
         # The first candidates: every tuner's best, then the best predicted (no trials yet
@@ -470,6 +539,57 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
                         predicted_s=pt.predicted_s, corrected_s=pt.corrected_s)
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
     store.set_study(sid, observation=observation)
+
+
+async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any], obs: Observation, tuners,
+                       limit: int, out: _Planning) -> AsyncIterator[Event]:
+    """Every tuner's diagnose, then its plan if it applies, in the workload's process."""
+    for name, tuner in tuners.items():
+        got, problem = await _tuner_hook(child, "diagnose", name, parts, obs.cache)
+        if problem:  # a broken plugin must not stop the study
+            yield PluginProblem(name, "", "diagnose failed", problem)
+            continue
+        diag = Diagnosis(**got["diagnosis"])
+        out.diagnoses[name] = asdict(diag)
+        yield Diagnosed(name, diag.applies, diag.summary, diag.expected_gain)
+        if not diag.applies:
+            continue
+        got, problem = await _tuner_hook(child, "plan", name, parts, obs.cache, limit=limit)
+        try:
+            candidates = [Candidate(**c) for c in got["candidates"]] if not problem else []
+            trials = [_planned(tuner, c) for c in candidates]
+        except Exception as exc:  # knobs its own validate refuses
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            yield PluginProblem(name, "", "plan failed", problem)
+            continue
+        if run.s.in_job_search and type(tuner).search is not Tuner.search:
+            out.searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
+                                             search={"plugin": name, "max_steps": run.s.search_steps}))
+        out.plans[name] = [asdict(c) for c in candidates]
+        out.pool += [{"plugin": name, "config": t.config.to_dict(), "config_id": t.config.config_id,
+                      "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
+                     for c, t in zip(candidates, trials, strict=True)]
+        yield Planned(name, out.plans[name])
+        out.gains[name] = diag.expected_gain or 0.0
+
+
+async def _tuner_hook(child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache,
+                      **args: Any) -> tuple[dict[str, Any], str | None]:
+    """One tuner hook's reply, or the one line on why it failed; keeps what the tuner cached."""
+    try:
+        reply = await child.call(hook, f"running {name}'s {hook}", plugin=name, **args)
+    except ChildRaised as exc:
+        return {}, exc.one_line()
+    except ObservationFailed as exc:
+        if exc.setup:  # the workload no longer loads: no tuner can run, and that is not theirs to report
+            raise
+        return {}, str(exc)
+    for key, value in reply.get("cache_puts", {}).items():
+        parts["cache"][key] = value  # a fresh child, after a tuner killed this one, starts with it
+        if cache is not None:
+            cache.put(key, value)
+    return reply, None
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:
@@ -653,6 +773,9 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             for notice in sampler.notices:
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
+        for out in outcome.output:
+            if out["dropped_bytes"]:
+                yield Notice(f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}")
         run.trial_walls.append(outcome.wall_s)
         result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
@@ -705,6 +828,7 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         "trial_dir": outcome.trial_dir,
         "search": outcome.search,
         "startup_s": outcome.startup_s,
+        "output": outcome.output,
     }
 
 

@@ -351,6 +351,11 @@ class Store:
                 (key, json.dumps(value), time.time()),
             )
 
+    def cache_items(self, prefix: str) -> dict[str, Any]:
+        """Every cached entry whose key starts with ``prefix``, keyed by the rest of the key."""
+        rows = self._query("SELECT key, value FROM cache WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+        return {r["key"][len(prefix):]: json.loads(r["value"]) for r in rows}
+
     def log_event(self, study_id: int | None, kind: str, payload: dict[str, Any]) -> None:
         with self._tx() as c:
             c.execute(
@@ -374,3 +379,7 @@ class StudyCache:
 
     def put(self, key: str, value: Any) -> None:
         self.store.cache_put(f"{self.prefix}:{key}", value)
+
+    def items(self) -> dict[str, Any]:
+        """Every entry under the prefix (what a tuner in the workload's process starts with)."""
+        return self.store.cache_items(f"{self.prefix}:")

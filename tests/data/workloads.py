@@ -100,3 +100,119 @@ def cnn_float64() -> Workload:
     build = w.model
     w.model, w.make_batch = (lambda: build().double()), make_batch
     return w
+
+
+# -- workloads that end their process, not just their step ---------------------------------
+
+
+def _segfault() -> None:
+    """A real segmentation fault (reads address 0): no Python exception, no result file."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+class _Segfaults(_Raises):
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 2:
+            _segfault()
+        return self.fc(x)
+
+
+def segfaults() -> Workload:
+    """Builds fine, then dies of SIGSEGV in its third forward pass (inside training)."""
+    w = tiny()
+    w.model = _Segfaults
+    return w
+
+
+def _never_built():
+    raise AssertionError("unreachable")
+
+
+def segfaults_building() -> Workload:
+    """Dies of SIGSEGV while its model is built (observation builds it first)."""
+    w = tiny()
+
+    def model():
+        _segfault()
+        return _never_built()
+
+    w.model = model
+    return w
+
+
+def hangs_building() -> Workload:
+    """Never finishes building its model."""
+    w = tiny()
+
+    def model():
+        while True:
+            time.sleep(1)
+
+    w.model = model
+    return w
+
+
+def exits_building() -> Workload:
+    """Ends its process with exit code 0 while its model is built: no exception, no result."""
+    w = tiny()
+
+    def model():
+        import os
+
+        os._exit(0)
+
+    w.model = model
+    return w
+
+
+# -- workloads whose output misleads or floods -------------------------------------------
+
+
+class _SaysOutOfMemory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x):
+        print("cache: evicting entries to stay clear of out of memory (OutOfMemoryError avoided)", flush=True)
+        return self.fc(x)
+
+
+def says_out_of_memory() -> Workload:
+    """Trains fine while every forward pass prints the words an out-of-memory error carries."""
+    w = tiny()
+    w.model = _SaysOutOfMemory
+    return w
+
+
+CHATTER_MIB_ENV = "TUNEKIT_TEST_CHATTER_MIB"
+
+
+class _Chatty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 2)
+        self.said = False
+
+    def forward(self, x):
+        if not self.said:  # once per process: the first forward pass floods stdout
+            import os
+            import sys
+
+            self.said = True
+            line = "chatter " + "x" * 1015 + "\n"  # 1 KiB
+            sys.stdout.write("chatty: first line\n")
+            sys.stdout.write(line * (1024 * int(os.environ.get(CHATTER_MIB_ENV, "24"))))
+            sys.stdout.write("chatty: last line\n")
+            sys.stdout.flush()
+        return self.fc(x)
+
+
+def chatty() -> Workload:
+    """Trains fine after printing $TUNEKIT_TEST_CHATTER_MIB MiB (default 24) in each process."""
+    w = tiny()
+    w.model = _Chatty
+    return w

@@ -51,6 +51,11 @@ class ModelSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSummary:
+        return cls(num_params=d["num_params"], param_bytes=d["param_bytes"],
+                   layers=[LayerInfo(**layer) for layer in d["layers"]], example_batch=d["example_batch"])
+
 
 def summarize_model(model: nn.Module, example_inputs: Any) -> ModelSummary:
     """Parameters and leaf layers in the order the forward pass runs them."""

@@ -10,6 +10,7 @@ writes into the trial directory (the spec's folder):
 * ``pids/rank<R>``     its pid, as soon as it starts (telemetry samples it);
 * ``progress.jsonl``   rank 0, one line per step (the launcher's progress bars);
 * ``rank<R>.json``     its result: status, per-step times and losses, metrics;
+* ``faults/rank<R>.txt``  its Python stack if it dies of a fatal signal (SIGSEGV ...);
 * ``traces/rank<R>.json``  a torch.profiler Chrome trace of ``profile_steps`` extra steps.
 """
 
@@ -31,16 +32,8 @@ from tunekit.config import TuningConfig, resolve
 from tunekit.plugin_loading import load_named, select
 from tunekit.runtime.dist import init_from_env
 from tunekit.runtime.session import Session, StepRecord
+from tunekit.trials.exits import enable_fault_report, is_oom
 from tunekit.workload import load_workload
-
-OOM_MARKERS = ("out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
-
-
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    text = f"{type(exc).__name__}: {exc}"
-    return any(m in text for m in OOM_MARKERS)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -70,6 +63,8 @@ class _Progress:
 
 
 def run(spec: dict[str, Any], trial_dir: Path) -> int:
+    # A rank that dies of a signal writes no result file; this says where it died.
+    enable_fault_report(trial_dir / "faults" / f"rank{os.environ.get('RANK', '0')}.txt")
     ctx = init_from_env(spec.get("device", "auto"), timeout_s=float(spec.get("collective_timeout_s", 300)))
     (trial_dir / "pids").mkdir(exist_ok=True)
     (trial_dir / "pids" / f"rank{ctx.rank}").write_text(str(os.getpid()))

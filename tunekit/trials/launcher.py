@@ -6,10 +6,17 @@ whole process group (torchrun agent and its workers) is killed. On Linux the
 agent also gets SIGTERM when tunekit itself dies, however it dies, so that
 an interrupted study leaves no trial running (or hanging) behind it.
 
-Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
-``oom`` (a rank ran out of memory); ``too_slow`` (the trial outlived its
-timeout while its steps kept finishing); ``hang`` (its steps stopped, or it
-outlived its timeout without finishing a step).
+Outcomes: ``ok``; ``crash`` (a rank reported an error, died of a signal or
+exited without a result); ``oom`` (a rank's own error was an out-of-memory
+error); ``too_slow`` (the trial outlived its timeout while its steps kept
+finishing); ``hang`` (its steps stopped, or it outlived its timeout without
+finishing a step).
+
+A trial is classified from facts, never from its log: each rank's result file
+(which carries its exception's type), and each torchrun agent's report of the
+exit status of the ranks that failed (``agent<i>.json``, see
+:mod:`tunekit.trials.agent`). The agents' output is kept capped
+(:mod:`tunekit.trials.output`): a workload may print without limit.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import psutil
 
 from tunekit.observe.observation import Measurement
 from tunekit.runtime.dist import free_port
-from tunekit.runtime.worker import OOM_MARKERS
+from tunekit.trials.exits import describe_exit, fault_location, signal_name
+from tunekit.trials.output import CappedLog, OutputRecord, pump, read_tail
 from tunekit.trials.stats import measurement_from_ranks
 
 OK, CRASH, OOM, HANG, TOO_SLOW = "ok", "crash", "oom", "hang", "too_slow"
@@ -105,6 +113,9 @@ class TrialOutcome:
     search: dict[str, Any] | None = None
     startup_s: float | None = None
     """Seconds from launch to rank 0's first step (None: it never started one)."""
+    output: list[dict[str, Any]] = field(default_factory=list)
+    """Per agent log: the bytes its processes wrote and what the log kept of them
+    (:class:`tunekit.trials.output.OutputRecord`)."""
 
     @property
     def ok(self) -> bool:
@@ -119,8 +130,22 @@ class TrialOutcome:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.runtime.worker") -> list[list[str]]:
-    """The torchrun command line of each agent: ``module`` runs in every rank with ``spec_path``."""
+def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.runtime.worker",
+                   report_dir: Path | None = None) -> list[list[str]]:
+    """The torchrun command line of each agent: ``module`` runs in every rank with ``spec_path``.
+
+    With ``report_dir``, agent ``i`` writes its failed ranks' exit statuses to
+    ``report_dir/agent<i>.json`` (:mod:`tunekit.trials.agent`).
+    """
+    cmds = _agent_commands(spec_path, opts, module)
+    if report_dir is None:
+        return cmds
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    return [[sys.executable, "-m", "tunekit.trials.agent", str(report_dir / f"agent{i}.json"), *cmd[len(torchrun):]]
+            for i, cmd in enumerate(cmds)]
+
+
+def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[list[str]]:
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--max-restarts", "0"]
     worker = ["-m", module, str(spec_path)]
     if opts.loopback_nodes > 1:
@@ -258,22 +283,25 @@ async def run_trial(
     """Run one trial to completion (or timeout) and collect every rank's result."""
     trial_dir = Path(trial_dir)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    for stale in list(trial_dir.glob("rank*.json")) + [trial_dir / "progress.jsonl"]:
-        stale.unlink(missing_ok=True)
+    stale = [*trial_dir.glob("rank*.json"), *trial_dir.glob("agent*.json"), *trial_dir.glob("faults/rank*"),
+             trial_dir / "progress.jsonl"]
+    for path in stale:
+        path.unlink(missing_ok=True)
     spec_path = trial_dir / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
     start = time.monotonic()
-    procs, logs = [], []
+    procs, logs, pumps = [], [], []
     env = launch_env(opts)
-    for i, cmd in enumerate(agent_commands(spec_path, opts)):
-        log = open(trial_dir / f"agent{i}.log", "wb")  # noqa: SIM115 - closed below
+    for i, cmd in enumerate(agent_commands(spec_path, opts, report_dir=trial_dir)):
+        # Piped through tunekit, not written straight to the file: what a workload prints is unbounded.
+        log = CappedLog(trial_dir / f"agent{i}.log")
         logs.append(log)
-        procs.append(
-            await asyncio.create_subprocess_exec(
-                *die_with_parent(cmd), stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
-                start_new_session=True,
-            )
+        proc = await asyncio.create_subprocess_exec(
+            *die_with_parent(cmd), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True,
         )
+        procs.append(proc)
+        pumps.append(asyncio.create_task(pump(proc.stdout, log)))
     killed: tuple[str, str] | None = None  # (status, why) of a trial we had to kill
     stopped_after_results = False
     watch = StallWatch(spec, opts.stall_s, started=start)
@@ -297,15 +325,24 @@ async def run_trial(
         _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
     finally:
         await stop_all(procs)
-        for log in logs:
-            log.close()
+        output = await _finish_logs(pumps, logs)
     codes = [p.returncode for p in procs]
     if stopped_after_results:
         # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
         codes = [0] * len(procs)
-    outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start)
+    outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start, output)
     outcome.startup_s = watch.startup_s
     return outcome
+
+
+async def _finish_logs(pumps: list[asyncio.Task], logs: list[CappedLog]) -> list[OutputRecord]:
+    """Let the pumps copy what the stopped agents left in their pipes, then close the logs."""
+    # A process the workload left behind may hold a pipe open past its agent: do not wait for it.
+    _, late = await asyncio.wait(pumps, timeout=5) if pumps else (set(), set())
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+    return [log.close() for log in logs]
 
 
 def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
@@ -351,8 +388,9 @@ async def stop_all(procs) -> None:
 
 
 def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], killed: tuple[str, str] | None,
-            wall_s: float) -> TrialOutcome:
-    """Turn the rank files and exit codes into an outcome (``killed``: the status and reason of a killed trial)."""
+            wall_s: float, output: list[OutputRecord] | None = None) -> TrialOutcome:
+    """Turn the rank files, the agents' reports and their exit codes into an outcome
+    (``killed``: the status and reason of a killed trial)."""
     ranks = []
     for r in range(opts.world_size):
         path = trial_dir / f"rank{r}.json"
@@ -361,27 +399,60 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
                 ranks.append(json.loads(path.read_text()))
             except json.JSONDecodeError:
                 pass
-    logs = "\n".join(p.read_text(errors="replace") for p in sorted(trial_dir.glob("agent*.log")))
+    reported = {r.get("rank") for r in ranks}
+    # Ranks that ended without writing a result: killed by a signal, or exited early.
+    deaths = [f for f in _agent_failures(trial_dir) if f["rank"] not in reported]
     failed = [r for r in ranks if r.get("status") != OK]
-    out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks)
+    out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks,
+                       output=[o.to_dict() for o in output or []])
     if killed:
         out.status, out.error = killed
-    elif any(r.get("status") == OOM for r in ranks) or any(m in logs for m in OOM_MARKERS):
+    elif any(r.get("status") == OOM for r in ranks):
         out.status = OOM
-        out.error = next((r["error"] for r in ranks if r.get("status") == OOM), "out of memory")
-    elif failed or any(rc != 0 for rc in returncodes) or len(ranks) < opts.world_size:
+        out.error = next(r["error"] for r in ranks if r.get("status") == OOM)
+    elif failed or deaths or any(rc != 0 for rc in returncodes) or len(ranks) < opts.world_size:
         out.status = CRASH
-        out.error = next((r["error"] for r in failed if r.get("error")), "") or _last_error_line(logs)
+        out.error = _crash_reason(trial_dir, failed, deaths, returncodes)
     if out.ok:
         out.measurement = measurement_from_ranks(ranks)
         out.search = ranks[0].get("search")
     return out
 
 
+def _agent_failures(trial_dir: Path) -> list[dict[str, Any]]:
+    """Every agent's failed ranks (rank, pid, exit code), first to fail first."""
+    rows = []
+    for path in sorted(trial_dir.glob("agent*.json")):
+        try:
+            rows += json.loads(path.read_text()).get("failures", [])
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+    return sorted(rows, key=lambda f: f.get("timestamp") or 0)
+
+
+def _crash_reason(trial_dir: Path, failed: list[dict], deaths: list[dict], returncodes: list[int | None]) -> str:
+    """One line on why a trial crashed, from the most basic fact there is."""
+    # A rank killed by a signal comes first: its peers then fail on a broken connection.
+    for d in deaths:
+        if signal_name(d.get("exitcode")):
+            where = fault_location(trial_dir / "faults" / f"rank{d['rank']}.txt")
+            return f"rank {d['rank']} {describe_exit(d['exitcode'])}" + (f" at {where}" if where else "")
+    if error := next((r["error"] for r in failed if r.get("error")), ""):
+        return error
+    if deaths:
+        d = deaths[0]
+        return f"rank {d['rank']} {describe_exit(d.get('exitcode'))} without writing its result"
+    for i, rc in enumerate(returncodes):
+        if rc:  # torchrun itself failed (bad arguments, rendezvous): its log says how
+            line = _last_error_line(read_tail(trial_dir / f"agent{i}.log"))
+            return f"torchrun agent {i} {describe_exit(rc)}" + (f": {line}" if line else "")
+    return "the trial exited without a result"
+
+
 def _last_error_line(logs: str) -> str:
-    """The most telling line of a failed trial's log."""
+    """The most telling line of a failed agent's log (its message, not its classification)."""
     lines = [ln.strip() for ln in logs.splitlines() if ln.strip()]
     for ln in reversed(lines):
         if "Error" in ln or "error" in ln or "Exception" in ln:
             return ln[:300]
-    return lines[-1][:300] if lines else "the trial exited without a result"
+    return lines[-1][:300] if lines else ""

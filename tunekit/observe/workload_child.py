@@ -1,0 +1,184 @@
+"""The child process that runs a workload's code for tunekit outside its trials.
+
+    python -m tunekit.observe.workload_child FAULT_REPORT
+
+Started by :class:`tunekit.observe.workload_process.WorkloadProcess`. It reads
+one JSON request per line on stdin and writes one JSON reply per line on the
+stdout it was started with; everything the workload prints (to ``sys.stdout``
+or straight to file descriptor 1 or 2) goes to its stderr, which the parent
+keeps in a capped log. Requests, in the order the parent sends them:
+
+* ``observe``: load the workload, build the model, summarise and trace it;
+* ``profile_layers``: time every layer of that model;
+* ``observation``: set up what tuners read (the parts of an ``Observation``);
+* ``diagnose`` / ``plan``: run one tuner's hook on it.
+
+Replies are ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ...}``
+for an exception. JSON both ways, never pickle: a reply is plain data the
+parent rebuilds (``ModelGraph.from_dict`` ...), and nothing the workload
+defines crosses over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tunekit.errors import TunekitError
+from tunekit.trials.exits import enable_fault_report, is_oom
+
+
+class RecordingCache:
+    """``obs.cache`` in the child: starts with the study's entries, returns what tuners put."""
+
+    def __init__(self, entries: dict[str, Any]):
+        self.entries = dict(entries)
+        self.puts: dict[str, Any] = {}
+
+    def get(self, key: str) -> Any:
+        return self.entries.get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        json.dumps(value)  # refuse what the store could not keep, here where the tuner can see it
+        self.entries[key] = self.puts[key] = value
+
+    def take_puts(self) -> dict[str, Any]:
+        puts, self.puts = self.puts, {}
+        return puts
+
+
+class _State:
+    """What the child keeps between requests."""
+
+    def __init__(self) -> None:
+        self.workload = None
+        self.spec = ""
+        self.model = None
+        self.example = None
+        self.graph = None
+        self.obs = None
+        self.cache: RecordingCache | None = None
+        self.tuners: dict[str, Any] = {}
+
+    def load(self, spec: str):
+        from tunekit.workload import load_workload
+
+        if self.workload is None or self.spec != spec:
+            self.workload, self.spec = load_workload(spec), spec
+        return self.workload
+
+    def tuner(self, name: str):
+        if name not in self.tuners:
+            from tunekit.plugin_loading import load_named, select
+
+            self.tuners[name] = select(load_named([name]), [name])[name]
+        return self.tuners[name]
+
+
+def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    from tunekit.observe.graph import trace_model
+    from tunekit.observe.observation import summarize_model
+    from tunekit.observe.workload_process import workload_facts
+
+    wl = state.load(req["workload"])
+    state.model = wl.model()
+    state.example = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))[0]
+    summary = summarize_model(state.model, state.example)
+    state.graph = trace_model(state.model, state.example)
+    return {"workload": workload_facts(wl), "summary": summary.to_dict(),
+            "graph": state.graph.to_dict(), "graph_hash": state.graph.graph_hash()}
+
+
+def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from tunekit.observe.layer_profile import profile_layers as profile
+
+    if state.model is None:
+        raise RuntimeError("profile_layers before observe")
+    torch.set_num_threads(int(req["threads"]))  # each rank's share of the cores
+    try:
+        result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1, repeats=3,
+                         hardware_fingerprint=req["hardware_fingerprint"])
+    except Exception as exc:  # the workload's own code failed; the baseline trial reports it
+        return {"layer_profile": None, "notice": f"could not time the model's layers ({type(exc).__name__}: "
+                                                  f"{exc}); tuners fall back to the whole-step measurements"}
+    return {"layer_profile": result.to_dict(), "notice": None}
+
+
+def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    """Rebuild the ``Observation`` tuners read from its parts (``parts`` in the request)."""
+    from tunekit.hardware import Hardware
+    from tunekit.observe.breakdown import Breakdown
+    from tunekit.observe.graph import ModelGraph
+    from tunekit.observe.layer_profile import LayerProfile
+    from tunekit.observe.observation import Measurement, ModelSummary, Observation
+
+    p = req["parts"]
+    state.cache = RecordingCache(p.get("cache") or {})
+    state.obs = Observation(
+        workload_spec=p["workload_spec"], workload=state.load(p["workload_spec"]), nproc=p["nproc"],
+        backend=p["backend"], device_type=p["device_type"], hardware=Hardware.from_dict(p["hardware"]),
+        model=ModelSummary.from_dict(p["summary"]),
+        baseline=Measurement(**p["baseline"]) if p.get("baseline") else None,
+        graph=ModelGraph.from_dict(p["graph"]) if p.get("graph") else None,
+        layer_profile=LayerProfile.from_dict(p["layer_profile"]) if p.get("layer_profile") else None,
+        breakdown=Breakdown.from_dict(p["breakdown"]) if p.get("breakdown") else None,
+        telemetry=p.get("telemetry"), cache=state.cache,
+    )
+    return {}
+
+
+def diagnose(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    diag = state.tuner(req["plugin"]).diagnose(_obs(state))
+    return {"diagnosis": asdict(diag), "cache_puts": state.cache.take_puts()}
+
+
+def plan(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    candidates = state.tuner(req["plugin"]).plan(_obs(state), int(req["limit"]))
+    return {"candidates": [asdict(c) for c in candidates], "cache_puts": state.cache.take_puts()}
+
+
+def _obs(state: _State):
+    if state.obs is None:
+        raise RuntimeError("a tuner hook before the observation was set up")
+    return state.obs
+
+
+HANDLERS = {"observe": observe, "profile_layers": profile_layers, "observation": observation,
+            "diagnose": diagnose, "plan": plan}
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    """An exception as plain data: its type decides how the parent classifies it."""
+    return {"type": type(exc).__name__, "message": str(exc), "oom": is_oom(exc),
+            "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None}
+
+
+def serve(requests, replies) -> None:
+    state = _State()
+    for line in requests:
+        req = json.loads(line)
+        try:
+            reply = json.dumps({"ok": True, "result": HANDLERS[req["op"]](state, req)})
+        except BaseException as exc:  # noqa: BLE001 - the workload's sys.exit() too: the parent classifies
+            reply = json.dumps({"ok": False, "error": describe_error(exc)})
+        replies.write(reply + "\n")
+        replies.flush()
+
+
+def main(argv: list[str]) -> int:
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # what the workload prints must not corrupt the replies
+    if argv:
+        enable_fault_report(Path(argv[0]))
+    serve(sys.stdin.buffer, replies)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

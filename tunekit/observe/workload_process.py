@@ -1,0 +1,226 @@
+"""Run a workload's code in a child process, never in tunekit's own.
+
+Observation builds, traces and times the user's model, and tuners' ``diagnose``
+and ``plan`` time pieces of it. Run inside tunekit, a workload that segfaults
+would kill tunekit (and lose the study's state), one that hangs would never let
+it finish, and one that calls ``os._exit`` would end it with no report. So all
+of that runs in :mod:`tunekit.observe.workload_child`, and is judged as a trial
+is: under the trial timeout, and from facts (the reply, the exception's type,
+the exit status, the fault report), never from its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tunekit import errors
+from tunekit.errors import TunekitError
+from tunekit.trials.exits import describe_exit, fault_location
+from tunekit.trials.launcher import CRASH, HANG, OOM, die_with_parent, stop_all
+from tunekit.trials.output import CappedLog, pump
+from tunekit.workload import Workload
+
+if TYPE_CHECKING:
+    from tunekit.observe.observation import Observation
+
+_REPLY_LIMIT = 1 << 30
+"""Longest reply line: a large model's graph is megabytes of JSON."""
+
+
+class ObservationFailed(TunekitError):
+    """The workload's process failed: ``status`` is ``crash``, ``oom`` or ``hang``, as for a trial."""
+
+    def __init__(self, status: str, message: str, *, setup: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.setup = setup
+        """It failed while loading the workload or setting up, before any tuner's hook ran."""
+
+
+class ChildRaised(Exception):
+    """A request raised in the child (the child lives on)."""
+
+    def __init__(self, error: dict[str, Any]):
+        self.type_name = error.get("type", "Exception")
+        self.message = error.get("message", "")
+        self.oom = bool(error.get("oom"))
+        self.tunekit_error = error.get("tunekit_error")
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        """As tunekit says a failure: a tunekit error by its message, anything else with its type."""
+        return self.message if self.tunekit_error else f"{self.type_name}: {self.message}"
+
+    def as_tunekit_error(self) -> TunekitError | None:
+        """The same tunekit error (a ``WorkloadError`` ...) raised here, or None for any other exception."""
+        cls = getattr(errors, self.tunekit_error or "", None)
+        if isinstance(cls, type) and issubclass(cls, TunekitError):
+            return cls(self.message)
+        return None
+
+
+class WorkloadProcess:
+    """One child that runs the workload's code on request; started on the first call.
+
+    A call that kills the child, or outlives ``timeout_s``, raises
+    :class:`ObservationFailed` and ends the child; the next call starts a fresh
+    one, which first replays ``setup`` (a request that loads what later calls need).
+    """
+
+    def __init__(self, log_path: Path, timeout_s: float, setup: dict[str, Any] | None = None):
+        self.log_path = Path(log_path)
+        self.fault_path = self.log_path.with_suffix(".fault")
+        self.timeout_s = timeout_s
+        self.setup = setup
+        self.proc: asyncio.subprocess.Process | None = None
+        self._pump: asyncio.Task | None = None
+        self._log: CappedLog | None = None
+        self._started = 0.0
+        self.startup_s: float | None = None
+        """Seconds the last child took from launch to its first reply."""
+
+    async def __aenter__(self) -> WorkloadProcess:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def call(self, op: str, doing: str, **args: Any) -> dict[str, Any]:
+        """Send one request; its result. ``doing`` words the failure ("building and tracing the model").
+
+        Raises :class:`ChildRaised` for an exception in the child, :class:`ObservationFailed`
+        when the child died or hung.
+        """
+        if self.proc is None:
+            await self._start()
+            if self.setup is not None:
+                try:
+                    await self._request(self.setup, "loading the workload")
+                except ChildRaised as exc:
+                    await self.close()
+                    raise ObservationFailed(CRASH, f"{exc.one_line()} while loading the workload",
+                                            setup=True) from None
+                except ObservationFailed as exc:
+                    exc.setup = True
+                    raise
+        return await self._request({"op": op, **args}, doing)
+
+    async def _start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.fault_path.unlink(missing_ok=True)
+        self._log = CappedLog(self.log_path)
+        cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
+        self._started = time.monotonic()
+        self.startup_s = None
+        self.proc = await asyncio.create_subprocess_exec(
+            *die_with_parent(cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_REPLY_LIMIT,
+        )
+        self._pump = asyncio.create_task(pump(self.proc.stderr, self._log))
+
+    async def _request(self, request: dict[str, Any], doing: str) -> dict[str, Any]:
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            await proc.stdin.drain()
+            line = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
+        except TimeoutError:
+            await self.close(kill=True)
+            raise ObservationFailed(HANG, f"no result within {self.timeout_s:.0f} s (the trial timeout) while {doing}; "
+                                          f"killed the workload's process{self._see_log()}") from None
+        except (BrokenPipeError, ConnectionResetError):
+            line = b""
+        if self.startup_s is None:
+            self.startup_s = time.monotonic() - self._started
+        if not line:  # the child is gone: say how, from its exit status
+            code = await self._reap()
+            where = fault_location(self.fault_path)
+            how = f"the workload's process {describe_exit(code)}" + (f" at {where}" if where else "")
+            if code is not None and code >= 0:
+                how += " without a result"
+            await self.close(kill=True)
+            raise ObservationFailed(CRASH, f"{how} while {doing}{self._see_log()}")
+        reply = json.loads(line)
+        if reply.get("ok"):
+            return reply["result"]
+        raised = ChildRaised(reply.get("error") or {})
+        if raised.oom:
+            raise ObservationFailed(OOM, f"out of memory while {doing} ({raised.one_line()})")
+        raise raised
+
+    async def _reap(self) -> int | None:
+        assert self.proc is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 10)
+        return self.proc.returncode
+
+    def _see_log(self) -> str:
+        return f"; its output is in {self.log_path}"
+
+    async def close(self, kill: bool = False) -> None:
+        """End the child and finish its log: closing its stdin ends an idle child; a stuck one
+        (or any, with ``kill``) is killed with its whole process group."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.stdin is not None and not proc.stdin.is_closing():
+                proc.stdin.close()
+            if not kill:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 5)
+            await stop_all([proc])
+        if self._pump is not None:
+            _, late = await asyncio.wait([self._pump], timeout=5)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+            self._pump = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        with contextlib.suppress(OSError):
+            if self.fault_path.stat().st_size == 0:  # no fatal signal: nothing to keep
+                self.fault_path.unlink()
+
+
+# -- what crosses between tunekit and the child ------------------------------------------------
+
+
+def workload_facts(wl: Workload) -> dict[str, Any]:
+    """What tunekit's own process needs to know of a workload it does not run (JSON)."""
+    return {"name": wl.name, "batch_size": wl.batch_size, "lr": wl.lr, "lr_scaling": wl.lr_scaling,
+            "batch_range": list(wl.batch_range) if wl.batch_range else None, "seed": wl.seed,
+            "description": wl.description}
+
+
+def stand_in_workload(facts: dict[str, Any]) -> Workload:
+    """A :class:`Workload` with the facts of one loaded in the child, whose code runs only there:
+    its model and batches refuse to be built in this process."""
+
+    def runs_in_its_own_process(*_args: Any) -> Any:
+        raise RuntimeError(f"workload {facts['name']!r} runs in its own process, not in tunekit's")
+
+    batch_range = tuple(facts["batch_range"]) if facts.get("batch_range") else None
+    return Workload(name=facts["name"], model=runs_in_its_own_process, make_batch=runs_in_its_own_process,
+                    batch_size=facts["batch_size"], lr=facts["lr"], lr_scaling=facts["lr_scaling"],
+                    batch_range=batch_range, seed=facts.get("seed", 0), description=facts.get("description", ""))
+
+
+def observation_parts(obs: Observation, cache: dict[str, Any]) -> dict[str, Any]:
+    """An :class:`Observation` as the child rebuilds it (``workload_child.observation``): plain
+    data, the workload by name, and ``cache``, the study's cached entries for tuners."""
+    return {
+        "workload_spec": obs.workload_spec, "nproc": obs.nproc, "backend": obs.backend,
+        "device_type": obs.device_type, "hardware": obs.hardware.to_dict(), "summary": obs.model.to_dict(),
+        "baseline": obs.baseline.to_dict() if obs.baseline else None,
+        "graph": obs.graph.to_dict() if obs.graph is not None else None,
+        "layer_profile": obs.layer_profile.to_dict() if obs.layer_profile is not None else None,
+        "breakdown": obs.breakdown.to_dict() if obs.breakdown is not None else None,
+        "telemetry": obs.telemetry, "cache": cache,
+    }
