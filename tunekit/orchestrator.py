@@ -231,17 +231,18 @@ OBSERVE_LOG = "observe.log"
 async def observe_in_child(
     workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
     threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
-    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"),
+    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"), child: WorkloadProcess | None = None,
 ) -> StaticObservation:
-    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
-    a workload that crashes, hangs or exits while it is built, traced or timed fails with
-    :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
+    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``;
+    ``child``: one already started): a workload that crashes, hangs or exits while it is built,
+    traced or timed fails with :class:`ObservationFailed` (one line, classified as a trial is),
+    and tunekit lives on.
 
     The child is ended before this returns: nothing of the workload runs beside the trials.
     """
     spec = resolve_spec(workload)
     device_type = _device_type(device)
-    async with WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s) as child:
+    async with child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s) as child:
         try:
             seen = await child.call("observe", "building and tracing the model", workload=spec, seed=seed)
         except ChildRaised as exc:  # a WorkloadError (bad name, factory raised) stays what it was
@@ -344,7 +345,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     store = Store.open_default(s.store_dir)
     sid: int | None = None
     held = contextlib.ExitStack()  # the live job's pause, if any
+    observer = WorkloadProcess(s.store_dir / OBSERVE_LOG, s.timeout_s)
     try:
+        await observer.start()  # its interpreter and torch import overlap loading the plugins here
         records = load_all()
         tuners = select(records, s.plugins)
         for rec in records:
@@ -357,7 +360,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         try:
             static = await observe_in_child(
                 s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed, s.launch.threads_per_rank,
-                True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1, s.timeout_s, s.store_dir)
+                True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1, s.timeout_s, s.store_dir,
+                observer)
         except ObservationFailed as exc:  # no study yet (its key is the graph's hash): an event says it
             store.log_event(None, "observation_failed", {"workload": s.workload, "status": exc.status,
                                                          "error": str(exc)})
@@ -437,6 +441,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         raise
     finally:
         held.close()
+        await observer.close(kill=True)  # already ended, unless the study stopped before observing
         store.close()
 
 

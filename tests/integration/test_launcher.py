@@ -82,3 +82,43 @@ def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_ha
     assert pace and float(pace[1]) >= 2.0 and 1 <= int(pace[2]) < 31
     assert 0 < out.startup_s < 30 and out.measurement is None
     assert not live_rank_pids(tmp_path)
+
+
+def test_a_trial_that_prints_out_of_memory_and_succeeds_is_ok(tmp_path):
+    # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=3),
+                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    assert out.status == "ok", out.error
+    assert "out of memory" in (tmp_path / "agent0.log").read_text()
+    assert out.measurement is not None and len(out.measurement.step_s) == 3
+
+
+def test_a_segfaulting_rank_is_a_crash_that_names_its_signal_and_where(tmp_path):
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:segfaults", warmup=1, steps=4),
+                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    assert out.status == "crash"
+    assert re.fullmatch(r"rank [01] died of SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault",
+                        out.error), out.error
+    assert "error_file" not in out.error
+    assert not live_rank_pids(tmp_path)
+
+
+def test_a_trial_that_prints_without_limit_keeps_a_capped_log_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEKIT_TEST_CHATTER_MIB", "8")  # per rank: 16 MiB through one agent
+    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:chatty", warmup=1, steps=3),
+                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    assert out.status == "ok", out.error
+    log = tmp_path / "agent0.log"
+    assert log.stat().st_size < 2 * 2**20
+
+    from tunekit.orchestrator import _trial_result
+    from tunekit.trials.output import HEAD_BYTES, TAIL_BYTES
+
+    assert log.stat().st_size <= HEAD_BYTES + TAIL_BYTES + 200
+    text = log.read_text()
+    assert text.startswith("chatty: first line") and "of output dropped here" in text
+    assert "chatty: last line" in text[-TAIL_BYTES:]
+    (record,) = _trial_result(out)["output"]  # what the study store keeps of the trial
+    assert record["log"] == "agent0.log" and record["bytes"] >= 16 * 2**20
+    assert record["kept_bytes"] == HEAD_BYTES + TAIL_BYTES
+    assert record["dropped_bytes"] == record["bytes"] - record["kept_bytes"]

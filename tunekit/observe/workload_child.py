@@ -176,6 +176,12 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # what the workload prints must not corrupt the replies
     if argv:
         enable_fault_report(Path(argv[0]))
+    # Before the first request: the parent starts this process early so that these
+    # imports (torch, most of all) overlap its own work.
+    import tunekit.observe.graph
+    import tunekit.observe.layer_profile
+    import tunekit.observe.observation
+    import tunekit.plugin_loading  # noqa: F401
     serve(sys.stdin.buffer, replies)
     return 0
 

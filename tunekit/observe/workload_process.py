@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,11 +65,12 @@ class ChildRaised(Exception):
 
 
 class WorkloadProcess:
-    """One child that runs the workload's code on request; started on the first call.
+    """One child that runs the workload's code on request; started by :meth:`start` or the first call.
 
     A call that kills the child, or outlives ``timeout_s``, raises
     :class:`ObservationFailed` and ends the child; the next call starts a fresh
-    one, which first replays ``setup`` (a request that loads what later calls need).
+    one. Each child gets ``setup`` (a request that loads what later calls need)
+    before its first call.
     """
 
     def __init__(self, log_path: Path, timeout_s: float, setup: dict[str, Any] | None = None):
@@ -81,15 +81,13 @@ class WorkloadProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task | None = None
         self._log: CappedLog | None = None
-        self._started = 0.0
-        self.startup_s: float | None = None
-        """Seconds the last child took from launch to its first reply."""
+        self._needs_setup = False
 
     async def __aenter__(self) -> WorkloadProcess:
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type, *_exc) -> None:
+        await self.close(kill=exc_type is not None)  # interrupted (Ctrl-C) or failed: do not wait for it
 
     async def call(self, op: str, doing: str, **args: Any) -> dict[str, Any]:
         """Send one request; its result. ``doing`` words the failure ("building and tracing the model").
@@ -97,27 +95,29 @@ class WorkloadProcess:
         Raises :class:`ChildRaised` for an exception in the child, :class:`ObservationFailed`
         when the child died or hung.
         """
-        if self.proc is None:
-            await self._start()
-            if self.setup is not None:
-                try:
-                    await self._request(self.setup, "loading the workload")
-                except ChildRaised as exc:
-                    await self.close()
-                    raise ObservationFailed(CRASH, f"{exc.one_line()} while loading the workload",
-                                            setup=True) from None
-                except ObservationFailed as exc:
-                    exc.setup = True
-                    raise
+        await self.start()
+        if self._needs_setup and self.setup is not None:
+            self._needs_setup = False
+            try:
+                await self._request(self.setup, "loading the workload")
+            except ChildRaised as exc:
+                await self.close()
+                raise ObservationFailed(CRASH, f"{exc.one_line()} while loading the workload", setup=True) from None
+            except ObservationFailed as exc:
+                exc.setup = True
+                raise
         return await self._request({"op": op, **args}, doing)
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Start a child now, unless one runs: it imports torch before it reads a request, so its
+        start-up overlaps whatever the caller does next."""
+        if self.proc is not None:
+            return
+        self._needs_setup = True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.fault_path.unlink(missing_ok=True)
         self._log = CappedLog(self.log_path)
         cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
-        self._started = time.monotonic()
-        self.startup_s = None
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_parent(cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_REPLY_LIMIT,
@@ -137,8 +137,6 @@ class WorkloadProcess:
                                           f"killed the workload's process{self._see_log()}") from None
         except (BrokenPipeError, ConnectionResetError):
             line = b""
-        if self.startup_s is None:
-            self.startup_s = time.monotonic() - self._started
         if not line:  # the child is gone: say how, from its exit status
             code = await self._reap()
             where = fault_location(self.fault_path)

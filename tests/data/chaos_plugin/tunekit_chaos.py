@@ -6,7 +6,8 @@ exactly as they would an installed third-party plugin.
 
 ``TUNEKIT_CHAOS_PLAN`` (JSON: a list of knob dicts, each with an optional
 ``predicted_s``) replaces its plan, so a test chooses both the candidates and
-what the "cost model" predicts for them.
+what the "cost model" predicts for them. ``TUNEKIT_CHAOS_DIAGNOSE`` (segfault,
+hang or exit) makes its diagnose end the process it runs in.
 """
 
 import json
@@ -30,6 +31,16 @@ class Chaos(Tuner):
         ]
 
     def diagnose(self, obs):
+        fault = os.environ.get("TUNEKIT_CHAOS_DIAGNOSE")
+        if fault == "segfault":
+            import ctypes
+
+            ctypes.string_at(0)
+        elif fault == "hang":
+            while True:
+                time.sleep(1)
+        elif fault == "exit":
+            os._exit(0)
         return Diagnosis(True, "injects faults into trials", expected_gain=0.5)
 
     def plan(self, obs, limit):

@@ -1,0 +1,80 @@
+"""The workload's code runs in its own process, never in tunekit's: a workload that dies or
+hangs while it is observed, or a tuner that does while it diagnoses, fails in one line,
+and tunekit and its study store live on."""
+
+import json
+import re
+import sqlite3
+
+import psutil
+import pytest
+from support import WORKLOADS
+
+from tunekit.store import Store
+
+# Classification and clean-up, not timings: these hold on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.busy_ok]
+
+FAST = ["--steps", "4", "--warmup", "1"]
+
+
+def _workload_processes(workdir) -> list[int]:
+    """Children running a workload's code for a tunekit started in ``workdir`` that are still alive."""
+    alive = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = p.info["cmdline"] or []
+        if "tunekit.observe.workload_child" in cmd and p.info["cwd"] == str(workdir):
+            alive.append(p.pid)
+    return alive
+
+
+@pytest.mark.parametrize(
+    ("workload", "args", "status", "what"),
+    [
+        ("segfaults_building", [], "crash",
+         r"the workload's process died of SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault"),
+        ("exits_building", [], "crash", r"the workload's process exited with code 0 without a result"),
+        ("hangs_building", ["--timeout", "40s"], "hang",
+         r"no result within 40 s \(the trial timeout\)"),
+    ],
+)
+def test_a_workload_that_dies_or_hangs_while_observed_fails_in_one_line_and_keeps_the_store(
+        cli, workdir, workload, args, status, what):
+    db = workdir / ".tunekit" / "tunekit.db"
+    before = Store(db)
+    before.cache_put("kept", {"from": "an earlier study"})
+    before.close()
+
+    res = cli("auto", f"{WORKLOADS}:{workload}", "--trials", "1", "--no-probe", *args, timeout=500)
+
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert re.fullmatch(rf"error: could not observe .*:{workload} \({status}\): {what} while building and tracing "
+                        r"the model.*; its output is in \.tunekit/observe\.log", lines[0]), lines[0]
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert conn.execute("SELECT value FROM cache WHERE key='kept'").fetchone() == ('{"from": "an earlier study"}',)
+    (payload,) = conn.execute("SELECT payload FROM events WHERE kind='observation_failed'").fetchone()
+    assert json.loads(payload)["status"] == status
+    assert conn.execute("SELECT count(*) FROM studies").fetchone() == (0,)
+    assert not _workload_processes(workdir)
+
+
+def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_study_goes_on(cli, workdir, chaos_env):
+    # chaos's diagnose segfaults; overlap_chunking then diagnoses and plans in a fresh process.
+    res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos,overlap_chunking", "--trials", "0", "--no-probe",
+              "--json", *FAST, env_extra={**chaos_env, "TUNEKIT_CHAOS_DIAGNOSE": "segfault"}, timeout=500)
+
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stdout.splitlines()]
+    (problem,) = [e for e in events if e["event"] == "PluginProblem"]
+    assert (problem["plugin"], problem["status"]) == ("chaos", "diagnose failed")
+    assert re.match(r"the workload's process died of SIGSEGV \(segmentation fault\) at tunekit_chaos\.py:\d+ in "
+                    r"diagnose while running chaos's diagnose; its output is in .*tuners\.log$", problem["error"])
+    assert [e["plugin"] for e in events if e["event"] == "Diagnosed"] == ["overlap_chunking"]
+    assert any(e["event"] == "StudyFinished" for e in events)
+    conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
+    assert conn.execute("SELECT status FROM studies").fetchall() == [("finished",)]
+    assert not _workload_processes(workdir)
