@@ -37,7 +37,7 @@ def test_file_spec_resolves_to_absolute_path(tmp_path, monkeypatch):
         ("missing_file.py:fn", "workload file missing_file.py not found"),
         ("no_such_module_xyz:fn", "no module named 'no_such_module_xyz'"),
         (f"{WORKLOADS}:absent", "has no function 'absent'"),
-        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit Workload"),
+        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit.Workload (see docs/workloads.md)"),
         (f"{WORKLOADS}:factory_fails", "raised ValueError: cannot build this workload"),
         ("just-a-name", "is not of the form"),
     ],
