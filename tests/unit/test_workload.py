@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from support import WORKLOADS
