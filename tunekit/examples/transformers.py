@@ -34,7 +34,7 @@ class Attention(nn.Module):
         q, k, v = (z.view(n, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
         if self.causal:
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            mask = torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1)  # fx-traceable
             scores = scores.masked_fill(mask, float("-inf"))
         out = scores.softmax(dim=-1) @ v
         return self.proj(out.transpose(1, 2).reshape(n, t, c))
@@ -80,13 +80,13 @@ class GPTModel(nn.Module):
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tokens.weight  # tied, as GPT-2 does
-        self.register_buffer("index", torch.arange(seq), persistent=False)
         # GPT-2's initialisation: small embeddings, or the tied head starts with huge logits.
         nn.init.normal_(self.tokens.weight, std=0.02)
         nn.init.normal_(self.positions.weight, std=0.01)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(tokens) + self.positions(self.index[: tokens.shape[1]])
+        # arange, not a slice of a stored index: torch.fx traces it (graph capture sees it all)
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
         return self.head(self.ln(self.blocks(x)))
 
 
