@@ -4,20 +4,18 @@
 
 ``tunekit auto`` runs no code of the workload in its own process: observation
 (build, summarise, trace the model, time its layers) and the tuners' diagnose
-and plan run in a child (``tunekit.observe.workload_process``), which pays an
-interpreter, a torch import and a second load of the workload. This times both
-stages both ways:
-
-* ``observe``: ``observe_static`` in the process (as before) against
-  ``observe_in_child``, on an empty store (the layer profile is measured);
-* ``tuners``: every installed tuner's diagnose, then plan where it applies, on
-  one measured and profiled baseline, in the process (with the profiler start
-  ``tunekit auto`` then needed first) against a ``WorkloadProcess``.
+and plan run in one child (``tunekit.observe.workload_process``), which pays an
+interpreter, a torch import and a second load of the workload. This times, as
+``run_auto`` runs them and both ways (in the process as before, and in the
+child), loading the plugins and observing on an empty store (the layers are
+timed), then every installed tuner's diagnose, and plan where it applies, on one
+measured and profiled baseline (in the process with the profiler start that
+``tunekit auto`` then needed first).
 
 Every run is a fresh Python process that has already imported the
 orchestrator (``tunekit auto`` has too), and in-process and child runs
 alternate, so that a busy machine slows both alike. Prints the median and
-range of each, and what isolation adds to a study.
+range of each stage and what running the workload in a child adds.
 """
 
 from __future__ import annotations
@@ -34,65 +32,68 @@ import time
 from pathlib import Path
 
 
-def one_run(stage: str, mode: str, workload: str, work: Path) -> float:
-    """Seconds one stage took one way (in a fresh process: this is what a child of the benchmark runs)."""
+def one_run(mode: str, workload: str, work: Path) -> dict[str, float]:
+    """Seconds each stage took one way, in this (fresh) process, as ``run_auto`` runs them: load the
+    plugins, observe (empty store: the layers are timed), then every tuner's diagnose and plan."""
     from tunekit.observe.breakdown import analyze_trial
     from tunekit.observe.observation import Measurement
-    from tunekit.orchestrator import observe_in_child, observe_static
+    from tunekit.orchestrator import OBSERVE_LOG, observe_static
+    from tunekit.plugin_loading import load_all, select
     from tunekit.store import Store
 
-    db = work / f"{stage}-{mode}.db"
+    db = work / f"{mode}.db"
     db.unlink(missing_ok=True)
-    if stage == "observe":
-        store = Store(db)
-        start = time.monotonic()
-        if mode == "in":
-            observe_static(workload, 2, "cpu", None, store)
-        else:
-            asyncio.run(observe_in_child(workload, 2, "cpu", None, store, log_dir=work))
-        return time.monotonic() - start
-    shutil.copy(work / "template.db", db)
     store = Store(db)
-    static = observe_static(workload, 2, "cpu", None, store)  # the layer profile is cached: fast
     baseline = json.loads((work / "baseline.json").read_text())
-    obs = static.observation(2, Measurement(**baseline["measurement"]), store)
-    obs.breakdown = analyze_trial(baseline["trial_dir"])
-    from tunekit.plugin_loading import load_all, select
 
-    tuners = select(load_all(), None)
+    def observed(static):
+        obs = static.observation(2, Measurement(**baseline["measurement"]), store)
+        obs.breakdown = analyze_trial(baseline["trial_dir"])
+        return obs
+
     start = time.monotonic()
     if mode == "in":
+        tuners = select(load_all(), None)
+        static = observe_static(workload, 2, "cpu", None, store)
+        observed_at = time.monotonic()
         from tunekit.observe.kineto import start_profiler_in_main_thread
 
-        start_profiler_in_main_thread()
+        obs = observed(static)
+        start_profiler_in_main_thread()  # tunekit auto needed it before tuners profiled from a thread
         for tuner in tuners.values():
             if tuner.diagnose(obs).applies:
                 tuner.plan(obs, 8)
     else:
-        asyncio.run(_tuners_in_child(obs, tuners, work))
-    return time.monotonic() - start
+        observed_at = asyncio.run(_in_child(workload, store, work / OBSERVE_LOG, observed))
+    done = time.monotonic()
+    return {"observe": observed_at - start, "tuners": done - observed_at, "total": done - start}
 
 
-async def _tuners_in_child(obs, tuners, work: Path) -> None:
+async def _in_child(workload: str, store, log: Path, observed) -> float:
     from tunekit.observe.workload_process import WorkloadProcess, observation_parts
+    from tunekit.orchestrator import observe_in_child
+    from tunekit.plugin_loading import load_all, select
 
-    parts = observation_parts(obs, obs.cache.items())
-    async with WorkloadProcess(work / "tuners.log", 600, setup={"op": "observation", "parts": parts}) as child:
+    child = WorkloadProcess(log, 600)
+    await child.start()
+    tuners = select(load_all(), None)
+    static = await observe_in_child(workload, 2, "cpu", None, store, child=child)
+    observed_at = time.monotonic()
+    obs = observed(static)
+    child.setup = {"op": "observation", "parts": observation_parts(obs, obs.cache.items())}
+    async with child:
         for name in tuners:
             got = await child.call("diagnose", f"running {name}'s diagnose", plugin=name)
             if got["diagnosis"]["applies"]:
                 await child.call("plan", f"running {name}'s plan", plugin=name, limit=8)
+    return observed_at
 
 
 def prepare(workload: str, work: Path) -> None:
-    """A store with the layer profile cached, and one measured, profiled baseline trial."""
-    from tunekit.orchestrator import PROFILE_STEPS, observe_static
-    from tunekit.store import Store
+    """One measured, profiled baseline trial, as a study's first."""
+    from tunekit.orchestrator import PROFILE_STEPS
     from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 
-    store = Store(work / "template.db")
-    observe_static(workload, 2, "cpu", None, store)
-    store.close()
     trial_dir = work / "baseline"
     out = run_trial_sync(TrialSpec(workload, warmup=2, steps=8, profile_steps=PROFILE_STEPS),
                          LaunchOptions(nproc=2, timeout_s=600), trial_dir)
@@ -106,31 +107,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="example:cnn")
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--one", nargs=3, metavar=("STAGE", "MODE", "WORK"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=2, metavar=("MODE", "WORK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        stage, mode, work = args.one
-        print(json.dumps(one_run(stage, mode, args.workload, Path(work))))
+        mode, work = args.one
+        print(json.dumps(one_run(mode, args.workload, Path(work))))
         return
     work = Path(tempfile.mkdtemp(prefix="observe-isolation-"))
     prepare(args.workload, work)
-    times: dict[tuple[str, str], list[float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {"in": [], "child": []}
     for i in range(args.repeats):
-        for stage in ("observe", "tuners"):
-            for mode in (("in", "child") if i % 2 == 0 else ("child", "in")):
-                out = subprocess.run([sys.executable, __file__, "--workload", args.workload, "--one", stage, mode,
-                                      str(work)], capture_output=True, text=True, check=True)
-                times.setdefault((stage, mode), []).append(json.loads(out.stdout.splitlines()[-1]))
-                print(f"run {i + 1} {stage:8s} {mode:6s} {times[stage, mode][-1]:6.2f} s", flush=True)
+        for mode in ("in", "child") if i % 2 == 0 else ("child", "in"):
+            out = subprocess.run([sys.executable, __file__, "--workload", args.workload, "--one", mode, str(work)],
+                                 capture_output=True, text=True, check=True)
+            runs[mode].append(json.loads(out.stdout.splitlines()[-1]))
+            t = runs[mode][-1]
+            print(f"run {i + 1} {mode:6s} observe {t['observe']:6.2f} s  tuners {t['tuners']:6.2f} s  "
+                  f"total {t['total']:6.2f} s", flush=True)
     print(f"\n{args.workload}, {args.repeats} runs each (median, range):")
-    added = 0.0
-    for stage in ("observe", "tuners"):
-        inp, child = times[stage, "in"], times[stage, "child"]
-        added += statistics.median(child) - statistics.median(inp)
+    for stage in ("observe", "tuners", "total"):
+        inp = [r[stage] for r in runs["in"]]
+        child = [r[stage] for r in runs["child"]]
         print(f"  {stage:8s} in-process {statistics.median(inp):6.2f} s ({min(inp):.2f}-{max(inp):.2f})   "
               f"child {statistics.median(child):6.2f} s ({min(child):.2f}-{max(child):.2f})   "
               f"added {statistics.median(child) - statistics.median(inp):+.2f} s")
-    print(f"  a study pays {added:+.2f} s for running the workload's code outside tunekit")
     shutil.rmtree(work, ignore_errors=True)
 
 

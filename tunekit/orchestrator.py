@@ -51,10 +51,12 @@ from tunekit.observe.observation import Measurement, ModelSummary, Observation, 
 from tunekit.observe.probe import probe_hardware
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.observe.workload_process import (
+    OBSERVE_LOG,
     ChildRaised,
     ObservationFailed,
     WorkloadProcess,
     observation_parts,
+    observe_call,
     stand_in_workload,
 )
 from tunekit.plugin_loading import load_all, select
@@ -72,7 +74,7 @@ from tunekit.trials.decide import (
     schedule,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
-from tunekit.trials.launcher import CRASH, LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
 from tunekit.trials.length import trial_length
 from tunekit.trials.output import OutputRecord
 from tunekit.workload import Workload, load_workload, resolve_spec
@@ -224,8 +226,6 @@ def describe_hardware(world_size: int, device_type: str, hardware: str | None, s
     return hw, notices
 
 
-OBSERVE_LOG = "observe.log"
-"""In the store folder: what the workload printed while it was observed (capped)."""
 
 
 async def observe_in_child(
@@ -233,44 +233,49 @@ async def observe_in_child(
     threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
     timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"), child: WorkloadProcess | None = None,
 ) -> StaticObservation:
-    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``;
-    ``child``: one already started): a workload that crashes, hangs or exits while it is built,
-    traced or timed fails with :class:`ObservationFailed` (one line, classified as a trial is),
-    and tunekit lives on.
+    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
+    a workload that crashes, hangs or exits while it is built, traced or timed fails with
+    :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
 
-    The child is ended before this returns: nothing of the workload runs beside the trials.
+    ``child``: the caller's, left running but idle (the model dropped) for the tuners' hooks
+    later; without it, a child of its own, ended before this returns.
     """
     spec = resolve_spec(workload)
     device_type = _device_type(device)
-    async with child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s) as child:
-        try:
-            seen = await child.call("observe", "building and tracing the model", workload=spec, seed=seed)
-        except ChildRaised as exc:  # a WorkloadError (bad name, factory raised) stays what it was
-            raise exc.as_tunekit_error() or ObservationFailed(
-                CRASH, f"{exc.one_line()} while building and tracing the model") from None
+    own = child is None
+    child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
+    try:
+        seen = await observe_call(child, "observe", "building and tracing the model", workload=spec, seed=seed)
         graph = ModelGraph.from_dict(seen["graph"])
         hw, notices = await asyncio.to_thread(describe_hardware, world_size, device_type, hardware, store, probe)
         if graph.notice:
             notices.append(graph.notice)
         profile = None
         if time_layers and not hardware:
-            key = _layer_profile_key(graph, hw, device_type)
-            if cached := store.cache_get(key):
-                profile = LayerProfile.from_dict(cached)
-            else:
-                try:
-                    timed = await child.call("profile_layers", "timing the model's layers", device=device_type,
-                                             threads=_rank_threads(world_size, threads_per_rank),
-                                             hardware_fingerprint=hw.fingerprint())
-                except ChildRaised as exc:
-                    raise ObservationFailed(CRASH, f"{exc.one_line()} while timing the model's layers") from None
-                if timed["layer_profile"]:
-                    profile = LayerProfile.from_dict(timed["layer_profile"])
-                    store.cache_put(key, timed["layer_profile"])
-                else:
-                    notices.append(timed["notice"])
+            profile = await _layer_profile(child, graph, hw, device_type, store, world_size, threads_per_rank,
+                                           notices)
+        if not own:
+            await observe_call(child, "idle", "dropping the model")
+    finally:
+        if own:
+            await child.close()
     return StaticObservation(spec, stand_in_workload(seen["workload"]), ModelSummary.from_dict(seen["summary"]),
                              graph, profile, hw, device_type, notices)
+
+
+async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware, device_type: str, store: Store,
+                         world_size: int, threads_per_rank: int | None, notices: list[str]) -> LayerProfile | None:
+    """The model's layer times: cached in the store, or timed in the workload's process."""
+    key = _layer_profile_key(graph, hw, device_type)
+    if cached := store.cache_get(key):
+        return LayerProfile.from_dict(cached)
+    timed = await observe_call(child, "profile_layers", "timing the model's layers", device=device_type,
+                       threads=_rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
+    if not timed["layer_profile"]:
+        notices.append(timed["notice"])
+        return None
+    store.cache_put(key, timed["layer_profile"])
+    return LayerProfile.from_dict(timed["layer_profile"])
 
 
 def observe_static(
@@ -345,9 +350,11 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     store = Store.open_default(s.store_dir)
     sid: int | None = None
     held = contextlib.ExitStack()  # the live job's pause, if any
+    # The workload's code runs in this child: observation, then (after the baseline trial,
+    # which it waits out idle) the tuners' hooks. Its start-up overlaps loading the plugins.
     observer = WorkloadProcess(s.store_dir / OBSERVE_LOG, s.timeout_s)
     try:
-        await observer.start()  # its interpreter and torch import overlap loading the plugins here
+        await observer.start()
         records = load_all()
         tuners = select(records, s.plugins)
         for rec in records:
@@ -366,6 +373,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             store.log_event(None, "observation_failed", {"workload": s.workload, "status": exc.status,
                                                          "error": str(exc)})
             raise ObservationFailed(exc.status, f"could not observe {s.workload} ({exc.status}): {exc}") from None
+        if static.device_type == "cuda":  # its CUDA context would hold GPU memory beside the baseline trial
+            await observer.close()  # the tuners' hooks then start a fresh one
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
         for notice in static.notices:
             yield Notice(notice, "warning")
@@ -387,6 +396,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             store.reset_unfinished(study.id)
             store.set_study(study.id, status="running")
         sid = study.id
+        if len(store.trials(sid)) > 1:  # planned already: no tuner hook will run
+            await observer.close()
         done = [t for t in store.trials(sid) if t.done]
         yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done))
         store.log_event(sid, "started", {"resumed": resumed, "settings": s.study_settings()})
@@ -408,7 +419,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield Observed(observation["summary"])
 
         if len(store.trials(sid)) == 1:  # not planned yet
-            async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation):
+            async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation, observer):
                 yield ev
         else:
             for name, diag in observation.get("diagnoses", {}).items():
@@ -441,7 +452,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         raise
     finally:
         held.close()
-        await observer.close(kill=True)  # already ended, unless the study stopped before observing
+        await observer.close(kill=True)  # already ended, unless the study stopped before planning
         store.close()
 
 
@@ -493,10 +504,6 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
     }
 
 
-TUNERS_LOG = "tuners.log"
-"""In the study's trial folder: what the workload's process printed while tuners diagnosed and planned."""
-
-
 @dataclass
 class _Planning:
     """What the tuners' diagnoses and plans add up to, tuner by tuner."""
@@ -508,14 +515,15 @@ class _Planning:
     gains: dict[str, float] = field(default_factory=dict)
 
 
-async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation) -> AsyncIterator[Event]:
+async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation,
+                             child: WorkloadProcess) -> AsyncIterator[Event]:
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
-    # Tuners time pieces of the model: their hooks run in the workload's own process, one
-    # child for all of them (a fresh one after a tuner kills it), under the trial timeout.
+    # Tuners time pieces of the model: their hooks run in the workload's process (the one
+    # that observed it; a fresh one after a tuner kills it), under the trial timeout.
     parts = observation_parts(obs, obs.cache.items() if obs.cache is not None else {})
-    log = run.s.store_dir / "trials" / f"study{sid}" / TUNERS_LOG
+    child.setup = {"op": "observation", "parts": parts}
     got = _Planning()
-    async with WorkloadProcess(log, run.s.timeout_s, setup={"op": "observation", "parts": parts}) as child:
+    async with child:
         async for ev in _tuner_hooks(run, child, parts, obs, tuners, limit, got):
             yield ev
     diagnoses, plans, pool, searches, gains = got.diagnoses, got.plans, got.pool, got.searches, got.gains

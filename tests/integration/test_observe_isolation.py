@@ -63,7 +63,8 @@ def test_a_workload_that_dies_or_hangs_while_observed_fails_in_one_line_and_keep
 
 
 def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_study_goes_on(cli, workdir, chaos_env):
-    # chaos's diagnose segfaults; overlap_chunking then diagnoses and plans in a fresh process.
+    # chaos's diagnose segfaults; overlap_chunking then diagnoses and plans in a fresh process,
+    # and the log keeps what both said.
     res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos,overlap_chunking", "--trials", "0", "--no-probe",
               "--json", *FAST, env_extra={**chaos_env, "TUNEKIT_CHAOS_DIAGNOSE": "segfault"}, timeout=500)
 
@@ -72,9 +73,35 @@ def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_st
     (problem,) = [e for e in events if e["event"] == "PluginProblem"]
     assert (problem["plugin"], problem["status"]) == ("chaos", "diagnose failed")
     assert re.match(r"the workload's process died of SIGSEGV \(segmentation fault\) at tunekit_chaos\.py:\d+ in "
-                    r"diagnose while running chaos's diagnose; its output is in .*tuners\.log$", problem["error"])
+                    r"diagnose while running chaos's diagnose; its output is in .*observe\.log$", problem["error"])
     assert [e["plugin"] for e in events if e["event"] == "Diagnosed"] == ["overlap_chunking"]
+    log = (workdir / ".tunekit" / "observe.log").read_text()
+    assert "[tunekit: a fresh process for the workload; the one before it ended]" in log
     assert any(e["event"] == "StudyFinished" for e in events)
     conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
     assert conn.execute("SELECT status FROM studies").fetchall() == [("finished",)]
+    assert not _workload_processes(workdir)
+
+
+@pytest.mark.parametrize(
+    ("workload", "args", "status", "what"),
+    [
+        ("segfaults_building", [], "crash",
+         r"the workload's process died of SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault"),
+        ("exits_building", [], "crash", r"the workload's process exited with code 0 without a result"),
+        ("hangs_building", ["--timeout", "30s"], "hang", r"no result within 30 s \(the trial timeout\)"),
+    ],
+)
+def test_tunekit_profile_of_a_workload_that_dies_or_hangs_while_observed_fails_in_one_line(
+        cli, workdir, workload, args, status, what):
+    res = cli("profile", f"{WORKLOADS}:{workload}", "--out", "prof", *args, timeout=300)
+
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert re.fullmatch(rf"error: could not observe .*:{workload} \({status}\): {what} while building and tracing "
+                        r"the model.*; its output is in prof/observe\.log", lines[0]), lines[0]
+    assert (workdir / "prof" / "observe.log").exists()
+    assert not (workdir / "prof" / "trial").exists()  # nothing was launched
     assert not _workload_processes(workdir)

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import DURATION, console
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
 from tunekit.observe.profile_job import ProfileOptions, profile_job
@@ -51,7 +51,14 @@ from tunekit.observe.profile_job import ProfileOptions, profile_job
 @click.option(
     "--top", type=click.IntRange(min=1), default=10, show_default=True, help="Layers to list."
 )
-def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top):
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=DURATION,
+    default=600.0,
+    help="Limit on observing the model and on the profiled run; past it, a hang [default: 10m].",
+)
+def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top, timeout_s):
     """Profile WORKLOAD on NPROC ranks and print where the step time goes.
 
     Prints the step breakdown per rank (compute, exposed communication, data,
@@ -60,7 +67,13 @@ def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top):
     ranks' Chrome traces (open them in Perfetto) under --out.
     """
     opts = ProfileOptions(
-        nproc=nproc, steps=steps, warmup=warmup, out_dir=out_dir, device=device, top_layers=top
+        nproc=nproc,
+        steps=steps,
+        warmup=warmup,
+        out_dir=out_dir,
+        device=device,
+        top_layers=top,
+        timeout_s=timeout_s,
     )
     with console.status("profiling") as status:
         report = profile_job(workload, opts, on_stage=lambda msg: status.update(msg))

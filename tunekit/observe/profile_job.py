@@ -4,8 +4,13 @@
 
 1. the model graph (:func:`~tunekit.observe.graph.trace_model`) at the
    workload's per-rank batch;
-2. the layer profile (:func:`~tunekit.observe.layer_profile.profile_layers`) in
-   this process, on the CPU or GPU 0;
+2. the layer profile (:func:`~tunekit.observe.layer_profile.profile_layers`) on
+   the CPU or GPU 0;
+
+   both in a child process (:mod:`tunekit.observe.workload_process`), never in
+   tunekit's own: a workload that segfaults, hangs or exits while it is built
+   fails in one line (:class:`ObservationFailed`, under ``timeout_s``), its
+   output kept in ``observe.log``;
 3. a profiled multi-rank trial (the trial launcher, ``profile_steps``) while the
    telemetry sampler watches the ranks (pids from the trial's ``pids/`` folder);
 4. the step breakdown of that trial's traces
@@ -18,6 +23,7 @@ It returns a JSON-able report and writes into ``out_dir``: ``profile.json``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
@@ -30,10 +36,16 @@ import torch
 
 from tunekit.errors import WorkloadError
 from tunekit.observe.breakdown import analyze_trial
-from tunekit.observe.graph import trace_model
-from tunekit.observe.layer_profile import profile_layers
+from tunekit.observe.graph import ModelGraph
+from tunekit.observe.layer_profile import LayerProfile
 from tunekit.observe.telemetry import TelemetrySampler
-from tunekit.workload import load_workload, resolve_spec
+from tunekit.observe.workload_process import (
+    OBSERVE_LOG,
+    ObservationFailed,
+    WorkloadProcess,
+    observe_call,
+)
+from tunekit.workload import resolve_spec
 
 StageFn = Callable[[str], None]
 
@@ -72,23 +84,16 @@ def profile_job(
 
     stage = on_stage or (lambda _msg: None)
     spec = resolve_spec(workload)
-    wl = load_workload(spec)
     out = options.out_dir
     out.mkdir(parents=True, exist_ok=True)
     notices: list[str] = []
-
-    stage("tracing the model graph")
-    model = wl.model()
-    inputs = wl.example_batch(wl.batch_size)[0]
-    graph = trace_model(model, inputs)  # WorkloadError when the model cannot run at all
-    if graph.notice:
-        notices.append(graph.notice)
-
-    stage("timing each layer")
     device = "cuda" if options.device != "cpu" and torch.cuda.is_available() else "cpu"
-    layers = profile_layers(
-        model, inputs, graph, device=device, warmup=1, repeats=options.layer_repeats
-    )
+    try:
+        graph, layers = asyncio.run(_observe(spec, device, options, stage, notices))
+    except ObservationFailed as exc:
+        raise ObservationFailed(
+            exc.status, f"could not observe {spec} ({exc.status}): {exc}"
+        ) from None
 
     stage(f"profiled run on {options.nproc} rank(s)")
     trial_dir = out / "trial"
@@ -134,9 +139,9 @@ def profile_job(
                 "flops": graph.layers[t.name].flops,
                 "output_shape": graph.layers[t.name].output_shape,
             }
-            for t in layers.top(options.top_layers)
+            for t in (layers.top(options.top_layers) if layers is not None else [])
         ],
-        "layer_profile": layers.to_dict(),
+        "layer_profile": layers.to_dict() if layers is not None else None,
         "measurement": outcome.measurement.to_dict() if outcome.measurement else None,
         "breakdown": breakdown.to_dict(),
         "telemetry": telemetry["summary"],
@@ -149,3 +154,28 @@ def profile_job(
     }
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+async def _observe(
+    spec: str, device: str, options: ProfileOptions, stage: StageFn, notices: list[str]
+) -> tuple[ModelGraph, LayerProfile | None]:
+    """The graph and layer times, from the workload's own process (ended before this returns)."""
+    async with WorkloadProcess(options.out_dir / OBSERVE_LOG, options.timeout_s) as child:
+        stage("tracing the model graph")
+        seen = await observe_call(child, "observe", "building and tracing the model", workload=spec)
+        graph = ModelGraph.from_dict(seen["graph"])
+        if graph.notice:
+            notices.append(graph.notice)
+        stage("timing each layer")
+        timed = await observe_call(
+            child,
+            "profile_layers",
+            "timing the model's layers",
+            device=device,
+            threads=torch.get_num_threads(),
+            repeats=options.layer_repeats,
+        )
+    if not timed["layer_profile"]:
+        notices.append(timed["notice"])
+        return graph, None
+    return graph, LayerProfile.from_dict(timed["layer_profile"])

@@ -10,6 +10,7 @@ keeps in a capped log. Requests, in the order the parent sends them:
 
 * ``observe``: load the workload, build the model, summarise and trace it;
 * ``profile_layers``: time every layer of that model;
+* ``idle``: drop that model (the process then waits out the baseline trial);
 * ``observation``: set up what tuners read (the parts of an ``Observation``);
 * ``diagnose`` / ``plan``: run one tuner's hook on it.
 
@@ -87,8 +88,9 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     wl = state.load(req["workload"])
     state.model = wl.model()
     state.example = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))[0]
-    summary = summarize_model(state.model, state.example)
+    # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
     state.graph = trace_model(state.model, state.example)
+    summary = summarize_model(state.model, state.example)
     return {"workload": workload_facts(wl), "summary": summary.to_dict(),
             "graph": state.graph.to_dict(), "graph_hash": state.graph.graph_hash()}
 
@@ -102,12 +104,25 @@ def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("profile_layers before observe")
     torch.set_num_threads(int(req["threads"]))  # each rank's share of the cores
     try:
-        result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1, repeats=3,
-                         hardware_fingerprint=req["hardware_fingerprint"])
+        result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1,
+                         repeats=int(req.get("repeats", 3)), hardware_fingerprint=req.get("hardware_fingerprint", ""))
     except Exception as exc:  # the workload's own code failed; the baseline trial reports it
         return {"layer_profile": None, "notice": f"could not time the model's layers ({type(exc).__name__}: "
                                                   f"{exc}); tuners fall back to the whole-step measurements"}
     return {"layer_profile": result.to_dict(), "notice": None}
+
+
+def idle(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    """Drop the observed model before waiting (the baseline trial runs meanwhile): keep little."""
+    import gc
+
+    import torch
+
+    state.model = state.example = state.graph = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {}
 
 
 def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +164,7 @@ def _obs(state: _State):
     return state.obs
 
 
-HANDLERS = {"observe": observe, "profile_layers": profile_layers, "observation": observation,
+HANDLERS = {"observe": observe, "profile_layers": profile_layers, "idle": idle, "observation": observation,
             "diagnose": diagnose, "plan": plan}
 
 

@@ -28,6 +28,10 @@ from tunekit.workload import Workload
 if TYPE_CHECKING:
     from tunekit.observe.observation import Observation
 
+OBSERVE_LOG = "observe.log"
+"""What the workload printed while observed (capped): in the store folder for ``tunekit auto``
+(the tuners' hooks too), in ``--out`` for ``tunekit profile``."""
+
 _REPLY_LIMIT = 1 << 30
 """Longest reply line: a large model's graph is megabytes of JSON."""
 
@@ -82,6 +86,7 @@ class WorkloadProcess:
         self._pump: asyncio.Task | None = None
         self._log: CappedLog | None = None
         self._needs_setup = False
+        self._children = 0
 
     async def __aenter__(self) -> WorkloadProcess:
         return self
@@ -116,7 +121,11 @@ class WorkloadProcess:
         self._needs_setup = True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.fault_path.unlink(missing_ok=True)
-        self._log = CappedLog(self.log_path)
+        # A fresh child after one died appends: the log keeps what the dead one said.
+        self._log = CappedLog(self.log_path, append=self._children > 0)
+        if self._children:
+            self._log.note("a fresh process for the workload; the one before it ended")
+        self._children += 1
         cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_parent(cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -185,6 +194,16 @@ class WorkloadProcess:
         with contextlib.suppress(OSError):
             if self.fault_path.stat().st_size == 0:  # no fatal signal: nothing to keep
                 self.fault_path.unlink()
+
+
+async def observe_call(child: WorkloadProcess, op: str, doing: str, **args: Any) -> dict[str, Any]:
+    """A request while observing, where any exception in the workload's code fails the
+    observation (a ``WorkloadError``, for a bad name or a model that cannot run, stays what it
+    was); a tuner's hook, by contrast, fails only that tuner (``WorkloadProcess.call``)."""
+    try:
+        return await child.call(op, doing, **args)
+    except ChildRaised as exc:
+        raise exc.as_tunekit_error() or ObservationFailed(CRASH, f"{exc.one_line()} while {doing}") from None
 
 
 # -- what crosses between tunekit and the child ------------------------------------------------

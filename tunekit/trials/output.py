@@ -44,16 +44,21 @@ class OutputRecord:
 
 
 class CappedLog:
-    """Writes a stream's head to ``path`` as it comes and keeps its tail in memory until :meth:`close`."""
+    """Writes a stream's head to ``path`` as it comes and keeps its tail in memory until :meth:`close`
+    (``append``: after what ``path`` holds, which counts towards no cap)."""
 
-    def __init__(self, path: Path, head_bytes: int = HEAD_BYTES, tail_bytes: int = TAIL_BYTES):
+    def __init__(self, path: Path, head_bytes: int = HEAD_BYTES, tail_bytes: int = TAIL_BYTES, append: bool = False):
         self.path = Path(path)
         self.head_bytes, self.tail_bytes = head_bytes, tail_bytes
-        self.file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self.file = open(self.path, "ab" if append else "wb")  # noqa: SIM115 - closed in close()
         self.total = 0
         self.tail: deque[bytes] = deque()
         self.tail_size = 0
         self.record: OutputRecord | None = None
+
+    def note(self, text: str) -> None:
+        """A line of tunekit's own in the log (not the process's output: outside the cap)."""
+        self.file.write(f"\n[tunekit: {text}]\n".encode())
 
     def write(self, data: bytes) -> None:
         room = max(0, self.head_bytes - self.total)
