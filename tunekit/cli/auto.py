@@ -8,9 +8,8 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from tunekit.cli.common import DURATION, STORE_OPTION, console, split_names
+from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, split_names
 from tunekit.config import TuningConfig
 from tunekit.events import (
     Decided,
@@ -29,7 +28,7 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.truth import PART_LABELS
-from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.orchestrator import BUDGET_SKIP, AutoSettings, run_auto
 from tunekit.runtime.rundir import RunDir
 from tunekit.trials.launcher import LaunchOptions
 
@@ -136,6 +135,8 @@ class _ProgressView:
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console, transient=True,
         )
         self.tasks: dict[int, int] = {}
+        self.budget_skipped: list[int] = []
+        """Trials skipped for time: one line at the end, not one each."""
         self.decision = None
         self.paths = None
         self.finished = None
@@ -179,7 +180,9 @@ class _ProgressView:
             task = self.tasks.pop(ev.trial_id, None)
             if task is not None:
                 self.progress.remove_task(task)
-            if ev.status == "ok":
+            if ev.status == "skipped" and ev.error == BUDGET_SKIP:
+                self.budget_skipped.append(ev.seq)
+            elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
                          + (f" (predicted {pred})" if pred else ""))
@@ -199,6 +202,9 @@ class _ProgressView:
             self.finished = ev
 
     def finish(self) -> None:
+        if self.budget_skipped:
+            console.print(f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
+                          f"(#{', #'.join(map(str, self.budget_skipped))})")
         if self.decision is not None:
             console.print(result_table(self.decision))
             console.print(f"decision: {self.decision.get('reason', '')}")

@@ -6,9 +6,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import STORE_OPTION, console
+from tunekit.cli.common import STORE_OPTION, Table, console
 from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import Table, console
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
 from tunekit.observe.profile_job import ProfileOptions, profile_job
