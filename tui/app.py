@@ -101,15 +101,17 @@ class TunekitApp(App[str]):
     ]
     MODES = {mode: cls for mode, (_, cls) in SCREENS.items()}
     DEFAULT_MODE = "live"
+    # Help and Quit before the screens: a narrow footer cuts from the right, and these two
+    # must stay in sight at 80 columns (each screen's own keys come first, see the tests).
     BINDINGS = [
+        Binding("question_mark,f1", "show('help')", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
         Binding("1", "show('live')", "Live"),
         Binding("2", "show('profile')", "Profile"),
         Binding("3", "show('tuners')", "Tuners"),
         Binding("4", "show('trials')", "Trials"),
         Binding("5", "show('apply')", "Apply"),
-        Binding("question_mark,f1", "show('help')", "Help", key_display="?"),
         Binding("t", "tune", "Tune", show=False),
-        Binding("q", "quit", "Quit"),
     ]
 
     live_view: var[LiveView] = var(LiveView())
@@ -268,6 +270,17 @@ class TunekitApp(App[str]):
 
     def action_detach(self) -> None:
         self.exit(DETACH)
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Palette → Screenshot: an SVG of the screen, saved where the backend says (the
+        working directory), not in a Downloads folder that may not exist."""
+        folder = Path(path) if path else self.backend.screenshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.notify(f"cannot create {folder}: {exc}", title="Screenshot", severity="error")
+            return
+        self.deliver_screenshot(filename, str(folder))
 
     # -- tuners: enable, diagnose ------------------------------------------------------------
 

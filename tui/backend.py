@@ -18,6 +18,7 @@ socket, and escalates to signals only if it will not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -98,6 +99,10 @@ class Backend(ABC):
     def start(self) -> list[str]:
         """Begin sampling; return notices to show once (no GPU, no py-spy ...)."""
         return []
+
+    def screenshot_dir(self) -> Path:
+        """Where the app's screenshots go (created on first use): the working directory."""
+        return Path.cwd()
 
     @abstractmethod
     def poll(self) -> LiveSnapshot:
@@ -413,11 +418,21 @@ class LiveBackend(Backend):
         from tunekit.observe.profile_job import ProfileOptions, profile_job
 
         out = self.out_dir / "profile"
-        report = profile_job(
-            self.workload,
-            ProfileOptions(nproc=self.nproc, out_dir=out, device=self.device),
-            on_stage=on_stage,
-        )
+        with contextlib.ExitStack() as held:
+            # Hold the job while the profiled run measures: sharing the CPUs would skew both.
+            if self._job_running():
+                try:
+                    reply = held.enter_context(
+                        client(self.rd).paused("tunekit tui is profiling the workload")
+                    )
+                    on_stage(f"run {self.run_id} paused at step {reply.get('paused_at')}")
+                except ControlError as exc:
+                    on_stage(f"run {self.run_id} not paused ({exc}): the run shares the machine")
+            report = profile_job(
+                self.workload,
+                ProfileOptions(nproc=self.nproc, out_dir=out, device=self.device),
+                on_stage=on_stage,
+            )
         self._profile_report = report
         try:
             series = json.loads((out / "telemetry.json").read_text())["series"].get("pyspy", [])

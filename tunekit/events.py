@@ -97,6 +97,10 @@ class TrialFinished(Event):
     """Measured throughput at the trial's own global batch (what a decision compares)."""
 
 
+BUDGET_SKIP = "did not fit the time budget"
+"""``TrialFinished.error`` of a trial skipped because the time budget had no room for it."""
+
+
 @dataclass
 class Reranked(Event):
     """Trials so far corrected the tuners' predictions; what is left to run was re-ranked."""

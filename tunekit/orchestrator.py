@@ -27,6 +27,7 @@ from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Tuner
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Event,
@@ -645,9 +646,6 @@ def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] |
         except (OSError, ValueError, KeyError) as exc:  # a broken trace must not stop the study
             result.setdefault("notices", []).append(f"could not analyse the baseline traces: {exc}")
     return breakdown, result.get("telemetry")
-
-
-BUDGET_SKIP = "did not fit the time budget"
 
 
 async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None,

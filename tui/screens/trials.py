@@ -34,7 +34,7 @@ class TrialTable(DataTable):
     """One row per trial; ``a`` applies the highlighted trial's config, enter makes it the apply target."""
 
     BINDINGS = [
-        Binding("a", "apply", "Apply this config"),
+        Binding("a", "apply", "Apply…"),
         Binding("enter", "pick", "Pick for apply", show=False),
     ]
 
@@ -137,7 +137,7 @@ class TrialsScreen(TunekitScreen):
 
     BINDINGS = [
         Binding("t", "app.tune", "Tune"),
-        Binding("x", "app.cancel_tuning", "Cancel tuning"),
+        Binding("x", "app.cancel_tuning", "Cancel"),
     ]
     FOLLOWS = (("study_view", "show_study"),)
 

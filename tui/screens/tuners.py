@@ -28,7 +28,7 @@ def applies_cell(t: TunerView) -> Text:
 class TunerTable(DataTable):
     """One row per plugin; space toggles whether the next tuning uses it."""
 
-    BINDINGS = [Binding("space", "toggle", "Enable/disable")]
+    BINDINGS = [Binding("space", "toggle", "On/off")]
 
     class Toggled(Message):
         """The user asked to enable or disable ``plugin``."""
@@ -140,7 +140,7 @@ class TunersScreen(TunekitScreen):
     BINDINGS = [
         Binding("d", "app.diagnose", "Diagnose"),
         Binding("t", "app.tune", "Tune"),
-        Binding("x", "app.cancel_tuning", "Cancel tuning"),
+        Binding("x", "app.cancel_tuning", "Cancel"),
     ]
     FOLLOWS = (("tuner_views", "show_tuners"), ("study_view", "show_study"))
 

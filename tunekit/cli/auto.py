@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, split_names
 from tunekit.config import TuningConfig
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Notice,
@@ -28,9 +29,8 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.truth import PART_LABELS
-from tunekit.orchestrator import BUDGET_SKIP, AutoSettings, run_auto
 from tunekit.runtime.rundir import RunDir
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("auto")
@@ -77,6 +77,10 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     if keep_running and not apply_run:
         raise click.UsageError("--keep-running goes with --apply RUN")
     run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    from tunekit.orchestrator import AutoSettings
+    from tunekit.trials.launcher import LaunchOptions
+
     settings = AutoSettings(
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
@@ -91,7 +95,9 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         _apply_winner(run_dir, decision, as_json)
 
 
-async def _drive(settings: AutoSettings, as_json: bool) -> dict | None:
+async def _drive(settings, as_json: bool) -> dict | None:
+    from tunekit.orchestrator import run_auto
+
     decision = None
     if as_json:
         async for ev in run_auto(settings):

@@ -102,11 +102,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("plan", "tui", "profile"):
-        from tunekit.observe.kineto import start_profiler_in_main_thread
-
-        start_profiler_in_main_thread()  # `auto` does it once its workload has loaded
+    # Commands that profile start torch.profiler themselves, once their input is known to be good.
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
     except click.exceptions.Abort:

@@ -12,12 +12,9 @@ from rich.markdown import Markdown
 from tunekit.cli.common import STORE_OPTION, Table, console, trials_table
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
-from tunekit.observe.observation import Measurement
-from tunekit.orchestrator import AutoSettings, observe_static, observed_baseline, study_key
 from tunekit.plugin_loading import load_all, select
-from tunekit.report import report_data
 from tunekit.store import Store
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("plan")
@@ -38,8 +35,16 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     command that applies it to a live run (`tunekit apply RUN PLUGIN.knob=value …`);
     a config too long for a command line is written to --out and named by its path.
     """
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
     records = load_all()
     tuner = select(records, [plugin])[plugin]
+    from tunekit.observe.kineto import start_profiler_in_main_thread
+    from tunekit.observe.observation import Measurement
+    from tunekit.orchestrator import observe_static, observed_baseline
+    from tunekit.report import report_data
+    from tunekit.trials.launcher import LaunchOptions
+
+    start_profiler_in_main_thread()  # before a tuner profiles from a worker thread
     store = Store.open_default(store_dir)
     try:
         static = observe_static(workload, nproc, "auto", hardware, store)
@@ -139,6 +144,8 @@ def _rate(x: float | None) -> str:
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
     """The newest study with the same model, hardware and settings, and its first successful
     baseline trial (None, None when there is none)."""
+    from tunekit.orchestrator import AutoSettings, study_key
+
     settings = AutoSettings(workload=static.spec, nproc=nproc, hardware=hardware).study_settings()
     key = study_key(static.graph_hash, static.hardware.fingerprint(), settings)
     study = store.latest_study(key)
