@@ -38,11 +38,13 @@ from tunekit.tui.screens.tuners import TunersScreen, TunerTable
 from tunekit.tui.state import (
     ApplyTarget,
     ApplyView,
+    BaselineView,
     HotSpots,
     LiveView,
     ProfileView,
     StudyView,
     TunerView,
+    baseline_from_observed,
     best_target,
     fold_study,
     fold_tuners,
@@ -119,6 +121,8 @@ class TunekitApp(App[str]):
     profile_view: var[ProfileView | None] = var(None)
     profile_stage: var[str] = var("")
     tuner_views: var[tuple[TunerView, ...]] = var(())
+    tuner_baseline: var[BaselineView | None] = var(None)
+    """What the tuners' predictions on show are against (a diagnosis's or a tuning's baseline)."""
     study_view: var[StudyView] = var(StudyView())
     apply_view: var[ApplyView] = var(ApplyView())
 
@@ -150,6 +154,13 @@ class TunekitApp(App[str]):
             workload=self.backend.workload,
             attached=not self.backend.owns_job,
         )
+        if self.backend.owns_job:
+            self.notify(
+                f"q checkpoints and stops it. If this terminal closes, the job keeps running: "
+                f"`tunekit tui --attach {self.backend.run_id}` watches it again.",
+                title=f"run {self.backend.run_id} was started by this app",
+                timeout=15,
+            )
         for notice in self.backend.start():
             self._said.add(notice)
             self.notify(notice, title="telemetry", severity="warning", timeout=10)
@@ -319,6 +330,8 @@ class TunekitApp(App[str]):
             self.call_from_thread(self._diagnosis_over)
 
     def _diagnosed(self, r: DiagnosisResult) -> None:
+        if r.baseline is not None:
+            self.tuner_baseline = r.baseline
         if r.error:
             self.tuner_views = replace_tuner(
                 self.tuner_views, r.name, state="failed", summary=r.error
@@ -443,10 +456,10 @@ class TunekitApp(App[str]):
                 title="trial failed",
                 severity="error",
             )
-        elif isinstance(ev, Observed) and (
-            self.profile_view is None or self.profile_view.source.startswith("baseline")
-        ):
-            self.profile_view = profile_from_observed(ev.summary)
+        elif isinstance(ev, Observed):
+            self.tuner_baseline = baseline_from_observed(ev.summary) or self.tuner_baseline
+            if self.profile_view is None or self.profile_view.source.startswith("baseline"):
+                self.profile_view = profile_from_observed(ev.summary)
         elif isinstance(ev, StudyFinished):
             self.notify(f"tuning finished: {self.study_view.message}", title=f"winner: {ev.winner}")
         if not self._target_pinned:
