@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import click
@@ -248,12 +249,12 @@ def throughput(metrics: list[dict], config_id: str | None, steps: int = TREND_ST
     rates = [m["samples_per_s"] for m in mine[-steps:] if m.get("samples_per_s")]
     if not rates:
         return ""
-    median = sorted(rates)[len(rates) // 2]
+    median = statistics.median(rates)
     text = f"{median:,.1f} samples/s (median of the last {len(rates)} step(s) of this config)"
     if len(rates) < 10:
         return text
     chunks = [rates[i * len(rates) // 5:(i + 1) * len(rates) // 5] for i in range(5)]
-    meds = [sorted(c)[len(c) // 2] for c in chunks]
+    meds = [statistics.median(c) for c in chunks]
     lo, hi = min(meds), max(meds)
     bars = "".join(SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in meds)
     change = meds[-1] / meds[0] - 1
