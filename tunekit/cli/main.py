@@ -39,7 +39,7 @@ COMMANDS = {
 """The core's commands: name -> ``module:attribute``."""
 
 SUMMARIES = {
-    "apply": "Apply CONFIG (best_config.json or inline JSON) to the live RUN at its next step boundary.",
+    "apply": "Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary.",
     "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
     "hardware": "Hardware models: measure this machine or validate and print a profile.",
     "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",
