@@ -38,7 +38,8 @@ from tunekit.workload_spec import resolve_spec
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
 @click.option("--plugins", "plugins", multiple=True, metavar="NAMES", help="Tuners to use (comma-separated; default: all).")
 @click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
-@click.option("--budget", type=DURATION, default=None, help="Time budget instead of a trial count (90s, 5m, 1h).")
+@click.option("--budget", type=DURATION, default=None,
+              help="Time budget instead of a trial count (90s, 5m, 1h); time for confirming the leader is kept back.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
 @STORE_OPTION
 @click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")

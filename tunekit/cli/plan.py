@@ -92,7 +92,7 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
         table.add_row(str(i), r["description"], _ms(r["predicted_step_s"]), _rate(r["predicted_samples_per_s"]),
                       r["rationale"])
     console.print(table)
-    console.print("apply one to a live run (`tunekit run`), or try it in the run with `tunekit trial RUN …`:")
+    console.print("apply one to a live run (`tunekit run`); `tunekit trial` takes the same arguments:")
     for i, a in enumerate(apply_args, 1):
         console.print(f"  #{i}  tunekit apply RUN {a}", soft_wrap=True)
     if tried:
