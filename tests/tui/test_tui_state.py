@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -246,3 +247,14 @@ def test_predictions_are_shown_against_the_jobs_measured_baseline():
     tuner = TunerView("t", candidates=(step, batch))
     assert tuner.best(base) is batch  # more samples/s, though a longer step
     assert step.speedup(BaselineView(64, None, "models alone")) is None  # no measured baseline
+
+
+def test_a_tuning_that_has_not_started_a_trial_says_no_trial_count():
+    """Issue 19: "trial 0/0" while the tuning observed and planned."""
+    from tunekit.tui.screens.tuners import tune_line
+
+    starting = StudyView(state="running", message="observing the workload")
+    line = tune_line(starting, "2 trial(s)", 1).plain
+    assert "trial 0" not in line and "observing the workload" in line
+    running = dataclasses.replace(starting, index=3, total=8)
+    assert "trial 3 of 8" in tune_line(running, "2 trial(s)", 1).plain

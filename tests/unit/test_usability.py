@@ -189,3 +189,21 @@ def test_budget_skips_are_one_line_not_one_each():
     lines = [ln for ln in out.get().splitlines() if ln.strip()]
     assert lines == ["skipped 15 planned trial(s) that did not fit the time budget (#4, #5, #6, #7, #8, #9, #10, "
                      "#11, #12, #13, #14, #15, #16, #17, #18)"]
+
+
+def test_tables_wrap_numbers_instead_of_cutting_them():
+    """Issue 19: piped output ended numbers in "…" ("154.…", "meas…")."""
+    from rich.console import Console
+
+    from tunekit.cli.common import PIPE_WIDTH, Table, _width
+
+    table = Table(title="t")
+    for col in ("config", "measured", "predicted"):
+        table.add_column(col)
+    table.add_row("overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)", "154.321 ms ± 2.5 ms", "150.0 ms")
+    narrow = Console(width=40, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    narrow.print(table)
+    text = narrow.export_text()
+    assert "…" not in text
+    assert "154.321" in text.replace("\n", "").replace("│", "").replace(" ", "")
+    assert _width(open("/dev/null", "w")) in (PIPE_WIDTH, None)  # noqa: SIM115 (None: COLUMNS is set)
