@@ -395,8 +395,8 @@ def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings) 
         decision["reason"] += f"; {len(skipped)} planned trial(s) did not fit the {s.budget_s:g} s budget"
     winner = next((r for r in decision.get("candidates", []) if r.get("trial_id") == decision.get("winner_trial")), None)
     if winner is not None and winner.get("runs") == 1:
-        why = "the time budget left no room" if s.budget_s is not None else "no confirmation run succeeded"
-        decision["reason"] += f"; not confirmed by a second run ({why})"
+        why = " (the time budget left no room)" if s.budget_s is not None else ""
+        decision["reason"] += f"; not confirmed by a second run{why}"
     drift = baseline_drift(trials)
     if drift is not None:
         decision["baseline_drift"] = drift
