@@ -179,7 +179,6 @@ class Workload:
 # -- loading ------------------------------------------------------------------------
 
 
-
 def load_workload(spec: str) -> Workload:
     """Build the workload a name points at; raise :class:`WorkloadError` if it cannot."""
     spec = spec.strip()
