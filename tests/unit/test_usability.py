@@ -108,7 +108,8 @@ def test_the_snippet_names_the_config_where_it_is(tmp_path, monkeypatch):
     assert from_here(tmp_path / "out" / "best_config.json") == "out/best_config.json"
     elsewhere = tmp_path.parent / "elsewhere.json"
     assert from_here(elsewhere) == str(elsewhere.resolve())
-    text = snippet("example:cnn", TuningConfig(), {}, LaunchOptions(nproc=2), "tunekit-out/best_config.json")
+    text = snippet("example:cnn", TuningConfig(), {}, LaunchOptions(nproc=2),
+                   config_path="tunekit-out/best_config.json")
     assert "tunekit run example:cnn --nproc 2 --config tunekit-out/best_config.json" in text
     assert "tunekit apply RUN tunekit-out/best_config.json" in text
 
