@@ -618,7 +618,7 @@ async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any],
                        limit: int, out: _Planning) -> AsyncIterator[Event]:
     """Every tuner's diagnose, then its plan if it applies, in the workload's process."""
     for name, tuner in tuners.items():
-        got, problem = await _tuner_hook(child, "diagnose", name, parts, obs.cache)
+        got, problem = await tuner_hook(child, "diagnose", name, parts, obs.cache)
         if problem:  # a broken plugin must not stop the study
             yield PluginProblem(name, "", "diagnose failed", problem)
             continue
@@ -627,7 +627,7 @@ async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any],
         yield Diagnosed(name, diag.applies, diag.summary, diag.expected_gain)
         if not diag.applies:
             continue
-        got, problem = await _tuner_hook(child, "plan", name, parts, obs.cache, limit=limit)
+        got, problem = await tuner_hook(child, "plan", name, parts, obs.cache, limit=limit)
         try:
             candidates = [Candidate(**c) for c in got["candidates"]] if not problem else []
             trials = [_planned(tuner, c) for c in candidates]
@@ -647,7 +647,7 @@ async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any],
         out.gains[name] = diag.expected_gain or 0.0
 
 
-async def _tuner_hook(child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache,
+async def tuner_hook(child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache,
                       **args: Any) -> tuple[dict[str, Any], str | None]:
     """One tuner hook's reply, or the one line on why it failed; keeps what the tuner cached."""
     try:

@@ -105,3 +105,24 @@ def test_tunekit_profile_of_a_workload_that_dies_or_hangs_while_observed_fails_i
     assert (workdir / "prof" / "observe.log").exists()
     assert not (workdir / "prof" / "trial").exists()  # nothing was launched
     assert not _workload_processes(workdir)
+
+
+def test_tunekit_plan_observes_and_runs_the_tuner_in_the_workloads_process(cli, workdir, chaos_env):
+    ok = cli("plan", "overlap_chunking", f"{WORKLOADS}:tiny", "--json", timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["plugin"] == "overlap_chunking"
+
+    dies = cli("plan", "overlap_chunking", f"{WORKLOADS}:segfaults_building", timeout=300)
+    assert dies.returncode == 2, (dies.returncode, dies.stderr)
+    assert re.fullmatch(r"error: could not observe .*:segfaults_building \(crash\): the workload's process died of "
+                        r"SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault while building and "
+                        r"tracing the model; its output is in \.tunekit/observe\.log", dies.stderr.strip())
+
+    broken = cli("plan", "chaos", f"{WORKLOADS}:tiny", env_extra={**chaos_env, "TUNEKIT_CHAOS_DIAGNOSE": "segfault"},
+                 timeout=300)
+    assert broken.returncode == 2, (broken.returncode, broken.stderr)
+    assert re.fullmatch(r"error: chaos's diagnose failed: the workload's process died of SIGSEGV \(segmentation "
+                        r"fault\) at tunekit_chaos\.py:\d+ in diagnose while running chaos's diagnose; its output is "
+                        r"in \.tunekit/observe\.log", broken.stderr.strip())
+    assert "Traceback" not in ok.stderr + dies.stderr + broken.stderr
+    assert not _workload_processes(workdir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import click
 from rich.markdown import Markdown
 
-from tunekit.cli.common import STORE_OPTION, Table, console, trials_table
+from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, trials_table
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
@@ -26,35 +27,31 @@ from tunekit.workload_spec import resolve_spec
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"),
               show_default=True, help="Where configs too long for one command line are written.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis and candidates as JSON.")
+@click.option("--timeout", "timeout_s", type=DURATION, default=300.0,
+              help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
+                   "past it, a hang [default: 5m].")
 @STORE_OPTION
-def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir):
+def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. A baseline measured by an earlier `tunekit auto` with the
     same settings is used when the store has one. Each candidate comes with a
     command that applies it to a live run (`tunekit apply RUN PLUGIN.knob=value …`);
     a config too long for a command line is written to --out and named by its path.
+
+    The workload is observed, and the tuner diagnoses and plans, in a process of its own
+    (as in `tunekit auto`): a workload that crashes, hangs or exits there fails in one line.
     """
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
     records = load_all()
     tuner = select(records, [plugin])[plugin]
-    from tunekit.observe.kineto import start_profiler_in_main_thread
-    from tunekit.observe.observation import Measurement
-    from tunekit.orchestrator import observe_static, observed_baseline
     from tunekit.report import report_data
     from tunekit.trials.launcher import LaunchOptions
 
-    start_profiler_in_main_thread()  # before a tuner profiles from a worker thread
     store = Store.open_default(store_dir)
     try:
-        static = observe_static(workload, nproc, "auto", hardware, store)
-        study, base_row = _stored_baseline(store, static, nproc, hardware)
-        baseline = Measurement(**base_row.result["measurement"]) if base_row else None
-        obs = static.observation(nproc, baseline, store)
-        if base_row is not None:
-            obs.breakdown, obs.telemetry = observed_baseline(base_row)
-        diag = tuner.diagnose(obs)
-        candidates = tuner.plan(obs, limit) if diag.applies else []
+        static, study, obs, diag, candidates = asyncio.run(
+            _diagnose_and_plan(tuner.name, workload, nproc, hardware, limit, store, store_dir, timeout_s))
         tried = []
         truth = obs.truth
         if study is not None:
@@ -139,6 +136,50 @@ def _ms(x: float | None) -> str:
 
 def _rate(x: float | None) -> str:
     return "—" if x is None else f"{x:,.1f}"
+
+
+async def _diagnose_and_plan(name: str, workload: str, nproc: int, hardware: str | None, limit: int, store: Store,
+                             store_dir: Path, timeout_s: float):
+    """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
+    process of the workload's own; returns what was observed, the stored study, the diagnosis
+    and the candidates."""
+    from tunekit.contract import Candidate, Diagnosis
+    from tunekit.observe.observation import Measurement
+    from tunekit.observe.workload_process import (
+        OBSERVE_LOG,
+        ObservationFailed,
+        WorkloadProcess,
+        observation_parts,
+    )
+    from tunekit.orchestrator import observe_in_child, observed_baseline
+
+    async with WorkloadProcess(store_dir / OBSERVE_LOG, timeout_s) as child:
+        try:
+            static = await observe_in_child(workload, nproc, "auto", hardware, store, timeout_s=timeout_s,
+                                            log_dir=store_dir, child=child)
+        except ObservationFailed as exc:
+            raise ObservationFailed(exc.status, f"could not observe {workload} ({exc.status}): {exc}") from None
+        study, base_row = _stored_baseline(store, static, nproc, hardware)
+        baseline = Measurement(**base_row.result["measurement"]) if base_row else None
+        obs = static.observation(nproc, baseline, store)
+        if base_row is not None:
+            obs.breakdown, obs.telemetry = observed_baseline(base_row)
+        parts = observation_parts(obs, obs.cache.items())
+        child.setup = {"op": "observation", "parts": parts}
+        diag = Diagnosis(**(await _hook(child, "diagnose", name, parts, obs))["diagnosis"])
+        planned = (await _hook(child, "plan", name, parts, obs, limit=limit))["candidates"] if diag.applies else []
+    return static, study, obs, diag, [Candidate(**c) for c in planned]
+
+
+async def _hook(child, hook: str, name: str, parts: dict, obs, **args):
+    """One hook's reply; a tuner that fails (or kills its process) is one line."""
+    from tunekit.errors import PluginError
+    from tunekit.orchestrator import tuner_hook
+
+    reply, problem = await tuner_hook(child, hook, name, parts, obs.cache, **args)
+    if problem:
+        raise PluginError(f"{name}'s {hook} failed: {problem}")
+    return reply
 
 
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
