@@ -207,7 +207,9 @@ def _peer_cost(hw: Hardware, nproc: int, backend: str) -> AllReduceCost:
     """The peer all-reduce as ``latency + bytes / bandwidth`` (from the fit or the links)."""
     big = 64 * MiB
     latency = hw.allreduce_time(0, nproc, backend)
-    return AllReduceCost(latency, big / max(hw.allreduce_time(big, nproc, backend) - latency, 1e-12))
+    return AllReduceCost(
+        latency, big / max(hw.allreduce_time(big, nproc, backend) - latency, 1e-12)
+    )
 
 
 def _peer_bus(hw: Hardware, nproc: int, backend: str) -> float:
@@ -247,7 +249,9 @@ def _model_truth(times, hw: Hardware, nproc: int, backend: str, work: HostWork) 
 
     backward = sum(times.t_bp)
     share = times.backward_share or 2 / 3
-    ddp = ddp_timeline(times.t_bp, times.nbytes, ReduceCosts.uniform(_peer_cost(hw, nproc, backend)))
+    ddp = ddp_timeline(
+        times.t_bp, times.nbytes, ReduceCosts.uniform(_peer_cost(hw, nproc, backend))
+    )
     step = backward / share + ddp.exposed_s + (work.optimizer_s or 0.0)
     return StepTruth(step_s=step, source="model: no measured baseline")
 
@@ -348,8 +352,9 @@ class _Fit:
     def predicted_range(self, row: _Row) -> tuple[float, float]:
         """A candidate's (low, high) step: the model's range widened by the baseline's spread."""
         spread = self.obs.baseline.spread_s if self.obs.baseline is not None else 0.0
-        cal = self.model.calibration
-        return cal.predicted_range(row.model_low, spread)[0], cal.predicted_range(row.model_high, spread)[1]
+        low = self.model.calibration.predicted_range(row.model_low, spread)[0]
+        high = self.model.calibration.predicted_range(row.model_high, spread)[1]
+        return low, high
 
     def details(self) -> dict[str, Any]:
         m, times = self.model, self.times
@@ -371,7 +376,10 @@ class _Fit:
             "ddp_buckets": ddp.messages,
             "ddp_exposed_s": ddp.exposed_s,
             "reproduces_baseline_s": m.reproduces_baseline(),
-            "calibration": {"scales": dict(m.calibration.scales), "notes": list(m.calibration.notes)},
+            "calibration": {
+                "scales": dict(m.calibration.scales),
+                "notes": list(m.calibration.notes),
+            },
             "post_s": m.host.post_s,
             "copy_gbs": 1.0 / m.host.copy_s_per_byte / GB,
             "optimizer_s": m.host.optimizer_s,
@@ -519,7 +527,9 @@ class Cgdp(Tuner):
                 f"(model range {low:+.0%} to {high:+.0%})"
             )
         elif gain >= -MIN_GAIN:
-            verdict_text = f"CGDP would be on par with DDP at best ({best.label}: {gain:+.0%} of the step)"
+            verdict_text = (
+                f"CGDP would be on par with DDP at best ({best.label}: {gain:+.0%} of the step)"
+            )
         else:
             verdict_text = (
                 f"CGDP is no faster than DDP here: its best layout ({best.label}) would cost "
@@ -527,7 +537,9 @@ class Cgdp(Tuner):
             )
         mem = memory_estimates(float(sum(f.times.nbytes)), f.measured["layers"]["state_bytes"])
         saved = (mem["ddp"].device_bytes - mem["cgdp"].device_bytes) / MiB
-        memory_text = "" if f.device.type == "cpu" else f"; it would save {saved:.0f} MiB of device memory"
+        memory_text = (
+            "" if f.device.type == "cpu" else f"; it would save {saved:.0f} MiB of device memory"
+        )
         summary = f"{lead}; {model_text}; {verdict_text}{memory_text}"
         details = {
             **f.details(),
@@ -537,9 +549,13 @@ class Cgdp(Tuner):
             "verdict": verdict,
             "best_chunk": best.k,
             "best_offload": best.offload,
-            "memory_bytes": {k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()},
+            "memory_bytes": {
+                k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()
+            },
         }
-        return Diagnosis(verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details)
+        return Diagnosis(
+            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+        )
 
     def _plan_here(self, obs: Observation) -> list[Candidate]:
         f = self._fit(obs)
@@ -556,7 +572,10 @@ class Cgdp(Tuner):
             t = row.timeline
             out.append(
                 Candidate(
-                    knobs={"chunk_size": row.k, **({"offload_optimizer": True} if row.offload else {})},
+                    knobs={
+                        "chunk_size": row.k,
+                        **({"offload_optimizer": True} if row.offload else {}),
+                    },
                     predicted_step_s=row.predicted,
                     predicted_range_s=(low, high),
                     rationale=(
