@@ -357,9 +357,12 @@ def _during_cost(
         fitted = fit_cost(points, slowed)
         if fitted is not None:
             return fitted, source
-        size, seconds = points[0]
+        size = sum(b for b, _ in points) / len(points)
+        seconds = sum(t for _, t in points) / len(points)
         latency = max(slowed.latency, seconds - size / slowed.bandwidth)
         return AllReduceCost(latency, slowed.bandwidth), source
+    if breakdown is None:
+        return slowed, f"probe fit x{max(1.0, contention):.2g} (no baseline trace)"
     return slowed, (
         f"probe fit x{max(1.0, contention):.2g} (slowed as the job's kernels are; the baseline "
         "trace shows no all-reduce during backward to fit it to)"
