@@ -75,12 +75,6 @@ class LayerTimes:
             [[float(x) for x in row] for row in d.get("samples", [])],
         )
 
-    def shares(self) -> list[float]:
-        """Each layer's share of backward: what calibration keeps when it scales ``t_bp``."""
-        total = sum(self.t_bp)
-        n = len(self.t_bp)
-        return [t / total for t in self.t_bp] if total > 0 else [1.0 / n] * n
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
