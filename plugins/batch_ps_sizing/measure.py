@@ -327,7 +327,8 @@ def time_steps(
     step, gradients set to None. A first pass runs one warm-up step per batch,
     ascending (not counted); a batch whose warm-up and repeats would overrun the
     budget (its time guessed from the last kept batch's time per sample) is
-    skipped, unless it is ``required``. Then ``repeats`` rounds time every
+    skipped, unless it is ``required``; a batch that runs out of memory ends
+    the climb. Then ``repeats`` rounds time every
     kept batch in turn, so that a change in the machine's load over the
     measurement touches every batch alike and the medians' ratios hold; more
     rounds follow, up to ``max_repeats``, while the budget lasts (on a busy
@@ -341,7 +342,8 @@ def time_steps(
     timing = StepTiming(torch.get_num_threads())
     start = time.perf_counter()
     kept: list[tuple[int, float]] = []
-    for b in sorted(set(batches)):
+    ascending = sorted(set(batches))
+    for i, b in enumerate(ascending):
         if kept and b not in required:
             last_b, last_s = kept[-1]
             guess = last_s * b / last_b
@@ -351,7 +353,16 @@ def time_steps(
                     f"~{guess:.1f} s per step here, over the {budget_s:.0f} s measuring budget"
                 )
                 continue
-        kept.append((b, sum(_timed_step(model, optimizer, workload, b, device, 0).values())))
+        try:
+            kept.append((b, sum(_timed_step(model, optimizer, workload, b, device, 0).values())))
+        except Exception as exc:
+            if not is_out_of_memory(exc) or not kept:
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            release_memory(device)
+            for larger in ascending[i:]:  # a larger batch would not fit either
+                timing.skipped[larger] = f"out of memory here (from batch {b})"
+            break
     rounds, most = 0, max(repeats, max_repeats or repeats)
     while rounds < most:
         round_start = time.perf_counter()

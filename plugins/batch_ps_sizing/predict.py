@@ -15,13 +15,17 @@ part's change, scaled by measured part / fitted part at the current batch::
     step(b) = step_measured + compute_measured * (f_c(b) / f_c(b0) - 1) + data_measured * (...)
 
 So what is measured in this process enters only as a ratio between two
-batches timed side by side (the machine's load, a neighbour rank and the
-profiler's overhead cancel), and the absolute figures are the baseline's.
+batches timed side by side, and the absolute figures are the baseline's: the
+machine's load (it touches both batches alike), the share of the cores a
+neighbour rank leaves and the profiler's overhead cancel. What does not cancel
+is what changes with the batch in a trial only (two ranks sharing the last-level
+cache and memory bandwidth at large batches): the model's remaining error.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +70,10 @@ class BatchStepModel:
         spread_s: float,
         measured: bool = True,
     ) -> BatchStepModel:
-        fits = {p: StepTimeFit.fit(timing.part_samples(p)) for p in SCALING_PARTS}
-        optimizer = [s for rows in timing.part_samples("optimizer").values() for s in rows]
-        optimizer_s = sorted(optimizer)[len(optimizer) // 2]
+        fits = {p: StepTimeFit.fit(_positive(timing.part_samples(p))) for p in SCALING_PARTS}
+        optimizer_s = statistics.median(
+            s for rows in timing.part_samples("optimizer").values() for s in rows
+        )
         model_base = {p: fits[p].seconds(batch) for p in SCALING_PARTS}
         model_base["optimizer"] = optimizer_s
         return cls(
@@ -130,11 +135,13 @@ class BatchStepModel:
         fit = self.fits["compute"]
         threads = f"{self.threads} thread{'s' if self.threads > 1 else ''}"
         scale = self.calibration.scales["compute"]
-        tied = (
-            f"x{scale:.2f} to the measured compute"
-            if self.measured and self.calibration.truth.profiled
-            else "not scaled (no measured compute)"
-        )
+        refused = [n for n in self.calibration.notes if n.startswith("compute:")]
+        if not (self.measured and self.calibration.truth.profiled):
+            tied = "not scaled (no measured compute)"
+        elif refused:
+            tied = f"not scaled ({refused[0]})"
+        else:
+            tied = f"x{scale:.2f} to the measured compute"
         return f"model: compute {fit.describe()} here at {threads}, {tied}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +175,11 @@ def scaling_phrase(truth: StepTruth) -> str:
     parts = [p for p in SCALING_PARTS if p == "compute" or (truth.fraction(p) or 0) >= 0.005]
     verb = "grows" if len(parts) == 1 else "grow"
     return f"{_join([truth.phrase(p) for p in parts])} {verb} with it"
+
+
+def _positive(samples: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Times below a microsecond (a batch that is already in memory) as one microsecond."""
+    return {b: [max(t, 1e-6) for t in ts] for b, ts in samples.items()}
 
 
 def _join(items: list[str]) -> str:

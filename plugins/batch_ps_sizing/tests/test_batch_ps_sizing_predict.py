@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tunekit.errors import ConfigError
 from tunekit.observe.truth import StepTruth
-from tunekit.plugins.batch_ps_sizing.measure import StepTiming
+from tunekit.plugins.batch_ps_sizing.measure import PARTS_TIMED, StepTiming, time_steps
 from tunekit.plugins.batch_ps_sizing.model import StepTimeFit
 from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.plugins.batch_ps_sizing.predict import MAX_EXTRAPOLATION, BatchStepModel
-from tunekit.testing import synthetic_observation
+from tunekit.testing import synthetic_observation, tiny_workload
+from tunekit.workload import Workload
 
 # -- the fit ------------------------------------------------------------------------------
 
@@ -202,3 +204,43 @@ def test_batches_far_beyond_the_timed_ones_are_not_proposed():
     for cand in plan:
         if cand.knobs["batch_size"] == 64:
             assert "extrapolated 2.0x beyond the largest timed batch, 32" in cand.rationale
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+class _AllocatorLimit(torch.nn.Module):
+    """A linear layer whose input above ``limit`` samples fails as the CPU allocator does."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried {x.shape[0]}")
+        return self.fc(x)
+
+
+def test_timing_rounds_cover_every_kept_batch_and_an_out_of_memory_ends_the_climb():
+    base = tiny_workload()
+    w = Workload(
+        name="limited",
+        model=lambda: _AllocatorLimit(32),
+        make_batch=base.make_batch,
+        batch_size=8,
+        batch_range=(2, 128),
+    )
+    timing = time_steps(w, (4, 8, 16, 32, 64, 128), repeats=3)
+    assert sorted(timing.samples) == [4, 8, 16, 32]
+    assert all(len(rows) == 3 and set(rows[0]) == set(PARTS_TIMED) for rows in timing.samples.values())
+    assert set(timing.skipped) == {64, 128} and "out of memory" in timing.skipped[64]
+
+
+def test_timing_stops_climbing_at_the_budget_but_keeps_the_required_batches():
+    timing = time_steps(tiny_workload(), (2, 4, 8, 16, 32, 64), repeats=2, budget_s=0.0, required=(8, 4))
+    assert sorted(timing.samples) == [2, 4, 8]
+    assert set(timing.skipped) == {16, 32, 64}
+    assert "measuring budget" in timing.skipped[16]
+    assert all(len(rows) == 2 for rows in timing.samples.values())
