@@ -27,6 +27,7 @@ from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Tuner
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Event,
@@ -61,12 +62,14 @@ from tunekit.trials.decide import (
     CONFIRM,
     SEARCH,
     PlannedTrial,
+    baseline_drift,
     decide,
     leader_to_confirm,
     schedule,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.length import trial_length
 from tunekit.workload import Workload, load_workload, resolve_spec
 
 
@@ -103,6 +106,15 @@ class AutoSettings:
     """Measure this machine's collectives once (cached) when no probe is stored."""
     search_steps: int = 60
     """Training steps an in-job search (a tuner's ``search`` hook) may use."""
+    plan_limit: int | None = None
+    """Candidates each tuner plans (None: as many as ``trials``, at least 8)."""
+    in_job_search: bool = True
+    """Run the in-job searches of tuners that have one (cgdp, batch_ps_sizing) as trials."""
+    rerank: bool = True
+    """After every trial, re-rank the candidates left to run by predictions corrected from
+    the trials so far (and drop those now predicted slower than the baseline). Off: run
+    every tuner's planned candidates in plan order, round-robin across tuners; corrected
+    predictions are still recorded (``benchmarks/prediction_error.py`` measures this way)."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -195,7 +207,7 @@ def observe_static(
         hw = describe_local_machine(world_size, device_type)
         fits = store.cache_get(probe_cache_key(hw))
         if not fits and probe and world_size >= 2:
-            result = probe_hardware(world_size, repeats=3, device_type=device_type)
+            result = probe_hardware(world_size, device_type=device_type)
             fits = [asdict(f) for f in result.hardware.collectives]
             store.cache_put(probe_cache_key(hw), fits)
             notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
@@ -246,11 +258,25 @@ class _Run:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def fits_budget(self) -> bool:
+    def fits_budget(self, trials_after: int = 0) -> bool:
+        """Whether one more trial, and ``trials_after`` more behind it, fit in the budget left
+        (each estimated at the mean wall time of the trials so far)."""
         if self.s.budget_s is None:
             return True
         estimate = (sum(self.trial_walls) / len(self.trial_walls)) if self.trial_walls else 0.0
-        return self.elapsed() + estimate <= self.s.budget_s
+        return self.elapsed() + estimate * (1 + trials_after) <= self.s.budget_s
+
+
+RESERVED_FOR_CONFIRMATION = 2
+"""Trials a budget keeps back from candidates: a confirmation run of the leader and the
+baseline run beside it, so that a winner is never declared on a single run for lack of time."""
+
+
+def budget_reserve(role: str) -> int:
+    """Trials that must still fit behind a trial of ``role`` (see :data:`RESERVED_FOR_CONFIRMATION`)."""
+    if role in (CANDIDATE, SEARCH, COMBINED):
+        return RESERVED_FOR_CONFIRMATION
+    return 1 if role == CONFIRM else 0  # a confirmation's own baseline
 
 
 async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
@@ -332,8 +358,11 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
-        decision = decide(store.trials(sid), s.min_effect, _describer(tuners))
+        trials = store.trials(sid)
+        decision = decide(trials, s.min_effect, _describer(tuners))
         decision["global_batch"] = obs.global_batch
+        for notice in _qualify(decision, trials, s):
+            yield notice
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
@@ -350,6 +379,37 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     finally:
         held.close()
         store.close()
+
+
+def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings) -> list[Notice]:
+    """Say in the decision what limited it: no candidate asked for, a winner left unconfirmed
+    by the budget, trials skipped for time, a machine too noisy to decide. Returns warnings."""
+    notices = []
+    tried = [t for t in trials if t.role != BASELINE]
+    if s.trials == 0 and not tried:
+        decision["reason"] = ("--trials 0: the baseline was measured and every tuner diagnosed and planned "
+                              "(see the report); no candidate was tried")
+    skipped = [t for t in trials if t.status == "skipped" and t.error == BUDGET_SKIP]
+    if skipped:
+        decision["budget_skipped"] = len(skipped)
+        decision["reason"] += f"; {len(skipped)} planned trial(s) did not fit the {s.budget_s:g} s budget"
+    winner = next((r for r in decision.get("candidates", []) if r.get("trial_id") == decision.get("winner_trial")), None)
+    if winner is not None and winner.get("runs") == 1:
+        why = " (the time budget left no room)" if s.budget_s is not None else ""
+        decision["reason"] += f"; not confirmed by a second run{why}"
+    drift = baseline_drift(trials)
+    if drift is not None:
+        decision["baseline_drift"] = drift
+        runs = " → ".join(f"{m * 1e3:.0f}" for m in drift["medians_s"])
+        verdict = ("too noisy to decide" if decision.get("winner") == BASELINE
+                   else "too noisy to trust this winner without a rerun")
+        advice = ("close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
+                  "then run again with more --steps")
+        decision["reason"] += f"; the baseline drifted between its runs ({runs} ms/step): {verdict}"
+        notices.append(Notice(
+            f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
+            f"({runs} ms/step): this machine was {verdict}; {advice}", "warning"))
+    return notices
 
 
 async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> tuple[bool, Notice]:
@@ -406,7 +466,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
     pool: list[dict[str, Any]] = []
     searches: list[PlannedTrial] = []
     gains: dict[str, float] = {}
-    limit = max(run.s.trials or 8, 1)
+    limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     for name, tuner in tuners.items():
         try:
             diag = await asyncio.to_thread(tuner.diagnose, obs)
@@ -426,7 +486,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         except Exception as exc:
             yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
             continue
-        if type(tuner).search is not Tuner.search:
+        if run.s.in_job_search and type(tuner).search is not Tuner.search:
             searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
                                          search={"plugin": name, "max_steps": run.s.search_steps}))
         plans[name] = [asdict(c) for c in candidates]
@@ -436,15 +496,24 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         yield Planned(name, plans[name])
         gains[name] = diag.expected_gain or 0.0
     searches.sort(key=lambda t: -gains[t.plugin])
-    # The first candidates: every tuner's best, then the best predicted (no trials yet
-    # to correct the predictions); after each trial `_feedback` re-ranks what is left.
-    slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
-    ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-    chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                            run.s.min_effect)
-    queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
-                                     r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
-    planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    if run.s.rerank:
+        # The first candidates: every tuner's best, then the best predicted (no trials yet
+        # to correct the predictions); after each trial `_feedback` re-ranks what is left.
+        slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
+        ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
+        chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                                run.s.min_effect)
+        queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
+                                         r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
+        planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    else:  # every tuner's plan in its own order, round-robin by expected gain
+        queues: dict[str, list[PlannedTrial]] = {t.plugin: [t] for t in searches}
+        for e in pool:
+            queues.setdefault(e["plugin"], []).append(PlannedTrial(
+                CANDIDATE, e["plugin"], TuningConfig.from_dict(e["config"]), e["predicted_s"],
+                corrected_s=e["predicted_s"]))
+        planned = schedule(dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
+                           run.s.trials, run.s.baseline_every)
     for seq, pt in enumerate(planned, start=1):
         store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
                         config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
@@ -458,8 +527,9 @@ def _truth_dict(obs: Observation) -> dict[str, Any] | None:
     return truth.to_dict() if truth is not None else None
 
 
-def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
-    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run.
+def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) -> Reranked | None:
+    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run
+    (with ``rerank`` off, only their corrected predictions are updated).
 
     Returns what changed, or None when nothing is left to re-rank.
     """
@@ -475,6 +545,10 @@ def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
     observation["corrections"] = corrector.summary()
     store.set_study(sid, observation=observation)
     if not pending:
+        return None
+    if not rerank:
+        for t in pending:
+            store.set_corrected(t.id, corrector.corrected(t.plugin, t.predicted_s))
         return None
     not_pending = {t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")}
     tried = {t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"}
@@ -543,7 +617,7 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
         yield ev
     while True:
         trials = store.trials(sid)
-        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget():
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(budget_reserve(CONFIRM)):
             return
         leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
         if leader is None:
@@ -578,29 +652,35 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                        observe: bool = False) -> AsyncIterator[Event]:
     s = run.s
     describe = _describer(tuners)
-    index = 0
 
-    def next_pending() -> tuple[TrialRow | None, int]:
+    def next_pending() -> TrialRow | None:
         # Read afresh each time: feedback after a trial may have re-ranked the rest.
         rows = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
-        return (rows[0] if rows else None), len(rows)
+        return rows[0] if rows else None
 
     while True:
-        row, left = next_pending()
+        row = next_pending()
         if row is None:
             return
-        index += 1
-        if not run.fits_budget():
-            store.finish_trial(row.id, status="skipped", error="did not fit the time budget")
+        # Trial i of n over the whole study (a confirmation adds to n), never per batch of trials.
+        study_rows = store.trials(sid)
+        index, total = sum(t.done for t in study_rows) + 1, len(study_rows)
+        length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
+        fits = run.fits_budget(budget_reserve(row.role))
+        skip = BUDGET_SKIP if not fits else length.skip_reason
+        if skip:
+            store.finish_trial(row.id, status="skipped", error=skip, result={"length": length.to_dict()})
             yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
-                                None, None, row.predicted_s, "did not fit the time budget", row.corrected_s)
+                                None, None, row.predicted_s, skip, row.corrected_s)
             continue
+        if length.shortened:
+            yield Notice(f"trial {row.seq} {describe(row.config)}: {length.reason}")
         yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
-                           index, index - 1 + left, row.corrected_s)
+                           index, total, row.corrected_s)
         store.start_trial(row.id)
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
-            warmup=s.warmup, steps=s.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+            warmup=length.warmup, steps=length.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
@@ -626,7 +706,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
         run.trial_walls.append(outcome.wall_s)
-        result = _trial_result(outcome)
+        result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()
         m = outcome.measurement
@@ -645,9 +725,9 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             _record_search_config(store, row.id, result["config_found"])
         yield TrialFinished(row.id, row.seq, row.role, row.plugin, config_desc, outcome.status,
                             m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
-                            outcome.error or None, row.corrected_s)
+                            outcome.error or None, row.corrected_s, samples_per_s=m.samples_per_s if m else None)
         if row.role != BASELINE:
-            reranked = _feedback(store, sid, s.min_effect)
+            reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:
                 yield reranked
 
@@ -676,6 +756,7 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         "wall_s": outcome.wall_s,
         "trial_dir": outcome.trial_dir,
         "search": outcome.search,
+        "startup_s": outcome.startup_s,
     }
 
 

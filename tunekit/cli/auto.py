@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from tunekit.cli.common import DURATION, STORE_OPTION, console, split_names
+from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, split_names
 from tunekit.config import TuningConfig
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Notice,
@@ -29,9 +29,8 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.truth import PART_LABELS
-from tunekit.orchestrator import AutoSettings, run_auto
 from tunekit.runtime.rundir import RunDir
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("auto")
@@ -39,13 +38,14 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
 @click.option("--plugins", "plugins", multiple=True, metavar="NAMES", help="Tuners to use (comma-separated; default: all).")
 @click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
-@click.option("--budget", type=DURATION, default=None, help="Time budget instead of a trial count (90s, 5m, 1h).")
+@click.option("--budget", type=DURATION, default=None,
+              help="Time budget instead of a trial count (90s, 5m, 1h); time for confirming the leader is kept back.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
 @STORE_OPTION
 @click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
 @click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")
-@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is a hang [default: 5m].")
+@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is too_slow (steps still finishing) or a hang [default: 5m].")
 @click.option("--stall", "stall_s", type=DURATION, default=60.0,
               help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].")
 @click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")
@@ -78,6 +78,10 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     if keep_running and not apply_run:
         raise click.UsageError("--keep-running goes with --apply RUN")
     run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    from tunekit.orchestrator import AutoSettings
+    from tunekit.trials.launcher import LaunchOptions
+
     settings = AutoSettings(
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
@@ -92,7 +96,9 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         _apply_winner(run_dir, decision, as_json)
 
 
-async def _drive(settings: AutoSettings, as_json: bool) -> dict | None:
+async def _drive(settings, as_json: bool) -> dict | None:
+    from tunekit.orchestrator import run_auto
+
     decision = None
     if as_json:
         async for ev in run_auto(settings):
@@ -136,6 +142,8 @@ class _ProgressView:
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console, transient=True,
         )
         self.tasks: dict[int, int] = {}
+        self.budget_skipped: list[int] = []
+        """Trials skipped for time: one line at the end, not one each."""
         self.decision = None
         self.paths = None
         self.finished = None
@@ -179,7 +187,9 @@ class _ProgressView:
             task = self.tasks.pop(ev.trial_id, None)
             if task is not None:
                 self.progress.remove_task(task)
-            if ev.status == "ok":
+            if ev.status == "skipped" and ev.error == BUDGET_SKIP:
+                self.budget_skipped.append(ev.seq)
+            elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
                          + (f" (predicted {pred})" if pred else ""))
@@ -199,6 +209,9 @@ class _ProgressView:
             self.finished = ev
 
     def finish(self) -> None:
+        if self.budget_skipped:
+            console.print(f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
+                          f"(#{', #'.join(map(str, self.budget_skipped))})")
         if self.decision is not None:
             console.print(result_table(self.decision))
             console.print(f"decision: {self.decision.get('reason', '')}")

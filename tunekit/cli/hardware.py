@@ -6,10 +6,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import STORE_OPTION, console
-from tunekit.hardware import GB, Hardware, list_profiles, load_profile
+from tunekit.cli.common import STORE_OPTION, Table, console
+from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 
 @click.group("hardware")
@@ -28,9 +27,9 @@ def hardware_group() -> None:
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
-    default=5,
+    default=9,
     show_default=True,
-    help="Timed repeats per message size.",
+    help="Timed repeats per message size (after 2 warm-up rounds).",
 )
 @click.option(
     "--save",
@@ -53,7 +52,7 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
         result = probe_hardware(nproc, repeats=repeats)
     hw = result.hardware
     table = Table(title=f"measured on {hw.name} ({result.wall_s:.0f} s)", title_justify="left")
-    for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "fit residual"):
+    for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "95% GB/s", "fit residual"):
         table.add_column(c, justify="left" if c in ("op", "backend") else "right")
     for s in result.sweeps:
         f = s.fit
@@ -63,6 +62,7 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
             str(s.world_size),
             f"{f.latency * 1e6:.1f}",
             f"{f.bandwidth / GB:.3f}",
+            _interval_gbs(f),
             f"{100 * f.residual:.1f}%",
         )
     console.print(table)
@@ -93,10 +93,47 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
 
 
 @hardware_group.command("show")
-@click.argument("profile")
-def show_cmd(profile):
-    """Validate and print PROFILE: a TOML file or a shipped profile's name."""
-    print_hardware(load_profile(profile))
+@click.argument("profile", required=False)
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Without PROFILE: ranks this machine is described for.",
+)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@STORE_OPTION
+def show_cmd(profile, nproc, device, store_dir):
+    """Validate and print PROFILE: a TOML file or a shipped profile's name (`tunekit hardware list`).
+
+    Without PROFILE: this machine as tunekit plans for it, with the collective
+    fits `tunekit hardware probe` cached in the store (if any).
+    """
+    print_hardware(load_profile(profile) if profile else local_hardware(nproc, device, store_dir))
+
+
+def local_hardware(nproc: int, device: str, store_dir: Path) -> Hardware:
+    """This machine's model, as ``tunekit auto`` builds it (with cached probe fits)."""
+    import torch
+
+    from tunekit.observe.local import describe_local_machine
+    from tunekit.orchestrator import probe_cache_key
+    from tunekit.store import Store
+
+    device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    hw = describe_local_machine(nproc, device_type)
+    db = Path(store_dir) / "tunekit.db"
+    if db.exists():
+        store = Store(db)
+        try:
+            fits = store.cache_get(probe_cache_key(hw))
+        finally:
+            store.close()
+        if fits:
+            hw = describe_local_machine(nproc, device_type, tuple(CollectiveFit(**f) for f in fits))
+    if not hw.collectives:
+        console.print("[dim]no collective fits cached for this machine: `tunekit hardware probe` measures them[/]")
+    return hw
 
 
 @hardware_group.command("list")
@@ -140,7 +177,7 @@ def print_hardware(hw: Hardware) -> None:
         console.print(f"switches: {', '.join(hw.switches)}")
     if hw.collectives:
         fits = Table(title="collective fits", title_justify="left")
-        for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "residual"):
+        for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "95% GB/s", "residual"):
             fits.add_column(c)
         for f in hw.collectives:
             fits.add_row(
@@ -149,6 +186,15 @@ def print_hardware(hw: Hardware) -> None:
                 str(f.world_size),
                 f"{f.latency * 1e6:.1f}",
                 f"{f.bandwidth / GB:.3f}",
+                _interval_gbs(f),
                 f"{100 * f.residual:.1f}%",
             )
         console.print(fits)
+
+
+def _interval_gbs(fit: CollectiveFit) -> str:
+    """``low–high`` of a fit's bandwidth interval in GB/s, or a dash when it has none."""
+    if fit.bandwidth_interval is None:
+        return "—"
+    low, high = fit.bandwidth_interval
+    return f"{low / GB:.2f}–{high / GB:.2f}"

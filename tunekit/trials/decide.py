@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunekit.config import TuningConfig
-from tunekit.store import TrialRow
+from tunekit.store import FAILED_STATUSES, TrialRow
 from tunekit.trials.stats import compare_runs, ranks_global_batch
 
 BASELINE = "baseline"
@@ -98,7 +98,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
         first = runs[0]
         samples = [trial_samples(t) for t in runs]
         samples = [r for r in samples if r]
-        failed = [t for t in runs if t.status not in ("ok", "pending", "running", "skipped")]
+        unmeasured = [t for t in runs if t.status in FAILED_STATUSES or t.status == "skipped"]
         row = {
             "trial_id": first.id, "seq": first.seq, "role": first.role, "plugin": first.plugin,
             "config": first.config, "config_id": first.config_id, "description": describe(first.config),
@@ -107,7 +107,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             "median_s": float(statistics.median(
                 [x for t in runs if trial_samples(t) for x in t.result["measurement"]["step_s"]])) if samples else None,
             "global_batch": global_batch(first),
-            "spread_s": first.spread_s, "error": failed[0].error if failed and not samples else None,
+            "spread_s": first.spread_s, "error": unmeasured[0].error if unmeasured and not samples else None,
         }
         if samples:
             row["comparison"] = compare_runs(base_runs, samples, min_effect=min_effect).to_dict()
@@ -141,6 +141,19 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             ),
         )
     return decision
+
+
+DRIFT_LIMIT = 0.25
+"""Baseline runs whose medians differ by more than this fraction (slowest over fastest)
+mean the machine changed under the study: its comparisons are not to be trusted."""
+
+
+def baseline_drift(trials: list[TrialRow], limit: float = DRIFT_LIMIT) -> dict[str, Any] | None:
+    """The baseline runs' median steps, in order, when they drifted beyond ``limit``; else None."""
+    medians = [t.median_s for t in trials if t.role == BASELINE and t.status == "ok" and t.median_s]
+    if len(medians) < 2 or max(medians) <= min(medians) * (1 + limit):
+        return None
+    return {"medians_s": medians, "ratio": max(medians) / min(medians), "limit": limit}
 
 
 def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, Any] | None:
