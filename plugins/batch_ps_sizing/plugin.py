@@ -206,7 +206,6 @@ class BatchPsSizing(Tuner):
             return []
         base = a.predictions[a.batch]["samples_per_s"]
         order = _worth_trying(a, self.settings.knee_tolerance)
-        ranks = max(1, obs.nproc)
         out = []
         for b in order:
             p = a.predictions[b]
@@ -217,9 +216,9 @@ class BatchPsSizing(Tuner):
                     knobs={"batch_size": b},
                     predicted_step_s=p["step_s"],
                     predicted_range_s=(low, high),
-                    global_batch=b * ranks,
+                    global_batch=_global_batch(obs, b),
                     rationale=(
-                        f"batch {b}/rank ({b * ranks} global{knee}): "
+                        f"batch {b}/rank ({_global_batch(obs, b)} global{knee}): "
                         f"{p['samples_per_s'] / base - 1:+.0%} samples/s over the {_baseline_word(a)} "
                         f"baseline, predicted {_ms(p['step_s'])} per step ({_ms(low)}-{_ms(high)})"
                         f"{_extrapolated(a, b)}; ~{p['peak_bytes'] / MiB:,.0f} MiB peak, "
@@ -443,7 +442,7 @@ def _analyse(
         analysis.predictions[b] = {
             "step_s": step,
             "range_s": list(steps.range_s(b)),
-            "samples_per_s": b * max(1, obs.nproc) / step,
+            "samples_per_s": _global_batch(obs, b) / step,
             "parts_s": steps.parts_s(b),
             "extrapolation": steps.extrapolation(b),
             "peak_bytes": local.memory.peak_bytes(b),
@@ -457,6 +456,13 @@ def _analyse(
     analysis.lemma31 = _lemma31(ratio, target_eff, target_speedup)
     analysis.lemma32 = _lemma32(obs, compute)
     return analysis
+
+
+def _global_batch(obs: Observation, batch: int) -> int:
+    """Samples per step over all ranks at per-rank ``batch``, counted as the observation counts
+    the baseline's (``obs.global_batch``: ranks, and micro-batches where it counts them), so
+    that candidates and baseline are ranked per sample on one scale."""
+    return obs.global_batch * batch // obs.workload.batch_size
 
 
 def _model_truth(obs: Observation, local: LocalMeasurement) -> StepTruth:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -244,3 +246,20 @@ def test_timing_stops_climbing_at_the_budget_but_keeps_the_required_batches():
     assert set(timing.skipped) == {16, 32, 64}
     assert "measuring budget" in timing.skipped[16]
     assert all(len(rows) == 2 for rows in timing.samples.values())
+
+
+def test_candidates_count_samples_as_the_observation_counts_the_baseline():
+    """Ranked per sample against ``obs.global_batch``: with micro-batches (accumulation 2)
+    a candidate's global batch is the baseline's scaled by the batch, on the same scale."""
+    w = dataclasses.replace(tiny_workload(), accumulation=2)
+    obs = synthetic_observation(w, step_s=0.02, breakdown=FRACTIONS)
+    tuner = BatchPsSizing(measure_budget_s=5.0)
+    a = tuner.analyse(obs)
+    base = a.predictions[w.batch_size]
+    assert base["samples_per_s"] == pytest.approx(obs.global_batch / obs.truth.step_s)
+    plan = tuner.plan(obs, 8)
+    assert plan, "a tiny MLP's step is mostly per-step overhead: larger batches pay"
+    for cand in plan:
+        b = cand.knobs["batch_size"]
+        assert cand.global_batch == obs.global_batch * b // w.batch_size
+        assert cand.details["samples_per_s"] == pytest.approx(cand.global_batch / cand.predicted_step_s)
