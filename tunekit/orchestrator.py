@@ -361,7 +361,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         trials = store.trials(sid)
         decision = decide(trials, s.min_effect, _describer(tuners))
         decision["global_batch"] = obs.global_batch
-        for notice in _qualify(decision, trials, s):
+        for notice in _qualify(decision, trials, s, store.study(sid).observation or {}):
             yield notice
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
@@ -381,14 +381,19 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         store.close()
 
 
-def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings) -> list[Notice]:
-    """Say in the decision what limited it: no candidate asked for, a winner left unconfirmed
-    by the budget, trials skipped for time, a machine too noisy to decide. Returns warnings."""
+def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings,
+             observation: dict[str, Any]) -> list[Notice]:
+    """Say in the decision what limited it: no candidate asked for, every candidate predicted
+    slower, a winner left unconfirmed by the budget, trials skipped for time, a machine too
+    noisy to decide. Returns warnings."""
     notices = []
     tried = [t for t in trials if t.role != BASELINE]
     if s.trials == 0 and not tried:
         decision["reason"] = ("--trials 0: the baseline was measured and every tuner diagnosed and planned "
                               "(see the report); no candidate was tried")
+    elif not tried and observation.get("dropped"):
+        decision["reason"] = (f"all {len(observation['dropped'])} planned candidate(s) were predicted slower than "
+                              "the baseline, so none was tried (--no-rerank tries them anyway)")
     skipped = [t for t in trials if t.status == "skipped" and t.error == BUDGET_SKIP]
     if skipped:
         decision["budget_skipped"] = len(skipped)
@@ -501,8 +506,13 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         # to correct the predictions); after each trial `_feedback` re-ranks what is left.
         slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
         ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-        chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                                run.s.min_effect)
+        chosen, dropped = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                                      run.s.min_effect)
+        if dropped:
+            observation["dropped"] = [{"plugin": r.entry.plugin, "config": r.entry.config,
+                                       "predicted_s": r.entry.predicted_s} for r in dropped]
+            yield Notice(f"{len(dropped)} planned candidate(s) not scheduled: predicted slower than the baseline "
+                         f"by more than --min-effect {run.s.min_effect:g} (--no-rerank tries them anyway)")
         queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
                                          r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
         planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)

@@ -60,10 +60,12 @@ from tunekit.workload_spec import resolve_spec
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
 @click.option("--keep-running", is_flag=True, help="With --apply: let the run train while the trials measure (they share the machine).")
 @click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
+@click.option("--no-rerank", is_flag=True,
+              help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.")
 @click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s, stall_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run, keep_running, no_probe, search_steps):
+             apply_run, keep_running, no_probe, no_rerank, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -87,7 +89,7 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
         timeout_s=timeout_s, stall_s=stall_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
-        search_steps=search_steps, pause_run=None if keep_running else run_dir,
+        search_steps=search_steps, rerank=not no_rerank, pause_run=None if keep_running else run_dir,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
