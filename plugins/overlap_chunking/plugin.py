@@ -12,8 +12,10 @@ Exploiting the Overlapping of Computation and Communication" (see
 
 The planner prices every setting with a simulation of one rank's step
 (:mod:`.model`) fed by per-layer times (the observation's layer profile, or
-measured here) and the hardware's fitted collective times, calibrated to the
-measured baseline.
+measured here) and the hardware's fitted collective times, calibrated so that
+it reproduces the measured baseline's step, exposed and hidden communication
+(:mod:`.calibration`). The diagnosis starts from the measured truth
+(:mod:`.explain`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ import torch.fx
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.observe.observation import Observation
+from tunekit.plugins.overlap_chunking import calibration
+from tunekit.plugins.overlap_chunking.explain import (
+    candidate_rationale,
+    diagnosis_text,
+    expected_gain,
+    measured_exposed,
+)
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers, paper_layers
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
     LayerCost,
     Prediction,
     StepCosts,
-    calibrate,
     predict_ddp,
 )
 from tunekit.plugins.overlap_chunking.runtime import apply_overlap_chunking
@@ -56,7 +64,7 @@ from tunekit.plugins.overlap_chunking.timing import (
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 MAX_F = 4
 """Fully-connected layers priced for replication (the paper tries f = 0..3)."""
 
@@ -67,11 +75,13 @@ def threads_per_rank(nproc: int) -> int:
 
 
 def comm_cpu_share(obs: Observation) -> float:
-    """How much of a hidden communication's time it takes from compute on this job.
+    """How much of a hidden communication's CPU work it takes from compute on this job.
 
     On a GPU, NCCL has its own engine: 0. On CPU ranks the trial launcher gives
     each rank ``cores // ranks`` threads, so the cores are saturated and a
-    collective's progress thread takes one thread's share: ``1 / threads``.
+    collective's progress thread takes one thread's share: ``1 / threads``
+    (less where the calibrated collectives show more competition than this
+    rank's own threads: ``StepCosts.displaced_share``).
     """
     if obs.device_type == "cuda":
         return 0.0
@@ -240,17 +250,14 @@ class OverlapChunking(Tuner):
 
     def _priced(self, obs: Observation) -> dict[str, Any]:
         costs, profile, layers = self.step_costs(obs)
-        scale = None
-        if obs.baseline is not None:
-            scale = calibrate(costs, obs.baseline.median_s, default_prediction)
-        calibrated = costs.scaled(scale) if scale else costs
+        fitted = calibration.fit(costs, obs.truth, default_prediction)
         return {
-            "costs": calibrated,
-            "scale": scale,
+            "fit": fitted,
+            "costs": fitted.costs,
             "profile": profile,
             "layers": layers,
-            "baseline": default_prediction(calibrated),
-            "ranked": rank_settings(calibrated, ddp_supports_bucket_list()),
+            "baseline": fitted.baseline,
+            "ranked": rank_settings(fitted.costs, ddp_supports_bucket_list()),
         }
 
     # -- diagnose / plan ---------------------------------------------------------------
@@ -259,37 +266,28 @@ class OverlapChunking(Tuner):
         if obs.nproc < 2:
             return Diagnosis(False, "one rank: there is no gradient communication to overlap")
         priced = self._priced(obs)
+        fitted: calibration.Fit = priced["fit"]
         base: Prediction = priced["baseline"]
-        step = obs.baseline.median_s if priced["scale"] else base.step_s
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
-        gain = max(0.0, (step - best.prediction.step_s) / step)
         grad_mib = sum(c.nbytes for c in priced["costs"].layers) / MB
-        r = f"R~{base.overlap_R:.0f}" if base.overlap_R is not None else "no communication"
-        if priced["scale"]:
-            calibration = ""
-        elif obs.baseline is None:
-            calibration = " (uncalibrated: no baseline measured)"
-        else:
-            calibration = (
-                " (uncalibrated: the measured baseline is shorter than the modelled "
-                "communication alone; check the hardware's all-reduce fit)"
-            )
+        gain, bound = expected_gain(fitted, best.prediction)
         return Diagnosis(
             applies=True,
-            summary=(
-                f"exposed communication ~{base.blocked_s / step:.0%} of the step "
-                f"({grad_mib:.1f} MiB of gradients, {r} under DDP defaults); "
-                f"{best.label} should recover ~{gain:.0%}{calibration}"
-            ),
+            summary=diagnosis_text(fitted, best, gain, bound, grad_mib),
             expected_gain=gain,
             details={
-                "exposed_s": base.blocked_s,
+                "exposed_s": measured_exposed(fitted),
+                "exposed_source": "measured" if fitted.method == calibration.JOINT else "model",
+                "model_exposed_s": base.blocked_s,
+                "raw_model_exposed_s": fitted.raw.blocked_s,
+                "gain_bound": bound,
                 "predicted_default": base.to_dict(),
                 "best": {"knobs": best.knobs, **best.prediction.to_dict()},
                 "gradient_mib": grad_mib,
                 "layers": len(priced["layers"]),
                 "fc_layers": len(fc_layers(priced["layers"])),
-                "compute_scale": priced["scale"],
+                "calibration": fitted.to_dict(),
+                "compute_scale": fitted.compute_scale,
                 "profile_source": priced["profile"].source,
             },
         )
@@ -301,9 +299,12 @@ class OverlapChunking(Tuner):
         # The baseline trial already measures PyTorch's defaults.
         ranked = [s for s in priced["ranked"] if not is_default_ddp(s.knobs)]
         chosen = shortlist(ranked, limit)
-        return [self._candidate(s, priced) for s in chosen]
+        spread = obs.baseline.spread_s if obs.baseline is not None else None
+        return [self._candidate(s, priced, spread) for s in chosen]
 
-    def _candidate(self, setting: Setting, priced: dict[str, Any]) -> Candidate:
+    def _candidate(
+        self, setting: Setting, priced: dict[str, Any], spread_s: float | None
+    ) -> Candidate:
         knobs = dict(setting.knobs)
         if knobs["mode"] == "ddp_buckets":
             # Gradients as views of the buckets save a copy per step; the model
@@ -311,19 +312,17 @@ class OverlapChunking(Tuner):
             # where the graph provably never changes.
             knobs["gradient_as_bucket_view"] = True
             knobs["static_graph"] = self._static_graph
+        fitted: calibration.Fit = priced["fit"]
         pred = setting.prediction
         return Candidate(
             knobs=knobs,
             predicted_step_s=pred.step_s,
-            rationale=(
-                f"{setting.label}: {pred.blocked_s * 1e3:.1f} ms exposed, "
-                f"R~{pred.overlap_R:.0f}, {len(pred.comms)} communications per step"
-                if pred.overlap_R is not None
-                else setting.label
-            ),
+            predicted_range_s=fitted.predicted_range(pred, spread_s),
+            rationale=candidate_rationale(setting, fitted),
             details={
                 **pred.to_dict(),
-                "compute_scale": priced["scale"],
+                "calibration": fitted.to_dict(),
+                "compute_scale": fitted.compute_scale,
                 "profile_source": priced["profile"].source,
             },
         )
