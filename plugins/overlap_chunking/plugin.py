@@ -28,12 +28,14 @@ import torch
 import torch.fx
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
+from tunekit.costmodel import BACKWARD_FLOPS_RATIO
 from tunekit.observe.observation import Observation
 from tunekit.plugins.overlap_chunking import calibration
 from tunekit.plugins.overlap_chunking.explain import (
     candidate_rationale,
     diagnosis_text,
     expected_gain,
+    exposure_is_measured,
     measured_exposed,
 )
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers, paper_layers
@@ -56,15 +58,15 @@ from tunekit.plugins.overlap_chunking.search import (
 )
 from tunekit.plugins.overlap_chunking.timing import (
     StepProfile,
+    fc_shape,
     layer_times_from_profile,
-    measure_fc_costs,
     measure_layer_times,
     measure_update_and_batch,
 )
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 MAX_F = 4
 """Fully-connected layers priced for replication (the paper tries f = 0..3)."""
 
@@ -86,6 +88,22 @@ def comm_cpu_share(obs: Observation) -> float:
     if obs.device_type == "cuda":
         return 0.0
     return 1.0 / threads_per_rank(obs.nproc)
+
+
+def fc_cost(layer: PaperLayer, backward_s: float, batch: int, world: int, first: bool) -> FcCost:
+    """What replicating a fully-connected layer's gradient saves and costs, from its backward time.
+
+    A Linear layer's backward is two matmuls of its forward's FLOPs each
+    (``BACKWARD_FLOPS_RATIO``): the input's gradient and the weight's. So the
+    local weight gradient is ``1 / BACKWARD_FLOPS_RATIO`` of the layer's
+    measured backward (all of it for the model's first layer, whose input
+    needs no gradient), and the full-batch one, over ``world`` times the rows,
+    ``world`` times that. Timing the two matmuls apart was tried: on a loaded
+    2-core host their medians swung 10x between runs.
+    """
+    in_features, out_features, rows = fc_shape(layer)
+    local = backward_s if first else backward_s / BACKWARD_FLOPS_RATIO
+    return FcCost(in_features, out_features, rows * batch, local, world * local)
 
 
 def default_prediction(costs: StepCosts) -> Prediction:
@@ -178,9 +196,6 @@ class OverlapChunking(Tuner):
         if cached:
             profile = StepProfile.from_dict(cached)
         else:
-            fcs = measure_fc_costs(
-                layers, batch=batch, world=world, device=device, threads=threads, max_fc=MAX_F
-            )
             times = None
             if obs.layer_profile is not None:
                 times = layer_times_from_profile(obs.layer_profile, layers, obs.graph, batch)
@@ -194,9 +209,7 @@ class OverlapChunking(Tuner):
                     obs.workload, layers, batch=batch, device=device, threads=threads
                 )
                 source = "measured"
-            profile = StepProfile(
-                batch, world, times, fcs, update, data, source, {"threads": threads}
-            )
+            profile = StepProfile(batch, world, times, update, data, source, {"threads": threads})
             if obs.cache is not None:
                 obs.cache.put(cache_key, profile.to_dict())
         self._profiles[key] = profile
@@ -209,7 +222,7 @@ class OverlapChunking(Tuner):
         meta = _meta_model(obs)
         self._static_graph = static_graph_safe(meta)
         tensor_bytes = _param_tensor_bytes(meta, layers)
-        fc_timing = {t.name: t for t in profile.fcs}
+        replicable = {layer.name for layer in fc_layers(layers)[:MAX_F]}
         hw, world, backend = obs.hardware, obs.nproc, obs.backend
 
         def allreduce(nbytes: float) -> float:
@@ -221,17 +234,10 @@ class OverlapChunking(Tuner):
             return fit.time(nbytes) if fit is not None else allreduce(nbytes) / 2
 
         costs = []
-        for layer, times in zip(layers, profile.layers, strict=True):
-            timing = fc_timing.get(layer.name)
+        for index, (layer, times) in enumerate(zip(layers, profile.layers, strict=True)):
             fc = None
-            if timing is not None:
-                fc = FcCost(
-                    timing.in_features,
-                    timing.out_features,
-                    timing.rows_per_sample * profile.batch,
-                    timing.local_wgrad_s,
-                    timing.full_wgrad_s,
-                )
+            if layer.name in replicable:
+                fc = fc_cost(layer, times.backward_s, profile.batch, world, first=index == 0)
             costs.append(
                 LayerCost(
                     layer.name, times.forward_s, times.backward_s, tensor_bytes[layer.name], fc
@@ -277,7 +283,7 @@ class OverlapChunking(Tuner):
             expected_gain=gain,
             details={
                 "exposed_s": measured_exposed(fitted),
-                "exposed_source": "measured" if fitted.method == calibration.JOINT else "model",
+                "exposed_source": "measured" if exposure_is_measured(fitted) else "model",
                 "model_exposed_s": base.blocked_s,
                 "raw_model_exposed_s": fitted.raw.blocked_s,
                 "gain_bound": bound,

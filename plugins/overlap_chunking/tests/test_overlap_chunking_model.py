@@ -24,7 +24,7 @@ from tunekit.plugins.overlap_chunking.model import (
     predict_two_chunk,
 )
 from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE, rank_settings, shortlist
-from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile
+from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile, measure_layer_times
 from tunekit.runtime.sync import DDPSync
 from tunekit.workload import load_workload
 
@@ -219,3 +219,36 @@ def test_predicted_parts_add_up_to_the_step():
     ):
         assert sum(pred.parts.values()) == pytest.approx(pred.step_s)
         assert pred.parts["comm_exposed"] >= 0
+
+
+class _RootParameter(torch.nn.Module):
+    """A position embedding on the model itself, as a transformer LM has."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.zeros(8))
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x + self.pos)))
+
+
+def test_parameters_of_a_container_are_a_layer_at_the_input_end():
+    summary = summarize_model(_RootParameter(), torch.zeros(2, 8))
+    # The summary lists the model itself last (its forward ends last) ...
+    assert [layer.name for layer in summary.layers][-1] == ""
+    # ... but its gradient is ready last: it is the first layer, where its forward starts.
+    layers = paper_layers(summary)
+    assert [layer.name for layer in layers] == ["", "a", "b"]
+    assert layers[0].param_names == ("pos",)
+    workload = SimpleNamespace(
+        seed=0, model=_RootParameter, lr=0.1,
+        optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr),
+        example_batch=lambda n, seed=0: (torch.randn(n, 8), torch.randint(2, (n,))),
+        loss=torch.nn.functional.cross_entropy,
+    )
+    times, _update, _data = measure_layer_times(
+        workload, layers, batch=4, device=torch.device("cpu"), threads=1
+    )
+    assert all(t.forward_s >= 0 and t.backward_s >= 0 for t in times)
