@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunekit.config import TuningConfig, resolve
+from tunekit.config import TuningConfig, check_batch, resolve
 from tunekit.errors import TunekitError
 from tunekit.plugin_loading import available_tuners
 from tunekit.runtime.control import RESUME, ControlServer, Request
@@ -178,6 +178,8 @@ class Controller:
             "watch": self.watch.to_dict() if self.watch else None,
             "trial": self.trial.to_dict() if self.trial else None, "pid": os.getpid(),
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
+            "batch": {"size": s.batch_size, "workload": s.workload.batch_size,
+                      "range": list(s.workload.batch_range) if s.workload.batch_range else None},
         }
 
     def validate(self, msg: dict[str, Any]) -> str | None:
@@ -187,6 +189,7 @@ class Controller:
             try:
                 config = TuningConfig.from_dict(msg.get("config"), where="config")
                 resolve(config, self.job.tuners)
+                check_batch(config, self.status())
             except TunekitError as exc:
                 return str(exc)
             nproc = msg.get("nproc")
