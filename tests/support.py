@@ -72,3 +72,16 @@ def rank_one_raises(rank: int, world: int) -> int:
 
 def rank_sleeps(rank: int, world: int, seconds: float) -> None:
     time.sleep(seconds)
+
+
+def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
+    """Train ``steps`` steps with the session's default gradient sync; this rank's parameters."""
+    import torch.distributed as dist
+
+    from tunekit.runtime.session import Session
+    from tunekit.workload import load_workload
+
+    session = Session(load_workload(spec), rank=rank, world_size=world, group=dist.group.WORLD)
+    losses = [session.train_step().loss for _ in range(steps)]
+    session.close()
+    return {"params": {n: p.detach().clone() for n, p in session.model.named_parameters()}, "losses": losses}

@@ -34,6 +34,7 @@ from tunekit.events import (
 )
 from tunekit.observe.breakdown import PARTS
 from tunekit.observe.telemetry import summarize_pyspy
+from tunekit.trials.feedback import relative_error
 
 HISTORY = 120
 """Points kept per time series (one per step or per telemetry sample)."""
@@ -380,6 +381,8 @@ class CandidateView:
     description: str
     predicted_s: float | None
     rationale: str = ""
+    global_batch: int | None = None
+    """Samples per step of this candidate when it changes them (a batch tuner's)."""
 
 
 @dataclass(frozen=True)
@@ -436,6 +439,7 @@ def candidate_view(
         described,
         candidate.get("predicted_step_s"),
         candidate.get("rationale", ""),
+        candidate.get("global_batch"),
     )
 
 
@@ -481,6 +485,16 @@ class TrialView:
     error: str | None = None
     config: Mapping[str, Any] | None = None
     """The config the trial measured (None until known)."""
+    corrected_s: float | None = None
+    """``predicted_s`` corrected by the trials before this one."""
+
+    @property
+    def prediction_error(self) -> float | None:
+        return relative_error(self.predicted_s, self.median_s)
+
+    @property
+    def corrected_error(self) -> float | None:
+        return relative_error(self.corrected_s, self.median_s)
 
 
 @dataclass(frozen=True)
@@ -564,6 +578,7 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             ev.description,
             ev.predicted_s,
             config=old.config if old else None,
+            corrected_s=ev.corrected_s,
         )
         return r(
             study,
@@ -594,6 +609,7 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             ev.status,
             ev.error,
             config if config is not None else (old.config if old else None),
+            ev.corrected_s,
         )
         current = None if study.current == ev.trial_id else study.current
         return r(

@@ -67,6 +67,7 @@ from tunekit.trials.decide import (
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.length import trial_length
 from tunekit.workload import Workload, load_workload, resolve_spec
 
 
@@ -103,6 +104,15 @@ class AutoSettings:
     """Measure this machine's collectives once (cached) when no probe is stored."""
     search_steps: int = 60
     """Training steps an in-job search (a tuner's ``search`` hook) may use."""
+    plan_limit: int | None = None
+    """Candidates each tuner plans (None: as many as ``trials``, at least 8)."""
+    in_job_search: bool = True
+    """Run the in-job searches of tuners that have one (cgdp, batch_ps_sizing) as trials."""
+    rerank: bool = True
+    """After every trial, re-rank the candidates left to run by predictions corrected from
+    the trials so far (and drop those now predicted slower than the baseline). Off: run
+    every tuner's planned candidates in plan order, round-robin across tuners; corrected
+    predictions are still recorded (``benchmarks/prediction_error.py`` measures this way)."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -195,7 +205,7 @@ def observe_static(
         hw = describe_local_machine(world_size, device_type)
         fits = store.cache_get(probe_cache_key(hw))
         if not fits and probe and world_size >= 2:
-            result = probe_hardware(world_size, repeats=3, device_type=device_type)
+            result = probe_hardware(world_size, device_type=device_type)
             fits = [asdict(f) for f in result.hardware.collectives]
             store.cache_put(probe_cache_key(hw), fits)
             notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
@@ -406,7 +416,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
     pool: list[dict[str, Any]] = []
     searches: list[PlannedTrial] = []
     gains: dict[str, float] = {}
-    limit = max(run.s.trials or 8, 1)
+    limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     for name, tuner in tuners.items():
         try:
             diag = await asyncio.to_thread(tuner.diagnose, obs)
@@ -426,7 +436,7 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         except Exception as exc:
             yield PluginProblem(name, "", "plan failed", f"{type(exc).__name__}: {exc}")
             continue
-        if type(tuner).search is not Tuner.search:
+        if run.s.in_job_search and type(tuner).search is not Tuner.search:
             searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
                                          search={"plugin": name, "max_steps": run.s.search_steps}))
         plans[name] = [asdict(c) for c in candidates]
@@ -436,15 +446,24 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         yield Planned(name, plans[name])
         gains[name] = diag.expected_gain or 0.0
     searches.sort(key=lambda t: -gains[t.plugin])
-    # The first candidates: every tuner's best, then the best predicted (no trials yet
-    # to correct the predictions); after each trial `_feedback` re-ranks what is left.
-    slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
-    ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-    chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                            run.s.min_effect)
-    queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
-                                     r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
-    planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    if run.s.rerank:
+        # The first candidates: every tuner's best, then the best predicted (no trials yet
+        # to correct the predictions); after each trial `_feedback` re-ranks what is left.
+        slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
+        ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
+        chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                                run.s.min_effect)
+        queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
+                                         r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
+        planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
+    else:  # every tuner's plan in its own order, round-robin by expected gain
+        queues: dict[str, list[PlannedTrial]] = {t.plugin: [t] for t in searches}
+        for e in pool:
+            queues.setdefault(e["plugin"], []).append(PlannedTrial(
+                CANDIDATE, e["plugin"], TuningConfig.from_dict(e["config"]), e["predicted_s"],
+                corrected_s=e["predicted_s"]))
+        planned = schedule(dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
+                           run.s.trials, run.s.baseline_every)
     for seq, pt in enumerate(planned, start=1):
         store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
                         config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
@@ -458,8 +477,9 @@ def _truth_dict(obs: Observation) -> dict[str, Any] | None:
     return truth.to_dict() if truth is not None else None
 
 
-def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
-    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run.
+def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) -> Reranked | None:
+    """Refit every tuner's correction from the trials so far; re-rank the candidates left to run
+    (with ``rerank`` off, only their corrected predictions are updated).
 
     Returns what changed, or None when nothing is left to re-rank.
     """
@@ -475,6 +495,10 @@ def _feedback(store: Store, sid: int, min_effect: float) -> Reranked | None:
     observation["corrections"] = corrector.summary()
     store.set_study(sid, observation=observation)
     if not pending:
+        return None
+    if not rerank:
+        for t in pending:
+            store.set_corrected(t.id, corrector.corrected(t.plugin, t.predicted_s))
         return None
     not_pending = {t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")}
     tried = {t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"}
@@ -590,17 +614,21 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         if row is None:
             return
         index += 1
-        if not run.fits_budget():
-            store.finish_trial(row.id, status="skipped", error="did not fit the time budget")
+        length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
+        skip = "did not fit the time budget" if not run.fits_budget() else length.skip_reason
+        if skip:
+            store.finish_trial(row.id, status="skipped", error=skip, result={"length": length.to_dict()})
             yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
-                                None, None, row.predicted_s, "did not fit the time budget", row.corrected_s)
+                                None, None, row.predicted_s, skip, row.corrected_s)
             continue
+        if length.shortened:
+            yield Notice(f"trial {row.seq} {describe(row.config)}: {length.reason}")
         yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
                            index, index - 1 + left, row.corrected_s)
         store.start_trial(row.id)
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
-            warmup=s.warmup, steps=s.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+            warmup=length.warmup, steps=length.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
@@ -626,7 +654,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
         run.trial_walls.append(outcome.wall_s)
-        result = _trial_result(outcome)
+        result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()
         m = outcome.measurement
@@ -647,7 +675,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                             m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
                             outcome.error or None, row.corrected_s)
         if row.role != BASELINE:
-            reranked = _feedback(store, sid, s.min_effect)
+            reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:
                 yield reranked
 
@@ -676,6 +704,7 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         "wall_s": outcome.wall_s,
         "trial_dir": outcome.trial_dir,
         "search": outcome.search,
+        "startup_s": outcome.startup_s,
     }
 
 

@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS trials (
     config TEXT NOT NULL,
     predicted_s REAL,              -- the tuner's own prediction (seconds per step)
     corrected_s REAL,              -- that prediction corrected by the trials before this one ran
-    status TEXT NOT NULL,          -- pending | running | ok | crash | oom | hang | skipped
+    status TEXT NOT NULL,          -- pending | running | ok | crash | oom | hang | too_slow | skipped
     median_s REAL,
     spread_s REAL,
     samples_per_s REAL,
@@ -75,7 +75,12 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-FINISHED_STATUSES = ("ok", "crash", "oom", "hang", "skipped")
+FAILED_STATUSES = ("crash", "oom", "hang", "too_slow")
+"""A trial ran and measured nothing: it crashed, ran out of memory, stopped
+finishing steps (hang) or outlived the trial timeout while its steps kept
+finishing (too_slow)."""
+FINISHED_STATUSES = ("ok", *FAILED_STATUSES, "skipped")
+"""Final: ``--resume`` never runs these again (``skipped``: not run, with the reason)."""
 
 
 @dataclass
@@ -301,6 +306,11 @@ class Store:
                 (status, median_s, spread_s, samples_per_s, json.dumps(result) if result is not None else None,
                  error, time.time(), trial_id),
             )
+
+    def set_corrected(self, trial_id: int, corrected_s: float | None) -> None:
+        """Record a pending trial's prediction as corrected by the trials so far."""
+        with self._tx() as c:
+            c.execute("UPDATE trials SET corrected_s=? WHERE id=?", (corrected_s, trial_id))
 
     def set_trial_config(self, trial_id: int, config_id: str, config: dict[str, Any]) -> None:
         """Replace a trial's config (an in-job search records the config it settled on)."""

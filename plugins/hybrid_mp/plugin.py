@@ -60,7 +60,7 @@ from tunekit.plugins.hybrid_mp.render import (
     format_summary,
 )
 from tunekit.plugins.hybrid_mp.runtime import install_hybrid
-from tunekit.plugins.hybrid_mp.schedule import Placement, list_schedule
+from tunekit.plugins.hybrid_mp.schedule import Placement, device_order_key, list_schedule
 from tunekit.plugins.hybrid_mp.search import (
     PlacerOptions,
     pipeline_placement,
@@ -237,23 +237,26 @@ def solve_placement(og: OpGraph, obs: Observation, m: int, opts: HybridOptions) 
 def encode_placement(placement: Placement) -> str:
     """A planned placement as the ``placement`` knob's JSON text.
 
-    ``{"devices": {layer: model-parallel index}, "start": {layer: planned start, s}}``:
-    plain data that survives the config file and the trip to every worker.
+    ``{"devices": {layer: model-parallel index}, "start": {layer: planned start, s},
+    "end": {layer: planned end, s}}``: plain data that survives the config file and the
+    trip to every worker. Start and end together fix each device's run order, also
+    where a zero-duration layer starts when another does.
     """
     index = {d: i for i, d in enumerate(placement.devices)}
-    starts = {t.op: t.start for t in placement.schedule if t.phase == "fwd"}
-    devices, start = {}, {}
+    forward = {t.op: t for t in placement.schedule if t.phase == "fwd"}
+    devices, start, end = {}, {}, {}
     for op, layers in placement.members.items():
         for layer in layers:
             devices[layer] = index[placement.assignment[op]]
-            start[layer] = round(starts[op], 9)
-    return json.dumps({"devices": devices, "start": start}, separators=(",", ":"))
+            start[layer] = round(forward[op].start, 12)
+            end[layer] = round(forward[op].end, 12)
+    return json.dumps({"devices": devices, "start": start, "end": end}, separators=(",", ":"))
 
 
 def decode_placement(text: str) -> dict[str, dict[str, Any]]:
     """The ``placement`` knob's JSON, checked; empty text means "let the worker plan"."""
     if not text.strip():
-        return {"devices": {}, "start": {}}
+        return {"devices": {}, "start": {}, "end": {}}
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -262,15 +265,17 @@ def decode_placement(text: str) -> dict[str, dict[str, Any]]:
         raise ConfigError(
             'placement must be a JSON object {"devices": {layer: index}, "start": {...}}'
         )
-    devices, start = data["devices"], data.get("start", {})
+    devices = data["devices"]
     for layer, idx in devices.items():
         if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
             raise ConfigError(f"placement: layer {layer!r} needs a device index >= 0, not {idx!r}")
-    if not isinstance(start, dict) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in start.values()
-    ):
-        raise ConfigError("placement: start must map layers to numbers")
-    return {"devices": devices, "start": start}
+    times = {key: data.get(key, {}) for key in ("start", "end")}
+    for key, values in times.items():
+        if not isinstance(values, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values.values()
+        ):
+            raise ConfigError(f"placement: {key} must map layers to numbers")
+    return {"devices": devices, **times}
 
 
 def _check_placement(text: str) -> None:
@@ -303,7 +308,8 @@ class HybridMp(Tuner):
                 "placement",
                 "str",
                 "",
-                'the planned placement, JSON {"devices": {layer: index}, "start": {layer: s}}; '
+                'the planned placement, JSON {"devices": {layer: index}, "start": {layer: s}, '
+                '"end": {layer: s}}; '
                 "empty: each worker plans with `placer`",
                 parse=_check_placement,
                 live="relaunch",
@@ -486,8 +492,10 @@ def _trace(session: Session):
 
 
 def placement_nodes(graph, given: Mapping[str, Mapping[str, Any]], m: int) -> dict[str, Any]:
-    """The ``placement`` knob's layers mapped onto this model's fx nodes."""
-    devices, start = given["devices"], given["start"]
+    """The ``placement`` knob's layers mapped onto this model's fx nodes: each node's
+    model-parallel index, and its place in the planned order (the midpoint of its layer's
+    planned interval, so a zero-duration layer runs when the schedule has it)."""
+    devices, start, end = given["devices"], given["start"], given.get("end", {})
     unknown = sorted(set(devices) - set(graph.layers))
     if unknown:
         raise ConfigError(
@@ -504,7 +512,8 @@ def placement_nodes(graph, given: Mapping[str, Mapping[str, Any]], m: int) -> di
         if node.layer in devices:
             node_device[name] = int(devices[node.layer])
             if node.layer in start:
-                order[name] = float(start[node.layer])
+                begin = float(start[node.layer])
+                order[name] = device_order_key(begin, float(end.get(node.layer, begin)))
     return {"node_device": node_device, "order": order}
 
 
@@ -512,7 +521,7 @@ def worker_plan(session: Session, m: int, placer: str, time_limit_s: float) -> d
     """The placement a worker computes for itself: traced model, this machine's devices.
 
     Returns plain data every rank can use: fx node -> model-parallel index,
-    and each node's planned start (the execution order).
+    and each node's place in the planned execution order.
     """
     from tunekit.observe.local import describe_local_machine
 

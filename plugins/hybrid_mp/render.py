@@ -181,10 +181,11 @@ def format_summary(placement: Any) -> str:
     su = p.get("speedup") or (p["serial_s"] / p["makespan"] if p["makespan"] else 1.0)
     gap = "" if p.get("gap") is None else f", gap {p['gap'] * 100:.2f}%"
     used = len(set(p["assignment"].values()))
+    note = f"; {p['note']}" if p.get("note") else ""
     return (
         f"SU^{len(p['devices'])} = {su:.3f} (step {p['serial_s'] * 1e3:.3f} -> {p['makespan'] * 1e3:.3f} ms "
         f"on {used} of {len(p['devices'])} devices); {p['method']}, {p['status']}{gap}, "
-        f"{p.get('solve_s', 0.0):.1f} s"
+        f"{p.get('solve_s', 0.0):.1f} s{note}"
     )
 
 

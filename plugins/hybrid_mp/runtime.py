@@ -7,7 +7,9 @@ batch N × B, Pal et al.'s hybrid), and within a replica the traced model runs
 split by the placement:
 
 * The ``torch.fx`` graph is cut into **segments**: maximal runs of nodes on
-  one device in the planned execution order (the placement's start times).
+  one device in the planned execution order (where the placement's schedule
+  has each op: the midpoint of its interval, so a zero-duration op runs
+  between the ops it sits between, never later).
   Segments are intervals of a topological order, so every rank can walk the
   same list and run only its own.
 * **Forward**: a segment's inputs from another device are received
@@ -128,8 +130,10 @@ def build_program(
 
     ``node_device`` maps fx node names to model-parallel device indices
     (nodes it leaves out run where their first input runs); ``order`` maps
-    node names to planned start times, which lead the execution order among
-    nodes whose inputs are ready.
+    node names to their planned place in time (``placement_nodes`` gives the
+    midpoint of each op's scheduled interval), which leads the execution order
+    among nodes whose inputs are ready: each device then runs its nodes in the
+    schedule's order for that device.
     """
     try:
         gm = torch.fx.symbolic_trace(model)
@@ -157,7 +161,7 @@ def build_program(
             raise ConfigError(
                 f"hybrid_mp: node {n.name} placed on device {device[n]}, outside 0..{mp - 1}"
             )
-    # Execution order: Kahn's algorithm led by the planned start times; a node without
+    # Execution order: Kahn's algorithm led by the planned times; a node without
     # one inherits the latest of its inputs'.
     order = order or {}
     prio: dict[torch.fx.Node, float] = {}

@@ -7,10 +7,18 @@ activations) and the gradient from each consumer, sent back along the edge
 with the same bytes and route. :class:`Placement` holds a placement with its
 schedule and quality; :func:`list_schedule` gives a fast feasible one (the
 ILP's upper bound and a fallback); :func:`check_schedule` verifies any.
+
+A device runs one task at a time, in one stream (Eq. 12). That holds for
+tasks of zero duration too (a concatenation, a pooling layer whose analytic
+Δ is 0): such a task sits at an instant when no other task of its device is
+running -- it may touch another task's start or end, never fall strictly
+inside it -- because a one-stream executor runs it between two others, not
+during one.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -110,6 +118,28 @@ def descendants(n: int, tedges: Sequence[TaskEdge]) -> list[int]:
     return reach
 
 
+def device_order_key(start: float, end: float) -> float:
+    """A task's place in its device's run order: the midpoint of its interval.
+
+    Intervals on one device never overlap, so midpoints order them as their
+    starts do; a zero-duration task at another's start sorts before it, one at
+    its end after it, where start times alone would tie.
+    """
+    return (start + end) / 2
+
+
+def _free_instant(busy: Sequence[tuple[float, float]], t: float) -> float:
+    """The first instant at or after ``t`` not strictly inside a busy interval.
+
+    ``busy`` holds a device's positive-duration intervals, disjoint and in
+    order; a zero-duration task may touch them, never fall inside one.
+    """
+    i = bisect.bisect_left(busy, t, key=lambda iv: iv[0]) - 1  # last interval starting before t
+    if i >= 0 and t < busy[i][1]:
+        return busy[i][1]
+    return t
+
+
 # -- results -------------------------------------------------------------------------------
 
 
@@ -139,7 +169,8 @@ class Placement:
     """``ilp``, ``ilp+blocks`` (ILP per block between cut ops, joined by dynamic
     programming), ``list`` (list scheduling) or ``single`` (one device)."""
     status: str = "heuristic"
-    """``optimal`` (within ``gap``), ``limit`` (time limit; best found), ``heuristic``."""
+    """``optimal`` (within ``gap``), ``limit`` (time limit; best found), ``heuristic``
+    (nothing proven: list scheduling, or the solver failed -- see ``note``)."""
     gap: float | None = None
     """Relative optimality gap proven by the solver (0 = optimal)."""
     bound: float | None = None
@@ -149,6 +180,8 @@ class Placement:
     """Problem size: ops, edges, binaries, variables, rows, nodes, blocks, ILPs."""
     members: dict[str, list[str]] = field(default_factory=dict)
     """Op name -> layer names (to map a coarsened placement back to layers)."""
+    note: str = ""
+    """What the solver said when it failed and this placement is the fallback."""
 
     @property
     def speedup(self) -> float:
@@ -225,9 +258,10 @@ def list_schedule(
     Tasks go in order of decreasing upward rank (longest path to the end with
     average transfer times); an op not in ``fixed`` goes to the device, among
     those with memory left, where its forward task finishes first; its
-    backward task follows it there. With every op in ``fixed`` this only
-    schedules that placement. Returns None when memory admits no placement
-    this way.
+    backward task follows it there. A zero-duration task takes the first
+    instant, once its inputs are there, that no task of the device runs
+    through. With every op in ``fixed`` this only schedules that placement.
+    Returns None when memory admits no placement this way.
     """
     tasks, tedges = tasks_of(og)
     n = len(tasks)
@@ -266,9 +300,18 @@ def list_schedule(
     if any(v < -1e-6 * max(hw.memory) for v in mem_left.values()):
         return None
     free = {d: 0.0 for d in devs}
+    busy: dict[str, list[tuple[float, float]]] = {d: [] for d in devs}
     start = [0.0] * n
     end = [0.0] * n
     placed = [""] * n
+
+    def earliest_start(v: int, d: str, avail: float) -> float:
+        # A task of positive duration goes after the device's last one; a zero-duration
+        # task may go earlier, at any instant no other task of the device runs through.
+        if tasks[v].duration > 0:
+            return max(free[d], avail)
+        return _free_instant(busy[d], avail)
+
     indeg = [len(preds[v]) for v in range(n)]
     ready = [(-rank[v], v) for v in range(n) if indeg[v] == 0]
     heapq.heapify(ready)
@@ -287,7 +330,7 @@ def list_schedule(
             avail = max(
                 (end[te.src] + delay(placed[te.src], d, te.edge) for te in preds[v]), default=0.0
             )
-            s = max(free[d], avail) if tasks[v].duration > 0 else avail
+            s = earliest_start(v, d, avail)
             if best is None or s + tasks[v].duration < best[0] - 1e-15:
                 best = (s + tasks[v].duration, s, d)
         fin, s, d = best
@@ -296,7 +339,9 @@ def list_schedule(
             mem_left[d] -= og.ops[k].memory_bytes
         placed[v], start[v], end[v] = d, s, fin
         if tasks[v].duration > 0:
-            free[d] = fin
+            busy[d].append((s, fin))
+        # later tasks start after this one, so none can run through its instant
+        free[d] = max(free[d], fin)
         for te in succs[v]:
             indeg[te.dst] -= 1
             if indeg[te.dst] == 0:
@@ -337,12 +382,20 @@ def improve(
 
 
 def retime(
-    og: OpGraph, hw: HardwareGraph, assign: Mapping[str, str], start: Sequence[float], method: str
+    og: OpGraph,
+    hw: HardwareGraph,
+    assign: Mapping[str, str],
+    priority: Sequence[float],
+    method: str,
 ) -> Placement:
-    """Start every task as early as possible, keeping the order of ``start`` on each device.
+    """Start every task as early as possible, each device running its tasks in ``priority`` order.
 
-    Transfers take their fastest routes, so no task starts later than in a
-    feasible schedule with the same order.
+    ``priority`` ranks the tasks (lower first); from a schedule, pass
+    :func:`device_order_key` of each task's interval. Every task, zero-duration
+    ones included, starts once its device's previous task has ended, so the
+    result is one run order per device, as an executor with one stream per
+    device runs it. Transfers take their fastest routes, so no task starts
+    later than in a feasible schedule with the same order.
     """
     tasks, tedges = tasks_of(og)
     n = len(tasks)
@@ -354,33 +407,32 @@ def retime(
         succs[te.src].append(te.dst)
     dev = [assign[og.ops[t.op].name] for t in tasks]
     topo_pos = {v: i for i, v in enumerate(topo_order(n, tedges))}
-    # Kahn's algorithm led by the given start times: dependencies always hold, even where
-    # a solver's tolerance put a task a hair before its predecessor.
+    # Kahn's algorithm led by the priorities: dependencies always hold, even where a
+    # solver's tolerance put a task a hair before its predecessor.
     indeg = [len(preds[v]) for v in range(n)]
-    ready = [(start[v], topo_pos[v], v) for v in range(n) if indeg[v] == 0]
+    ready = [(priority[v], topo_pos[v], v) for v in range(n) if indeg[v] == 0]
     heapq.heapify(ready)
     new_start = [0.0] * n
     free: dict[str, float] = {}
     while ready:
         _, _, v = heapq.heappop(ready)
-        at = 0.0
+        at = free.get(dev[v], 0.0)
         for te in preds[v]:
             d = 0.0 if te.edge is None else hw.delay(dev[te.src], dev[v], og.edges[te.edge].nbytes)
             at = max(at, new_start[te.src] + tasks[te.src].duration + d)
-        if tasks[v].duration > 0:
-            at = max(at, free.get(dev[v], 0.0))
-            free[dev[v]] = at + tasks[v].duration
         new_start[v] = at
+        free[dev[v]] = at + tasks[v].duration
         for w in succs[v]:
             indeg[w] -= 1
             if indeg[w] == 0:
-                heapq.heappush(ready, (start[w], topo_pos[w], w))
+                heapq.heappush(ready, (priority[w], topo_pos[w], w))
     return build_placement(og, hw, assign, new_start, method, "optimal")
 
 
 def check_schedule(og: OpGraph, hw: HardwareGraph, placement: Placement, tol: float = 1e-6) -> None:
     """Raise AssertionError unless the schedule obeys precedence with the fastest transfer
-    times, runs one task at a time per device, and fits in memory."""
+    times, runs one task at a time per device (a zero-duration task never strictly inside
+    another's interval), and fits in memory. ``tol`` is relative to the makespan."""
     tasks, tedges = tasks_of(og)
     by_key = {(t.op, t.phase): t for t in placement.schedule}
     sched = [by_key[(og.ops[t.op].name, t.phase)] for t in tasks]
@@ -391,14 +443,7 @@ def check_schedule(og: OpGraph, hw: HardwareGraph, placement: Placement, tol: fl
         assert b.start + slack >= a.end + d, (
             f"{a.op}/{a.phase} -> {b.op}/{b.phase} starts too early"
         )
-    per_dev: dict[str, list[ScheduledTask]] = {}
-    for t in sched:
-        if t.end > t.start:
-            per_dev.setdefault(t.device, []).append(t)
-    for dev, ts in per_dev.items():
-        ts.sort(key=lambda t: t.start)
-        for x, y in zip(ts, ts[1:], strict=False):
-            assert y.start + slack >= x.end, f"{x.op} and {y.op} overlap on {dev}"
+    _check_one_task_at_a_time(sched, slack)
     used: dict[str, float] = {}
     for op in og.ops:
         dev = placement.assignment[op.name]
@@ -406,3 +451,23 @@ def check_schedule(og: OpGraph, hw: HardwareGraph, placement: Placement, tol: fl
     for dev, mem in zip(hw.devices, hw.memory, strict=True):
         assert used.get(dev, 0.0) <= mem * (1 + 1e-9), f"{dev} is over its memory"
     assert abs(placement.makespan - max((t.end for t in sched), default=0.0)) <= slack + 1e-15
+
+
+def _check_one_task_at_a_time(sched: Sequence[ScheduledTask], slack: float) -> None:
+    """Eq. 12 on every device: intervals of positive length do not overlap, and no
+    zero-duration task lies strictly inside one (touching an end is fine)."""
+    runs: dict[str, list[ScheduledTask]] = {}
+    instants: dict[str, list[ScheduledTask]] = {}
+    for t in sched:
+        (runs if t.end > t.start else instants).setdefault(t.device, []).append(t)
+    for dev, ts in runs.items():
+        ts.sort(key=lambda t: t.start)
+        for x, y in zip(ts, ts[1:], strict=False):
+            assert y.start + slack >= x.end, f"{x.op} and {y.op} overlap on {dev}"
+        for z in instants.get(dev, []):
+            inside = [x for x in ts if x.start + slack < z.start < x.end - slack]
+            assert not inside, (
+                f"{z.op}/{z.phase} (zero duration) at {z.start:.6g} runs during "
+                f"{inside[0].op}/{inside[0].phase} [{inside[0].start:.6g}, {inside[0].end:.6g}] "
+                f"on {dev}"
+            )

@@ -379,11 +379,13 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         ),
         (4, 3, "baseline", None, "baseline", None, 0.233, 0.011, "ok", None, BASE),
     ]
+    corrected = {2: 0.207}  # as if an earlier trial of its tuner had corrected it
     for n, (tid, seq, role, plugin, desc, pred, med, spread, st, err, cfg) in enumerate(trials, 1):
-        evs.append((TrialStarted(tid, seq, role, plugin, desc, pred, n, len(trials)), None))
+        fix = corrected.get(tid, pred)
+        evs.append((TrialStarted(tid, seq, role, plugin, desc, pred, n, len(trials), fix), None))
         for i in (1, 3):
             evs.append((TrialProgress(tid, "measure", i * 4, 16, med), None))
-        evs.append((TrialFinished(tid, seq, role, plugin, desc, st, med, spread, pred, err), cfg))
+        evs.append((TrialFinished(tid, seq, role, plugin, desc, st, med, spread, pred, err, fix), cfg))
     decision = {
         "baseline_median_s": 0.232,
         "baseline_runs": 2,

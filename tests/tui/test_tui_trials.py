@@ -35,8 +35,9 @@ async def test_a_tuning_started_from_the_tuners_screen_fills_the_trials_screen(
             ["2", "candidate"],
             ["3", "baseline"],
         ]
-        assert table[1][3:6] == ["201.0 ms", "209.0 ms ± 10.0 ms", "ok"]
-        assert table[2][5] == "crash" and "out of memory" in table[2][6]
+        # raw prediction, corrected by earlier trials, measured, both errors, status
+        assert table[1][3:8] == ["201.0 ms", "207.0 ms", "209.0 ms ± 10.0 ms", "4% → 1%", "ok"]
+        assert table[2][7] == "crash" and "out of memory" in table[2][8]
         assert any(n.title == "trial failed" and "out of memory" in n.message for n in app.notes)
         assert any("cgdp" in n.message for n in app.notes)  # its diagnosis failed: a notification
         plot = screen.query_one(PredictedVsMeasured)

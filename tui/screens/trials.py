@@ -9,7 +9,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
-from tunekit.tui.formatting import ms, speedup
+from tunekit.tui.formatting import ms, pct, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import StudyView, TrialView
 from tunekit.tui.widgets import PredictedVsMeasured
@@ -20,6 +20,7 @@ STATUS_STYLE = {
     "crash": "red",
     "oom": "red",
     "hang": "red",
+    "too_slow": "red",
     "skipped": "dim",
 }
 
@@ -49,7 +50,8 @@ class TrialTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
 
     def on_mount(self) -> None:
-        for col in ("#", "role", "config", "predicted", "measured", "status", "error"):
+        # Per step; error = |prediction - measured| / measured, raw -> corrected by earlier trials.
+        for col in ("#", "role", "config", "predicted", "corrected", "measured", "error", "status", "note"):
             self.add_column(col, key=col)
 
     def show(self, trials: tuple[TrialView, ...]) -> None:
@@ -60,9 +62,11 @@ class TrialTable(DataTable):
             self.add_row(
                 str(t.seq),
                 t.role,
-                clip(t.description, 48),
+                clip(t.description, 40),
                 ms(t.predicted_s),
+                ms(t.corrected_s),
                 measured,
+                prediction_errors(t),
                 Text(t.status, style=STATUS_STYLE.get(t.status, "red")),
                 (t.error or "")[:60],
                 key=str(t.trial_id),
@@ -80,6 +84,14 @@ class TrialTable(DataTable):
 
     def action_pick(self) -> None:
         self._request(False)
+
+
+def prediction_errors(t: TrialView) -> str:
+    """``12%`` or ``31% → 4%`` (raw, then corrected by the trials before it)."""
+    if t.prediction_error is None:
+        return "—"
+    text = pct(t.prediction_error)
+    return text if t.corrected_error is None else f"{text} → {pct(t.corrected_error)}"
 
 
 def study_line(study: StudyView) -> Text:

@@ -10,7 +10,7 @@ from textual.widgets import DataTable, Label, Static
 
 from tunekit.tui.formatting import ms, pct
 from tunekit.tui.screens.base import TunekitScreen
-from tunekit.tui.state import StudyView, TunerView
+from tunekit.tui.state import CandidateView, StudyView, TunerView
 
 
 def applies_cell(t: TunerView) -> Text:
@@ -49,7 +49,7 @@ class TunerTable(DataTable):
         self.clear()
         for t in tuners:
             mark = Text("[x]", style="bold green") if t.enabled else Text("[ ]", style="dim")
-            best = min((c.predicted_s for c in t.candidates if c.predicted_s), default=None)
+            top = t.candidates[0] if t.candidates else None  # plans come best predicted first
             summary = t.summary or (t.error if not t.loaded else "")
             self.add_row(
                 mark,
@@ -57,7 +57,7 @@ class TunerTable(DataTable):
                 t.aspect or "—",
                 applies_cell(t),
                 pct(t.expected_gain),
-                ms(best),
+                candidate_step(top),
                 summary[:90] + ("…" if len(summary) > 90 else ""),
                 key=t.name,
             )
@@ -83,7 +83,16 @@ class CandidateTable(DataTable):
     def show(self, tuner: TunerView | None) -> None:
         self.clear()
         for i, c in enumerate(tuner.candidates if tuner else (), 1):
-            self.add_row(str(i), c.description, ms(c.predicted_s), c.rationale)
+            self.add_row(str(i), c.description, candidate_step(c), c.rationale)
+
+
+def candidate_step(c: CandidateView | None) -> str:
+    """The predicted step, calibrated on the measured baseline, with its samples when it changes them."""
+    if c is None:
+        return "—"
+    if c.predicted_s is None:
+        return "no prediction"
+    return ms(c.predicted_s) + (f" / {c.global_batch} samples" if c.global_batch else "")
 
 
 def detail_text(t: TunerView | None) -> Text:

@@ -39,7 +39,7 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "median_s": t.median_s, "spread_s": t.spread_s,
             "samples_per_s": t.samples_per_s, "step_s": m.get("step_s"),
             "overlap_R": sum(rs) / len(rs) if rs else None, "error": t.error,
-            "wall_s": (t.result or {}).get("wall_s"),
+            "wall_s": (t.result or {}).get("wall_s"), **_length_columns(t.result, t.error),
         })
     best = TuningConfig.from_dict(decision.get("winner_config") or {})
     base_rows = [r for r in rows if r["role"] == "baseline" and r["status"] == "ok"]
@@ -98,6 +98,13 @@ def prediction_errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         corrected = entry.pop("corrected")
         entry["median_corrected_error"] = statistics.median(corrected) if corrected else None
     return out
+
+
+def _length_columns(result: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    """The steps a trial was launched with (warm-up + measured) and its note: its error, or why it ran fewer."""
+    length = (result or {}).get("length") or {}
+    ran = f"{length['warmup']}+{length['steps']}" if length.get("steps") else None
+    return {"steps_run": ran, "length": length or None, "note": error or length.get("reason") or None}
 
 
 def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]) -> str | None:

@@ -1,4 +1,5 @@
-"""DLPlacer's ILP on the small placement cases of NOTES.md §2, with their exact makespans."""
+"""DLPlacer's ILP on the small placement cases of NOTES.md §2, with their exact makespans;
+zero-duration ops on one stream per device; what a failed solve reports."""
 
 from __future__ import annotations
 
@@ -11,15 +12,25 @@ from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import Edge, Op, OpGraph
-from tunekit.plugins.hybrid_mp.schedule import check_schedule, list_schedule
+from tunekit.plugins.hybrid_mp.render import format_summary
+from tunekit.plugins.hybrid_mp.schedule import (
+    Placement,
+    ScheduledTask,
+    check_schedule,
+    list_schedule,
+    tasks_of,
+)
 from tunekit.plugins.hybrid_mp.search import (
     PlacerOptions,
+    _Horizon,
+    _without_solution,
     coarsen,
     cut_ops,
     pipeline_placement,
     place,
     speedup_bound,
 )
+from tunekit.search.ilp import MilpSolution
 
 GB = 1e9
 
@@ -268,3 +279,228 @@ def test_time_limit_still_returns_a_checked_placement_with_its_gap():
     check_schedule(og, hw, p)
     assert p.gap is not None and 0 <= p.gap < 1
     assert p.bound is not None and p.bound <= p.makespan + 1e-9
+
+
+# -- zero-duration ops: one stream per device (Eq. 12) ----------------------------------------
+
+
+def enumerated_optimum(og: OpGraph, hw: HardwareGraph, one_stream: bool = True) -> float:
+    """The optimal makespan by enumeration, independent of the ILP and the list scheduler.
+
+    Every feasible schedule runs each device's tasks in some order, and the tasks in
+    the order of their intervals' midpoints form a topological order; starting each
+    task as early as its inputs and its device's previous task allow never delays it.
+    So the optimum is the best, over every assignment that fits in memory and every
+    topological order, of that as-early-as-possible schedule -- where a zero-duration
+    task, too, waits for its device's previous task to end (``one_stream=False``: it
+    runs as soon as its inputs are there, the optimistic model this replaced).
+    """
+    tasks, tedges = tasks_of(og)
+    n = len(tasks)
+    preds: list[list[tuple[int, float | None]]] = [[] for _ in range(n)]
+    for te in tedges:
+        preds[te.dst].append((te.src, None if te.edge is None else og.edges[te.edge].nbytes))
+    best = float("inf")
+    for devs in itertools.product(hw.devices, repeat=len(og.ops)):
+        used = {d: 0.0 for d in hw.devices}
+        for op, d in zip(og.ops, devs, strict=True):
+            used[d] += op.memory_bytes
+        if any(used[d] > mem for d, mem in zip(hw.devices, hw.memory, strict=True)):
+            continue
+        dev = [devs[t.op] for t in tasks]
+        for order in topological_orders(n, [[u for u, _ in p] for p in preds]):
+            end = [0.0] * n
+            free = {d: 0.0 for d in hw.devices}
+            for v in order:
+                arrivals = [
+                    end[u] + (0.0 if nb is None else hw.delay(dev[u], dev[v], nb))
+                    for u, nb in preds[v]
+                ]
+                ready = max(arrivals, default=0.0)
+                if tasks[v].duration > 0 or one_stream:
+                    end[v] = max(ready, free[dev[v]]) + tasks[v].duration
+                    free[dev[v]] = end[v]
+                else:
+                    end[v] = ready
+            best = min(best, max(end))
+    return best
+
+
+def topological_orders(n: int, preds: list[list[int]]):
+    done: list[int] = []
+    placed = [False] * n
+
+    def extend():
+        if len(done) == n:
+            yield list(done)
+            return
+        for v in range(n):
+            if not placed[v] and all(placed[u] for u in preds[v]):
+                placed[v] = True
+                done.append(v)
+                yield from extend()
+                done.pop()
+                placed[v] = False
+
+    yield from extend()
+
+
+def test_check_schedule_rejects_a_zero_duration_op_inside_another():
+    og = OpGraph([Op("conv", 4.0), Op("cat", 0.0)], [])
+    hw = linked(2, 1.0)
+
+    def scheduled(cat_device: str, cat_at: float) -> Placement:
+        return Placement(
+            devices=hw.devices,
+            assignment={"conv": "g0", "cat": cat_device},
+            schedule=[
+                ScheduledTask("conv", "fwd", "g0", 0.0, 4.0),
+                ScheduledTask("cat", "fwd", cat_device, cat_at, cat_at),
+            ],
+            routes={},
+            makespan=4.0,
+            serial_s=4.0,
+            method="list",
+        )
+
+    with pytest.raises(AssertionError, match="cat/fwd \\(zero duration\\) at 2 runs during conv"):
+        check_schedule(og, hw, scheduled("g0", 2.0))
+    # touching either end, or on another device, is fine
+    for device, at in (("g0", 0.0), ("g0", 4.0), ("g1", 2.0)):
+        check_schedule(og, hw, scheduled(device, at))
+
+
+# A pooling layer P and a concatenation Z, both Δ = 0, too big to share a 4-byte device;
+# conv C (2) reads both, the fc F (4) is independent; one byte costs 1 per hop.
+# P and C share g0 (P -> C carries 5), Z goes to g1 and receives P's output at 1, and F
+# goes to g1 too (on g0 it would make 6). If Z may run during F (F in [0, 4]), C starts
+# at 2 and the step ends at 4; a one-stream g1 runs Z before F (F then ends at 5) or
+# after it (C ends at 7): 5.
+ZERO_SPLIT = OpGraph(
+    [
+        Op("P", 0.0, memory_bytes=2),
+        Op("Z", 0.0, memory_bytes=3),
+        Op("F", 4.0, memory_bytes=1),
+        Op("C", 2.0, memory_bytes=1),
+    ],
+    [Edge("P", "Z", 1.0), Edge("P", "C", 5.0), Edge("Z", "C", 1.0)],
+)
+
+
+@pytest.mark.parametrize("opts", VARIANTS, ids=["whole", "blocks"])
+def test_zero_duration_op_waits_for_its_device(opts):
+    hw = linked(2, 1.0, mem=4.0)
+    p = solve(ZERO_SPLIT, hw, opts)
+    assert p.makespan == pytest.approx(5.0, abs=1e-6)
+    assert p.status == "optimal"
+    assert enumerated_optimum(ZERO_SPLIT, hw) == pytest.approx(5.0)
+    assert enumerated_optimum(ZERO_SPLIT, hw, one_stream=False) == pytest.approx(4.0)
+    ls = list_schedule(ZERO_SPLIT, hw)
+    assert ls is not None
+    check_schedule(ZERO_SPLIT, hw, ls, tol=1e-12)
+
+
+def zero_heavy_graph(rng: random.Random, n_ops: int, training: bool) -> OpGraph:
+    """Ops of which about 40 % have Δ = 0 (concatenations, analytic pooling), random edges."""
+    ops = []
+    for i in range(n_ops):
+        t = 0.0 if rng.random() < 0.4 else float(rng.randint(1, 5))
+        ops.append(Op(f"o{i}", t, 2 * t if training else 0.0, memory_bytes=rng.randint(1, 3)))
+    edges = [
+        Edge(f"o{i}", f"o{j}", float(rng.choice([0.5, 1, 2, 5])))
+        for i in range(n_ops)
+        for j in range(i + 1, n_ops)
+        if rng.random() < 0.4
+    ]
+    return OpGraph(ops, edges, training)
+
+
+def test_zero_duration_ops_ilp_and_list_schedules_against_enumeration():
+    rng = random.Random(16)
+    for trial in range(12):
+        training = trial % 3 == 2
+        og = zero_heavy_graph(rng, 3 if training else 5, training)
+        total = sum(op.memory_bytes for op in og.ops)
+        hw = linked(2, 1.0, mem=0.75 * total)  # memory binds now and then
+        best = enumerated_optimum(og, hw)
+        for opts in VARIANTS:
+            p = place(og, hw, opts)
+            check_schedule(og, hw, p, tol=1e-9)
+            assert p.makespan == pytest.approx(best, abs=1e-6), (trial, og.to_dict())
+        ls = list_schedule(og, hw)
+        if ls is not None:
+            check_schedule(og, hw, ls, tol=1e-12)
+            assert ls.makespan >= best - 1e-9
+
+
+@pytest.mark.parametrize("opts", VARIANTS, ids=["whole", "blocks"])
+def test_inception_block_with_zero_duration_pool_and_concat(opts):
+    # X(1) -> {b1 (3), b2 (2), pool (0) -> b4 (1)} -> cat (0) -> Y (1), c = 0.25: the pool
+    # tower and the concat take no time but still a turn on their device's stream
+    og = graph(
+        [("X", 1), ("b1", 3), ("b2", 2), ("pool", 0), ("b4", 1), ("cat", 0), ("Y", 1)],
+        [("X", "b1"), ("X", "b2"), ("X", "pool"), ("pool", "b4")]
+        + [(b, "cat") for b in ("b1", "b2", "b4")]
+        + [("cat", "Y")],
+        nbytes=0.25,
+        training=True,
+    )
+    hw = linked(2, 1.0)
+    p = solve(og, hw, opts)
+    check_schedule(og, hw, p, tol=1e-9)
+    assert p.status == "optimal"
+    assert p.makespan == pytest.approx(solve(og, hw, WHOLE).makespan, abs=1e-6)
+    ls = list_schedule(og, hw)
+    check_schedule(og, hw, ls, tol=1e-12)
+
+
+# -- solver failures ------------------------------------------------------------------------
+
+
+def test_memory_bound_placement_list_scheduling_cannot_start_is_solved_to_its_optimum():
+    # Issue 16: list scheduling fills g0 greedily (o0, o1) and then finds no room for o3;
+    # the only placement that fits puts o0, o2 on g1 and o1, o3 on g0. o1 waits for
+    # o0's activation (3.02 + 1.795 / 0.819), o3 for o2's and then for o1:
+    # 3.02 + 1.795 / 0.819 + 3.04 + 1.58 = 9.8317.
+    og = OpGraph(
+        [
+            Op("o0", 3.02, memory_bytes=2.77),
+            Op("o1", 3.04, memory_bytes=4.49),
+            Op("o2", 1.37, memory_bytes=1.28),
+            Op("o3", 1.58, memory_bytes=3.58),
+        ],
+        [Edge("o0", "o1", 1.795), Edge("o0", "o2", 1.109), Edge("o2", "o3", 1.615)],
+    )
+    hw = HardwareGraph.of({"g0": 8.44, "g1": 4.22}, [("g0", "g1", 0.819, 0.0)])
+    assert list_schedule(og, hw) is None
+    for opts in (PlacerOptions(time_limit_s=120), *VARIANTS):
+        p = solve(og, hw, opts)  # check_schedule: precedence, one stream, memory
+        assert p.makespan == pytest.approx(9.8317, abs=1e-4)
+        assert p.status == "optimal" and p.solve_s < 60
+        for dev, mem in zip(hw.devices, hw.memory, strict=True):
+            used = sum(op.memory_bytes for op in og.ops if p.assignment[op.name] == dev)
+            assert used <= mem
+        assert p.assignment == {"o0": "g1", "o1": "g0", "o2": "g1", "o3": "g0"}
+
+
+def test_a_failed_solve_says_what_highs_said_not_a_time_limit():
+    bounds = _Horizon(critical=1.0, lower=1.0, horizon=2.0, target=None)
+
+    def outcome(status: str, message: str) -> MilpSolution:
+        return MilpSolution(status, None, None, None, None, 0.03, 0, message)
+
+    error = outcome("error", "(HiGHS Status 4: Solve error)")
+    with pytest.raises(ConfigError) as info:
+        _without_solution(error, None, bounds, None, 120.0)
+    text = str(info.value)
+    assert "Solve error" in text and "'error' after 0.03 s" in text
+    assert "within" not in text and "\n" not in text
+    limit = outcome("limit", "Time limit reached. (HiGHS Status 13: Time limit reached)")
+    with pytest.raises(ConfigError, match="no placement within 120 s"):
+        _without_solution(limit, None, bounds, None, 120.0)
+    # with a fallback placement the failure is no limit either: nothing is proven
+    fallback = Placement(["g0"], {"a": "g0"}, [], {}, 2.0, 2.0, "list")
+    p = _without_solution(error, fallback, bounds, None, 120.0)
+    assert p.status == "heuristic" and "Solve error" in p.note
+    assert "Solve error" in format_summary(p)
+    assert p.bound == 1.0 and p.gap == pytest.approx(0.5)

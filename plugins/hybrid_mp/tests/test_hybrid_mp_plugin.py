@@ -164,7 +164,12 @@ def test_placement_knob_round_trips_through_json_onto_fx_nodes():
     out = nodes_of(graph, p)
     fc_nodes = graph.layers["fc"].nodes
     assert all(out["node_device"][n] == 1 for n in fc_nodes)
-    assert out["order"]["fc"] == 2.5 and out["node_device"]["stem_0"] == 0
+    # a node's place in the order is the midpoint of its op's planned interval [2.5, 3]
+    assert out["order"]["fc"] == 2.75 and out["node_device"]["stem_0"] == 0
+    assert json.loads(text)["end"]["fc"] == 3.0
+    # a hand-written placement with start times only orders by them
+    given = decode_placement('{"devices": {"fc": 1}, "start": {"fc": 2.5}}')
+    assert placement_nodes(graph, given, 2)["order"]["fc"] == 2.5
     with pytest.raises(ConfigError, match="does not have"):
         placement_nodes(graph, decode_placement('{"devices": {"nope": 0}}'), 2)
     with pytest.raises(ConfigError, match="mp_degree=2"):
@@ -173,6 +178,7 @@ def test_placement_knob_round_trips_through_json_onto_fx_nodes():
         "{",
         '{"devices": {"fc": -1}}',
         '{"devices": {"fc": 0}, "start": {"fc": "x"}}',
+        '{"devices": {"fc": 0}, "start": {"fc": 1}, "end": {"fc": true}}',
         "[]",
     ):
         with pytest.raises(ConfigError):

@@ -9,8 +9,13 @@ import torch
 
 from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.examples import Branchy, branchy
+from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.harness import hybrid_rank, reference_run
+from tunekit.plugins.hybrid_mp.model import op_graph_from_model
+from tunekit.plugins.hybrid_mp.plugin import nodes_of
 from tunekit.plugins.hybrid_mp.runtime import build_program, mesh_coords
+from tunekit.plugins.hybrid_mp.schedule import check_schedule, device_order_key
+from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, default_dtype, run_ranks
 
 BRANCHY = "tunekit.plugins.hybrid_mp.examples:branchy"
@@ -59,6 +64,50 @@ def test_segments_alternate_devices_along_the_planned_order():
     first = {n: (0.0 if ".b4" in n or "b4" in n else 1.0) for n in placement}
     prog2 = build_program(model, placement, order=first, mp=2)
     assert prog2.segments[0].device == 0 and any("b4" in n.name for n in prog2.segments[1].nodes)
+
+
+def test_each_device_runs_its_ops_in_the_schedules_order():
+    # Analytic Δ: the towers' pooling and the concatenations take no time. The plan puts
+    # the pool tower's zero-duration pool where another op starts on its device; the
+    # executor must run it first (its consumer waits on another device), not after.
+    model = Branchy(width=64, blocks=1)
+    x, _ = branchy().example_batch(2)
+    graph = trace_model(model, x, batch_size=16)
+    og = op_graph_from_model(graph, peak_flops=1e10, batch_size=16)
+    hw = HardwareGraph.of({"d0": 1e12, "d1": 1e12}, [("d0", "d1", 1e9, 1e-5)])
+    p = place(og, hw, PlacerOptions(time_limit_s=30))
+    check_schedule(og, hw, p, tol=1e-9)
+    assert p.devices_used == 2
+    forward = [t for t in p.schedule if t.phase == "fwd"]
+    zero = [t for t in forward if t.end == t.start]
+    assert {og.op(t.op).kind for t in zero} == {"pool", "concat"}
+    assert any(
+        z.device == t.device and z.start == t.start and t.end > t.start
+        for z in zero
+        for t in forward
+    ), "no zero-duration op shares its start with another op: the tie this test is about"
+    plan = nodes_of(graph, p)
+    program = build_program(model, plan["node_device"], plan["order"], mp=2)
+    topo = {op.name: k for k, op in enumerate(og.ops)}  # ties of zero-length ops: any order
+    for i, dev in enumerate(p.devices):
+        planned = sorted(
+            (t for t in forward if t.device == dev),
+            key=lambda t: (device_order_key(t.start, t.end), topo[t.op]),
+        )
+        assert layers_run_on(program, graph, i, set(topo)) == [t.op for t in planned]
+
+
+def layers_run_on(program, graph, device: int, layers: set[str]) -> list[str]:
+    """Which of ``layers`` one device's segments run, in program order."""
+    out: list[str] = []
+    for seg in program.segments:
+        if seg.device != device:
+            continue
+        for node in seg.nodes:
+            layer = graph.nodes[node.name].layer if node.name in graph.nodes else None
+            if layer in layers and (not out or out[-1] != layer):
+                out.append(layer)
+    return out
 
 
 def test_mesh_coordinates():

@@ -1,0 +1,186 @@
+"""How good are tunekit's predictions: every tuner's top candidates, predicted vs measured.
+
+    .venv/bin/python benchmarks/prediction_error.py [--workloads cnn,alexnet,resnet,lstm,transformer]
+        [--top 3] [--steps 10] [--warmup 2] [--out benchmarks/results/prediction_error]
+
+For each workload of the corpus, one study on 2 gloo ranks (``tunekit auto``'s
+pipeline through its Python API): the baseline is measured and profiled, every
+tuner diagnoses and plans, and every applicable tuner's top ``--top``
+candidates run as real trials in plan order, interleaved with baseline runs
+(``AutoSettings(rerank=False)``: nothing is dropped or re-ordered, so every
+prediction meets its measurement). In-job searches are left out: they carry no
+prediction.
+
+Per tuner and overall it prints:
+
+* the median relative error |predicted − measured| / measured of the raw
+  predictions (the tuners' calibrated models) and of the corrected ones (each
+  trial's prediction as corrected by the same tuner's earlier trials in its
+  study: the feedback of ``tunekit.trials.feedback``, as it stood when the
+  trial ran);
+* the Spearman rank correlation of predicted against measured change, where a
+  change is a step time over its study's baseline (so workloads of different
+  speed are comparable).
+
+Results go to ``OUT/prediction_error.json`` and ``OUT/prediction_error.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from scipy.stats import spearmanr
+
+from tunekit.events import Notice, PluginProblem, TrialFinished
+from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.store import Store
+from tunekit.trials.feedback import relative_error
+
+HERE = Path(__file__).resolve().parent
+CORPUS = {
+    "cnn": "example:cnn",
+    "alexnet": "example:alexnet",
+    "resnet": f"{HERE / 'workloads.py'}:resnet",
+    "lstm": "example:lstm",
+    "transformer": f"{HERE / 'workloads.py'}:transformer_lm",
+}
+
+
+def run_study(name: str, spec: str, args, root: Path) -> dict:
+    """One study of ``spec``; its trials as plain rows."""
+    settings = AutoSettings(
+        workload=spec, nproc=2, trials=None, plan_limit=args.top, rerank=False, in_job_search=False,
+        steps=args.steps, warmup=args.warmup, out_dir=root / name / "out", store_dir=root / name / "store",
+    )
+
+    async def drive() -> None:
+        async for ev in run_auto(settings):
+            if isinstance(ev, TrialFinished):
+                pred = f" predicted {ev.predicted_s * 1e3:.1f} ms" if ev.predicted_s else ""
+                got = f"{ev.median_s * 1e3:.1f} ms" if ev.median_s else ev.status
+                print(f"  {name}: {ev.role} {ev.description[:70]}: {got}{pred}", flush=True)
+            elif isinstance(ev, Notice | PluginProblem):
+                print(f"  {name}: {getattr(ev, 'message', '') or getattr(ev, 'error', '')}", flush=True)
+
+    start = time.monotonic()
+    asyncio.run(drive())
+    store = Store.open_default(settings.store_dir)
+    try:
+        study = store.latest_study()
+        trials = store.trials(study.id)
+        diagnoses = (study.observation or {}).get("diagnoses", {})
+    finally:
+        store.close()
+    base = [t.median_s for t in trials if t.role == "baseline" and t.status == "ok"]
+    rows = []
+    for t in trials:
+        if t.role not in ("candidate", "confirm"):
+            continue
+        earlier = [u for u in trials if u.plugin == t.plugin and u.seq < t.seq and u.status == "ok"
+                   and u.role in ("candidate", "confirm") and u.predicted_s]
+        rows.append({"plugin": t.plugin, "role": t.role, "config": t.config, "status": t.status,
+                     "predicted_s": t.predicted_s, "corrected_s": t.corrected_s, "measured_s": t.median_s,
+                     "had_feedback": bool(earlier)})
+    return {
+        "workload": spec, "baseline_s": statistics.median(base), "baseline_runs": len(base),
+        "applies": {n: d["applies"] for n, d in diagnoses.items()}, "trials": rows,
+        "wall_s": time.monotonic() - start,
+    }
+
+
+def summarise(studies: dict[str, dict]) -> dict:
+    """Per tuner and overall: median raw and corrected error, Spearman of the changes."""
+    points: dict[str, list[dict]] = {}
+    for wl, st in studies.items():
+        for r in st["trials"]:
+            if r["status"] != "ok" or not r["predicted_s"] or not r["measured_s"]:
+                continue
+            points.setdefault(r["plugin"], []).append({
+                "workload": wl,
+                "raw": relative_error(r["predicted_s"], r["measured_s"]),
+                "corrected": relative_error(r["corrected_s"], r["measured_s"]),
+                "had_feedback": r["had_feedback"],
+                "predicted_change": r["predicted_s"] / st["baseline_s"],
+                "measured_change": r["measured_s"] / st["baseline_s"],
+            })
+
+    def stats(ps: list[dict]) -> dict:
+        corrected = [p["corrected"] for p in ps if p["corrected"] is not None]
+        fed = [p for p in ps if p["had_feedback"] and p["corrected"] is not None]
+        rho = None
+        if len(ps) >= 3:
+            rho = float(spearmanr([p["predicted_change"] for p in ps], [p["measured_change"] for p in ps])[0])
+        return {
+            "trials": len(ps),
+            "workloads": sorted({p["workload"] for p in ps}),
+            "median_error": statistics.median(p["raw"] for p in ps) if ps else None,
+            "median_corrected_error": statistics.median(corrected) if corrected else None,
+            "with_feedback": len(fed),
+            "median_error_with_feedback_raw": statistics.median(p["raw"] for p in fed) if fed else None,
+            "median_error_with_feedback_corrected": statistics.median(p["corrected"] for p in fed) if fed else None,
+            "spearman": rho,
+        }
+
+    out = {name: stats(ps) for name, ps in sorted(points.items())}
+    out["overall"] = stats([p for ps in points.values() for p in ps])
+    return out
+
+
+def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
+    def pct(x):
+        return "—" if x is None else f"{x:.0%}"
+
+    lines = [f"`{command}`", "",
+             "Median |predicted − measured| / measured. *After feedback*: every trial's prediction as "
+             "corrected by its tuner's earlier trials in the study (a tuner's first trial has none); "
+             "*trials with feedback*: only the trials that had an earlier one, raw → corrected.", "",
+             "| tuner | trials | workloads | median error (raw) | after feedback | trials with feedback | "
+             "Spearman |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        rho = "—" if s["spearman"] is None else f"{s['spearman']:.2f}"
+        fed = (f"{s['with_feedback']}: {pct(s['median_error_with_feedback_raw'])} → "
+               f"{pct(s['median_error_with_feedback_corrected'])}" if s["with_feedback"] else "—")
+        lines.append(f"| {name} | {s['trials']} | {', '.join(s['workloads'])} | {pct(s['median_error'])} | "
+                     f"{pct(s['median_corrected_error'])} | {fed} | {rho} |")
+    lines += ["", "| workload | baseline | baseline runs | trials | wall |", "| --- | --- | --- | --- | --- |"]
+    for wl, st in studies.items():
+        lines.append(f"| {wl} | {st['baseline_s'] * 1e3:.1f} ms | {st['baseline_runs']} | {len(st['trials'])} | "
+                     f"{st['wall_s']:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(CORPUS))
+    ap.add_argument("--top", type=int, default=3, help="candidates per tuner")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "prediction_error")
+    args = ap.parse_args()
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [n for n in names if n not in CORPUS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; the corpus is {', '.join(CORPUS)}")
+    studies = {}
+    with tempfile.TemporaryDirectory(prefix="tunekit-prediction-") as tmp:
+        for name in names:
+            print(f"{name}: {CORPUS[name]}", flush=True)
+            studies[name] = run_study(name, CORPUS[name], args, Path(tmp))
+    summary = summarise(studies)
+    command = ("python benchmarks/prediction_error.py --workloads " + ",".join(names)
+               + f" --top {args.top} --steps {args.steps} --warmup {args.warmup}")
+    text = markdown(summary, studies, command)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prediction_error.json").write_text(json.dumps({"summary": summary, "studies": studies}, indent=2))
+    (args.out / "prediction_error.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
