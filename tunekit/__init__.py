@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 # version it was built for; a different major is refused when it is loaded.
 API_VERSION = (1, 0)
 
-__all__ = ["API_VERSION", "Workload", "__version__", "load_workload"]
+__all__ = ["API_VERSION", "Workload", "__version__", "load_workload", "prepare"]
 
 
 def __getattr__(name: str):
@@ -32,4 +32,8 @@ def __getattr__(name: str):
         from tunekit import workload
 
         return getattr(workload, name)
+    if name == "prepare":
+        from tunekit.prepared import prepare
+
+        return prepare
     raise AttributeError(f"module 'tunekit' has no attribute {name!r}")

@@ -77,7 +77,8 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "measured_median_s": best_med,
             "speedup": decision.get("speedup"),
         },
-        "snippet": snippet(study.workload, best, tuners, launch),
+        "snippet": snippet(study.workload, best, tuners, launch,
+                           (summary.get("batch_size") or 0) or None),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
 
@@ -120,7 +121,10 @@ def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mappin
     return None
 
 
-def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> str:
+def snippet(
+    workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions,
+    batch_size: int | None = None,
+) -> str:
     """Ready-to-use instructions for the winning config, as Markdown."""
     nodes = ["--standalone"] if launch.nnodes == 1 else [
         "--nnodes", str(launch.nnodes), "--node-rank", "$NODE_RANK",
@@ -147,11 +151,26 @@ def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], laun
         text = tuner.snippet(tuners[name].validate(knobs)) if tuner else None
         if text:
             code.append(f"# {name}\n{text}")
-    if code:
-        lines += ["```python", *code, "```", ""]
-    elif best.is_baseline:
+    if best.is_baseline:
         lines += ["Nothing to change: the baseline (PyTorch's defaults) was fastest.", ""]
     else:
-        lines += ["These tuners have no plain-PyTorch equivalent; run the job with tunekit.", ""]
+        batch = batch_size if batch_size else "YOUR_PER_RANK_BATCH"
+        lines += [
+            "`tunekit.prepare` applies the config to your model, optimizer and loss, and gives you "
+            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md):",
+            "",
+            "```python",
+            "import tunekit",
+            "",
+            "model, optimizer, step = tunekit.prepare(",
+            f'    model, optimizer, loss_fn, config="best_config.json", batch_size={batch}',
+            ")",
+            "for inputs, targets in loader:  # a loader of step.batch_size samples per rank",
+            "    loss = step(inputs, targets)",
+            "```",
+            "",
+        ]
+        if code:
+            lines += ["Or, in plain PyTorch without tunekit:", "", "```python", *code, "```", ""]
     lines += ["Launch it as before:", "", "```sh", torchrun, "```", ""]
     return "\n".join(lines)
