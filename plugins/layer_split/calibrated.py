@@ -16,7 +16,9 @@ whose costs differ from both:
   input gradients into zero-initialised buffers; per step it concatenates all
   gradients, all-reduces them and copies them back. MEASURED here
   (:func:`measure_executor_overhead`): a step of the executor on one rank
-  (every layer whole, no messages) against the plain forward and backward;
+  (every layer whole, no messages) against DDP's step on a one-rank group,
+  whose gradient hooks and bucket copies the baseline's rank does too (the
+  plain forward and backward where no such group can be made);
 * **communication** -- point-to-point messages of every re-split and halo,
   forward activations and backward gradients (the ``exact`` transfer tables:
   bytes not already on the device plus a latency per message, at the probed
@@ -39,13 +41,16 @@ work.
 
 from __future__ import annotations
 
+import copy
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tunekit.costmodel import Calibration
 from tunekit.plugins.layer_split.model import (
@@ -67,7 +72,7 @@ optimizer and idle time carry over as measured."""
 
 @dataclass(frozen=True)
 class ExecutorOverhead:
-    """One rank's step through the executor against the plain step, on one clock."""
+    """One rank's step through the executor against DDP's and the plain step, on one clock."""
 
     plain_s: float
     """Forward, loss and backward of the whole model on one rank's batch."""
@@ -76,11 +81,21 @@ class ExecutorOverhead:
     clock: str
     """``thread_cpu`` or ``wall`` (:func:`tunekit.observe.layer_profile.timing_clock`)."""
     repeats: int = 0
+    ddp_s: float | None = None
+    """The same step through DDP on a one-rank group (its gradient hooks and bucket copies;
+    the all-reduce itself runs on gloo's threads); None where this process belongs to a
+    larger group (a rank of a running job: DDP would wait for its peers)."""
+
+    @property
+    def reference_s(self) -> float:
+        """What the baseline's rank does for the same step: DDP's, else the plain step."""
+        return self.ddp_s if self.ddp_s is not None else self.plain_s
 
     @property
     def overhead_s(self) -> float:
-        """What the executor adds per step (never negative: a noisy sample is not a saving)."""
-        return max(0.0, self.executor_s - self.plain_s)
+        """What the executor adds per step over the baseline's rank (never negative: a noisy
+        sample is not a saving)."""
+        return max(0.0, self.executor_s - self.reference_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,11 +103,12 @@ class ExecutorOverhead:
             "executor_s": self.executor_s,
             "clock": self.clock,
             "repeats": self.repeats,
+            "ddp_s": self.ddp_s,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutorOverhead:
-        return cls(**{k: data[k] for k in ("plain_s", "executor_s", "clock", "repeats")})
+        return cls(**{k: data.get(k) for k in ("plain_s", "executor_s", "clock", "repeats", "ddp_s")})
 
 
 def measure_executor_overhead(
@@ -102,31 +118,43 @@ def measure_executor_overhead(
     *,
     threads: int | None = None,
     device: str = "cpu",
-    rounds: int = 3,
+    rounds: int | None = None,
     block: int = 6,
     warmup: int = 2,
+    budget_s: float = 30.0,
 ) -> ExecutorOverhead:
-    """Time one rank's step of ``batch`` samples through the executor and plainly.
+    """Time one rank's step of ``batch`` samples through the executor, through DDP and plainly.
 
     The executor runs as a world of one with every layer whole: the same
     per-layer work a rank of the real job does (region assembly, detached
     leaves, per-layer backward, gradient buffers, the flat gradient copy),
-    without the messages, which the transfer tables price. The two run in
-    blocks of ``block`` steps (the first ``warmup`` of each untimed), the
-    blocks alternating for ``rounds`` rounds: step after step of one kind is
-    the steady state a rank is in (alternating single steps costs the executor
-    ~2x its real overhead, in page faults as the allocator switches between
-    the two memory patterns), and alternating blocks puts a burst of load on
-    both alike. Each figure is the median over rounds of its blocks' medians;
-    the clock is the one layer timings use, so the difference is in the
-    compute table's units.
+    without the messages, which the transfer tables price. DDP (the baseline's
+    strategy, with the session's settings) runs on a one-rank group: its
+    gradient hooks and bucket copies are work the baseline's rank does too, so
+    the executor's overhead is counted over DDP's, not over a bare step (for
+    AlexNet's 57 M parameters both copy every gradient: 0.3-0.4 s of CPU).
+
+    The three run in blocks of ``block`` steps (the first ``warmup`` of each
+    untimed), the blocks alternating for ``rounds`` rounds: step after step of
+    one kind is the steady state a rank is in (alternating single steps costs
+    the executor ~2x its real overhead, in page faults as the allocator
+    switches between memory patterns), and alternating blocks puts a burst of
+    load on all alike. Each figure is the median over rounds of its blocks'
+    medians, on the clock layer timings use (the compute table's units).
+    ``rounds`` (None: as many, from 2 to 5, as fit ``budget_s`` of the clock,
+    judged from one plain step): on a shared CPU one block's median varies by
+    ~10%, and five rounds bring the example CNN's overhead to within ~2 ms.
     """
     from tunekit.observe.layer_profile import _Threads, timing_clock
     from tunekit.plugins.layer_split.runtime import PlanExecutor
+    from tunekit.runtime.sync import DDPSync
+    from tunekit.testing import single_rank_group
 
-    if rounds < 1 or block <= warmup:
+    if (rounds is not None and rounds < 1) or block <= warmup:
         raise ValueError("need at least one round and a block longer than its warm-up")
-    with _Threads(threads):
+    with _Threads(threads), single_rank_group():
+        # DDP runs alone only in a group of one: a rank of a running job has peers to wait for.
+        ddp_alone = dist.get_world_size() == 1
         torch.manual_seed(0)
         model = workload.model().to(device).train()
         inputs, targets = workload.example_batch(batch)
@@ -137,6 +165,7 @@ def measure_executor_overhead(
         )
         clock, name = timing_clock(device)
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        models = [model]
 
         def plain() -> None:
             workload.loss(model(inputs), targets).backward()
@@ -144,24 +173,64 @@ def measure_executor_overhead(
         def through_executor() -> None:
             executor.step(inputs, targets, workload.loss)
 
-        medians: dict[str, list[float]] = {"plain": [], "executor": []}
-        for _ in range(rounds):
-            for key, action in (("plain", plain), ("executor", through_executor)):
-                times = []
-                for _ in range(block):
-                    sync()
-                    start = clock()
-                    action()
-                    sync()
-                    times.append(clock() - start)
-                    model.zero_grad(set_to_none=True)
-                medians[key].append(statistics.median(times[warmup:]))
+        actions = {"plain": plain, "executor": through_executor}
+        if ddp_alone:
+            # A copy: DDP's gradient hooks would otherwise fire in the executor's backward too.
+            ddp = DistributedDataParallel(
+                copy.deepcopy(model),
+                device_ids=[torch.device(device).index] if device != "cpu" else None,
+                **DDPSync().ddp_kwargs(),
+            )
+            models.append(ddp)
+
+            def through_ddp() -> None:
+                workload.loss(ddp(inputs), targets).backward()
+
+            actions["ddp"] = through_ddp
+        def reset() -> None:
+            for m in models:
+                m.zero_grad(set_to_none=True)
+
+        if rounds is None:
+            start = clock()
+            plain()
+            reset()
+            per_step = max(clock() - start, 1e-6)
+            rounds = max(2, min(5, int(budget_s / (len(actions) * block * per_step))))
+        medians = _block_medians(actions, reset, clock, sync, rounds, block, warmup)
     return ExecutorOverhead(
-        statistics.median(medians["plain"]),
-        statistics.median(medians["executor"]),
+        medians["plain"],
+        medians["executor"],
         name,
         rounds * (block - warmup),
+        medians.get("ddp"),
     )
+
+
+def _block_medians(
+    actions: Mapping[str, Callable[[], None]],
+    reset: Callable[[], None],
+    clock: Callable[[], float],
+    sync: Callable[[], None],
+    rounds: int,
+    block: int,
+    warmup: int,
+) -> dict[str, float]:
+    """Each action's median over ``rounds`` of its block's median step (see
+    :func:`measure_executor_overhead` for why blocks, alternating)."""
+    medians: dict[str, list[float]] = {key: [] for key in actions}
+    for _ in range(rounds):
+        for key, action in actions.items():
+            times = []
+            for _ in range(block):
+                sync()
+                start = clock()
+                action()
+                sync()
+                times.append(clock() - start)
+                reset()
+            medians[key].append(statistics.median(times[warmup:]))
+    return {key: statistics.median(values) for key, values in medians.items()}
 
 
 # -- the model -----------------------------------------------------------------------------------

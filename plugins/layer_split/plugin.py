@@ -52,6 +52,10 @@ from tunekit.runtime.session import Session
 
 NAMED_PLANS = ("image", "owt")
 
+CALIBRATED_LABEL = "model (this executor, calibrated on the measured baseline)"
+"""How the calibrated model's figures are introduced in a diagnosis and a rationale: a
+model's figure, never to be read as a measurement (Eq. 1's are "model (Eq. 1, paper)")."""
+
 
 def check_plan(text: str) -> None:
     """A named plan, or a JSON object of layer -> config label (``{"conv1": "n2", "fc1": "c2"}``).
@@ -174,11 +178,13 @@ class LayerSplit(Tuner):
         verdict = (
             f"{gain:.0%} faster" if gain > 0 else f"{-gain:.0%} slower"
         )
+        # The measured figures come first, quoted from obs.truth; every figure after them is a
+        # model's and says which (Eq. 1 as the paper prices DeePa; the calibrated model of this
+        # executor, whose baseline is the measured step by construction).
         summary = (
             f"measured: {truth.step_s * 1e3:.1f} ms per step, {truth.phrase('compute')}, "
-            f"{truth.phrase('comm_exposed')}; {paper}. On this executor, calibrated on the "
-            f"measured baseline: the best plan ({SPACE_TITLES.get(top_label, top_label)}) is "
-            f"predicted at {predicted * 1e3:.1f} ms, "
+            f"{truth.phrase('comm_exposed')}; {paper}; {CALIBRATED_LABEL}: the best plan "
+            f"({SPACE_TITLES.get(top_label, top_label)}) {predicted * 1e3:.1f} ms per step, "
             f"{verdict} than the measured step (compute {_signed_ms(changes['compute'])}, "
             f"communication {_signed_ms(changes['comm_exposed'])}, data {_signed_ms(changes['data'])}): "
             f"the executor's own per-layer work costs {overhead * 1e3:.1f} ms and its gradient "
@@ -227,10 +233,11 @@ class LayerSplit(Tuner):
                 changes = cal.changes(configs)
                 details["calibrated"] = cal.describe(configs)
                 rationale = (
-                    f"{SPACE_TITLES.get(label, label)}: {predicted * 1e3:.1f} ms/step predicted on "
-                    f"this executor against the measured {obs.truth.step_s * 1e3:.1f} ms (compute "
-                    f"{_signed_ms(changes['compute'])}, communication "
-                    f"{_signed_ms(changes['comm_exposed'])}, data {_signed_ms(changes['data'])}); "
+                    f"{SPACE_TITLES.get(label, label)}: {CALIBRATED_LABEL}: "
+                    f"{predicted * 1e3:.1f} ms/step against the measured "
+                    f"{obs.truth.step_s * 1e3:.1f} ms (compute {_signed_ms(changes['compute'])}, "
+                    f"communication {_signed_ms(changes['comm_exposed'])}, "
+                    f"data {_signed_ms(changes['data'])}); "
                     f"model (Eq. 1, paper): {paper.cost_s * 1e3:.1f} ms"
                 )
             out.append(
@@ -365,7 +372,7 @@ def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
     """The executor's own per-step work on one rank (:func:`measure_executor_overhead`), cached."""
     threads = rank_threads(obs)
     batch = obs.workload.batch_size
-    key = f"layer_split:executor:v2:{graph.graph_hash()}:{batch}:{threads}"
+    key = f"layer_split:executor:v3:{graph.graph_hash()}:{batch}:{threads}"
     cached = obs.cache.get(key) if obs.cache is not None else None
     if cached:
         return ExecutorOverhead.from_dict(cached)

@@ -3,10 +3,14 @@ and the diagnosis and candidates speak from the measured truth."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch.distributed as dist
 
 from tunekit.costmodel import SCALE_LIMITS
 from tunekit.observe.graph import trace_model
+from tunekit.observe.truth import PART_LABELS
 from tunekit.plugins.layer_split.calibrated import (
     PARTS,
     CalibratedModel,
@@ -15,10 +19,11 @@ from tunekit.plugins.layer_split.calibrated import (
     measure_executor_overhead,
 )
 from tunekit.plugins.layer_split.model import build_tables, specs_from_graph
-from tunekit.plugins.layer_split.plugin import LayerSplit
+from tunekit.plugins.layer_split.plugin import CALIBRATED_LABEL, LayerSplit
 from tunekit.plugins.layer_split.search import decode_plan, evaluate, named_configs
 from tunekit.testing import (
     local_hardware,
+    single_rank_group,
     synthetic_breakdown,
     synthetic_observation,
     tiny_hardware,
@@ -93,6 +98,14 @@ def test_diagnosis_starts_from_the_measured_truth(observed):
     paper_image = analysis.plans["image"].cost_s
     assert f"model (Eq. 1, paper): image parallelism {paper_image * 1e3:.1f} ms/step" in summary
     assert "ms/step predicted" not in summary
+    # The calibrated model's figures come after its label, never before it as if measured.
+    best_ms = f"{diag.details['calibrated']['predicted_s'] * 1e3:.1f} ms per step"
+    assert f"{CALIBRATED_LABEL}: the best plan" in summary
+    assert summary.index(CALIBRATED_LABEL) < summary.index(best_ms)
+    # Every share of a step part the text gives is the measured one.
+    for part, label in PART_LABELS.items():
+        for m in re.finditer(rf"{label}\s*(?:is|of|:)?\s*~?\s*(\d+)%", summary):
+            assert int(m.group(1)) == round(100 * truth.fraction(part)), (part, summary)
     # The expected gain is relative to the measured baseline.
     best = diag.details["calibrated"]["predicted_s"]
     assert diag.expected_gain == pytest.approx(max(0.0, 1.0 - best / truth.step_s))
@@ -120,6 +133,7 @@ def test_candidates_carry_the_calibrated_prediction_and_keep_the_papers(observed
         low, high = c.predicted_range_s
         assert low <= c.predicted_step_s <= high
         assert "model (Eq. 1, paper)" in c.rationale
+        assert f"{CALIBRATED_LABEL}: {c.predicted_step_s * 1e3:.1f} ms/step" in c.rationale
         assert f"measured {obs.truth.step_s * 1e3:.1f} ms" in c.rationale
 
 
@@ -182,8 +196,39 @@ def test_executor_overhead_is_measured_and_cached(observed):
         obs.workload, obs.graph, obs.workload.batch_size, threads=1, rounds=2, block=4
     )
     assert again.executor_s > 0.95 * again.plain_s
+    # DDP, the baseline's strategy, was timed too (no process group in this process): its
+    # hooks and bucket copies are work the baseline's rank does, so the executor's overhead
+    # is counted over DDP's step.
+    assert again.ddp_s is not None and again.ddp_s > 0.95 * again.plain_s
+    assert again.reference_s == again.ddp_s
+    assert again.overhead_s == max(0.0, again.executor_s - again.ddp_s)
     with pytest.raises(ValueError, match="block"):
         measure_executor_overhead(obs.workload, obs.graph, 8, block=2, warmup=2)
+
+
+def test_ddp_is_timed_inside_an_existing_group_of_one(observed):
+    """A process that already has a one-rank group (a test harness, a prepared session)
+    times DDP on it; only a rank with peers cannot (it falls back to the plain step, below)."""
+    obs, _, _ = observed
+    with single_rank_group():
+        found = measure_executor_overhead(
+            obs.workload, obs.graph, obs.workload.batch_size, threads=1, rounds=1, block=3, warmup=1
+        )
+        assert dist.is_initialized()  # the caller's group is left as it was
+    assert not dist.is_initialized()
+    assert found.ddp_s is not None and found.repeats == 2
+
+
+def test_executor_overhead_round_trips_and_reads_entries_without_ddp():
+    found = ExecutorOverhead(0.040, 0.052, "thread_cpu", 20, ddp_s=0.044)
+    assert ExecutorOverhead.from_dict(found.to_dict()) == found
+    assert found.overhead_s == pytest.approx(0.008)
+    older = ExecutorOverhead.from_dict(
+        {"plain_s": 0.040, "executor_s": 0.052, "clock": "thread_cpu", "repeats": 20}
+    )
+    assert older.ddp_s is None and older.overhead_s == pytest.approx(0.012)
+    # A noisy sample where the executor came out faster than DDP is no saving.
+    assert ExecutorOverhead(0.040, 0.041, "thread_cpu", 4, ddp_s=0.043).overhead_s == 0.0
 
 
 def test_no_prediction_without_a_measured_baseline():
