@@ -14,9 +14,11 @@ all-reduce), the diagnosis then does not apply, and ``tunekit auto`` runs none
 of them; this measures whether that prediction holds.
 
 Prints, per candidate, the prediction and each trial with its error, and per
-workload and overall the median |predicted - measured| / measured over trials
-and the Spearman correlation of predicted against measured change (a step
-time over its study's median baseline). Results go to ``OUT/result.json``.
+workload and overall the median |predicted - measured| / measured over trials,
+the same for the predicted change applied to the baseline run right after the
+trial's round (the load of a shared machine drifts within a study), and the
+Spearman correlation of predicted against measured change (a step time over
+its study's median baseline). Results go to ``OUT/result.json``.
 """
 
 from __future__ import annotations
@@ -114,22 +116,30 @@ def run_workload(name: str, spec: str, args, root: Path) -> dict:
 def summarise(studies: dict[str, dict]) -> dict:
     """Median error over trials and Spearman of the changes, per workload and overall."""
 
-    def points(st: dict) -> list[tuple[float, float, float]]:
+    def points(st: dict) -> list[tuple[float, float, float, float]]:
+        """(predicted, measured, median baseline, predicted change x the baseline run right
+        after the trial's round): on a machine whose load drifts during the study (the
+        baseline of one study went 268 -> 499 ms), the last compares the predicted change
+        with the measured one at the load the trial ran under."""
         base = statistics.median(st["baselines_s"])
+        calibrated_on = st["baselines_s"][0]
         return [
-            (c["predicted_s"], m, base)
+            (c["predicted_s"], m, base, c["predicted_s"] / calibrated_on * st["baselines_s"][r + 1])
             for c in st["candidates"]
             if c["predicted_s"]
-            for m in c["measured_s"]
+            for r, m in enumerate(c["measured_s"])
         ]
 
-    def stats(ps: list[tuple[float, float, float]]) -> dict:
+    def stats(ps: list[tuple[float, float, float, float]]) -> dict:
         rho = None
         if len(ps) >= 3:
-            rho = float(spearmanr([p / b for p, _, b in ps], [m / b for _, m, b in ps])[0])
+            rho = float(spearmanr([p / b for p, _, b, _ in ps], [m / b for _, m, b, _ in ps])[0])
         return {
             "trials": len(ps),
-            "median_error": statistics.median(relative_error(p, m) for p, m, _ in ps) if ps else None,
+            "median_error": statistics.median(relative_error(p, m) for p, m, _, _ in ps) if ps else None,
+            "median_change_error": (
+                statistics.median(relative_error(at_load, m) for _, m, _, at_load in ps) if ps else None
+            ),
             "spearman": rho,
         }
 
@@ -174,7 +184,11 @@ def main() -> None:
     for name, s in summary.items():
         rho = "-" if s["spearman"] is None else f"{s['spearman']:.2f}"
         err = "-" if s["median_error"] is None else f"{s['median_error']:.0%}"
-        print(f"{name}: {s['trials']} trials, median error {err}, Spearman {rho}")
+        change = "-" if s["median_change_error"] is None else f"{s['median_change_error']:.0%}"
+        print(
+            f"{name}: {s['trials']} trials, median error {err} (of the predicted change at the "
+            f"next baseline's load: {change}), Spearman {rho}"
+        )
     print(f"wall {time.monotonic() - start:.0f} s")
 
 
