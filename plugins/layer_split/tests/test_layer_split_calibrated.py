@@ -171,6 +171,30 @@ def test_every_plan_slower_when_the_executors_cost_outweighs_what_splits_save(ov
         assert predicted < STEP_S
 
 
+@pytest.mark.parametrize("comm_total_ms", [20.0, 500.0])
+def test_the_executors_all_reduce_is_capped_at_ddps_measured_communication(comm_total_ms):
+    """A probe taken at a busy moment must not price the executor's all-reduce above what
+    DDP's all-reduce of the same gradients measured in this job; below it, the probe stands."""
+    tables = _tables()
+    truth = synthetic_observation(
+        "example:cnn",
+        step_s=STEP_S,
+        breakdown=synthetic_breakdown(STEP_S, FRACTIONS, comm_total_s=comm_total_ms / 1e3),
+        graph=False,
+    ).truth
+    overhead = ExecutorOverhead(0.010, 0.012, "thread_cpu", 4)
+    probed = 0.010
+    cal = CalibratedModel.fit(truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, probed, 2)
+    assert cal.baseline_step_s() == pytest.approx(STEP_S)
+    scaled = cal.scales["compute"] * probed
+    # DDP exposed 12 ms of its 20 (or 500) ms of communication; the probe at the compute
+    # scale says more than 20 ms, less than 500: the cap binds in the first case only.
+    capped = scaled > truth.comm_total_s
+    assert capped == (comm_total_ms == 20.0)
+    assert cal.model.allreduce_s == pytest.approx(truth.comm_total_s if capped else scaled)
+    assert any("DDP's measured communication" in n for n in cal.notes) == capped
+
+
 def test_without_a_profile_the_model_still_reproduces_the_step():
     tables = _tables()
     truth = synthetic_observation(
