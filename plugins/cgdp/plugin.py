@@ -369,6 +369,12 @@ class Cgdp(Tuner):
                 f"{-gain:.0%} of the step more than DDP: the host path is slower than the "
                 f"peer links here; it would still save {saved:.0f} MiB of device memory"
             )
+        # -- training features (issue 17) --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        if why := declines({"offload_optimizer": True}, obs.workload.features()):
+            summary += f"; offload_optimizer {why}"
+        # --
         return Diagnosis(
             verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
         )
@@ -414,6 +420,11 @@ class Cgdp(Tuner):
                 details={"device_bytes_saved": freed * MiB},
             )
         )
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        out = [c for c in out if not declines(c.knobs, obs.workload.features())]
+        # --
         out.sort(key=lambda c: c.predicted_step_s)
         return out[:limit]
 

@@ -51,7 +51,7 @@ from tunekit.errors import ConfigError, PluginError
 from tunekit.runtime.data import BatchSource
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.session import Session
-from tunekit.runtime.sync import CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
 
 __all__ = [
     "HybridSync",
@@ -409,7 +409,31 @@ class HybridSync(GradSync):
             waited = time.perf_counter() - start
             nbytes = sum(p.numel() * p.element_size() for p in self.owned)
             self._records.append(CommRecord("gradients", nbytes, waited, waited))
+        clip = self.session.workload.clip_grad_norm
+        if clip is not None:
+            self._clip(clip)
         optimizer.step()
+        if self.session.scheduler is not None:
+            self.session.scheduler.step()  # once per optimizer step, on every rank
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip by the norm of the whole model's gradient, as ``clip_grad_norm_`` on one
+        process: each rank holds only its devices' parameters, so the squared norms of the
+        parameters it owns (a shared one counted on its first owner only) are summed over
+        the model group first; every rank then scales by the same factor."""
+        devs = self.program.param_devices
+        squares = torch.zeros((), dtype=torch.float64, device=self.session.device)
+        for p in self.params:
+            owners = devs.get(id(p), set())
+            if p.grad is not None and owners and min(owners) == self.mp_index:
+                squares += torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+        if self.mp > 1:
+            dist.all_reduce(squares, group=self.mp_group)
+        total = squares.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
 
     def flush(self) -> None:
         """Give every rank of the model group the owners' parameters, buffers and optimizer state."""
@@ -445,15 +469,26 @@ class HybridSync(GradSync):
         if self.source.batch_size != session.batch_size:
             self.source.set_batch_size(session.batch_size)
         self.source.set_options(session.data.options)
-        inputs, targets = self.source.batch(step)
+        acc = session.accumulation
         self._dirty = True
-        loss = self._forward_backward(inputs, targets)
-        self.channel.wait_all()
+        total: torch.Tensor | None = None
+        for micro in range(acc):
+            # Micro-batches only accumulate gradients in .grad (their activations still
+            # cross devices: model parallelism needs them); the gradient reductions run
+            # once, in step(), on the accumulated sum.
+            inputs, targets = self.source.batch(step * acc + micro)
+            loss = self._forward_backward(inputs, targets, acc)
+            self.channel.wait_all()
+            if loss is not None:
+                loss = loss.detach() / acc
+                total = loss if total is None else total + loss
         self.step(session.optimizer)
         session.optimizer.zero_grad(set_to_none=True)
-        return self._global_loss(loss)
+        return self._global_loss(total)
 
-    def _forward_backward(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
+    def _forward_backward(
+        self, inputs: Any, targets: torch.Tensor, micro_batches: int = 1
+    ) -> torch.Tensor | None:
         prog, me = self.program, self.mp_index
         self.channel.start_step()
         args = inputs if isinstance(inputs, tuple | list) else (inputs,)
@@ -494,11 +529,13 @@ class HybridSync(GradSync):
                 leaves[(v, seg.index)] = leaf
                 env[nodes[v]] = leaf
             for n in seg.nodes:
-                if n is prog.output_node:
-                    out = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-                    loss = self.session.workload.loss(out, targets)
-                else:
-                    env[n] = self.runner.run_node(n)
+                # The workload's autocast, as around DDP's forward and loss (a no-op in fp32).
+                with self.session.autocast():
+                    if n is prog.output_node:
+                        out = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+                        loss = self.session.workload.loss(out, targets)
+                    else:
+                        env[n] = self.runner.run_node(n)
             for v in seg.outputs:
                 values[v] = env[nodes[v]]
                 for dev in sorted({prog.segments[c].device for c in prog.consumers[v]} - {me}):
@@ -508,7 +545,7 @@ class HybridSync(GradSync):
             roots: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
             if seg.has_loss and loss is not None:
-                roots.append(loss)
+                roots.append(loss / micro_batches if micro_batches > 1 else loss)
                 grads.append(None)
             for v in seg.outputs:
                 value = values[v]
@@ -561,6 +598,19 @@ class HybridSync(GradSync):
             dist.all_reduce(value)
             value /= self.dp
         return value
+
+
+HYBRID_HANDLES = ALL_FEATURES - {"grad_scaler"}
+"""Training features the hybrid honours. fp16's GradScaler is not one: each rank's
+optimizer sees only its own devices' gradients, so the scaler's inf check (and its skip)
+would differ between the ranks of a model group."""
+HYBRID_NEEDS = {
+    "grad_scaler": "one inf check over every model-parallel rank's gradients before any of "
+    "them steps (each rank's optimizer sees only its own devices' gradients)",
+}
+"""Why each feature the hybrid does not honour does not apply (its diagnosis says so)."""
+HybridSync.handles = HYBRID_HANDLES
+HybridSync.train_step.handles = HYBRID_HANDLES
 
 
 def _floating(value: Any) -> bool:
@@ -704,7 +754,7 @@ def install_hybrid(
     dp_group, mp_group, _mesh = make_groups(session.world_size, mp)
     sync = HybridSync(program, dp, mp, (dp_group, mp_group))
     session.set_grad_sync(sync)
-    session.step_fn = sync.train_step
+    session.step_fn = sync.train_step  # its handles: HybridSync.train_step.handles
     # Global batch N x B instead of W x B; the session rescales the lr by the workload's
     # rule and keeps composing it with a batch tuner's changes.
     session.set_data_parallel(dp)

@@ -259,6 +259,13 @@ class OverlapChunking(Tuner):
         if obs.nproc < 2:
             return Diagnosis(False, "one rank: there is no gradient communication to overlap")
         priced = self._priced(obs)
+        # -- training features (issue 17): configs that cannot honour them are left out --
+        from tunekit.plugins.overlap_chunking.runtime import declines
+
+        features = obs.workload.features()
+        declined = [d for s in priced["ranked"] if (d := declines(s.knobs, features))]
+        priced["ranked"] = [s for s in priced["ranked"] if not declines(s.knobs, features)]
+        # --
         base: Prediction = priced["baseline"]
         step = obs.baseline.median_s if priced["scale"] else base.step_s
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
@@ -280,6 +287,7 @@ class OverlapChunking(Tuner):
                 f"exposed communication ~{base.blocked_s / step:.0%} of the step "
                 f"({grad_mib:.1f} MiB of gradients, {r} under DDP defaults); "
                 f"{best.label} should recover ~{gain:.0%}{calibration}"
+                + (f"; two_chunk with f > 0 {declined[0]}" if declined else "")
             ),
             expected_gain=gain,
             details={
@@ -300,6 +308,11 @@ class OverlapChunking(Tuner):
         priced = self._priced(obs)
         # The baseline trial already measures PyTorch's defaults.
         ranked = [s for s in priced["ranked"] if not is_default_ddp(s.knobs)]
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.overlap_chunking.runtime import declines
+
+        ranked = [s for s in ranked if not declines(s.knobs, obs.workload.features())]
+        # --
         chosen = shortlist(ranked, limit)
         return [self._candidate(s, priced) for s in chosen]
 
