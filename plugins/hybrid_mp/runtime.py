@@ -409,12 +409,39 @@ class HybridSync(GradSync):
             waited = time.perf_counter() - start
             nbytes = sum(p.numel() * p.element_size() for p in self.owned)
             self._records.append(CommRecord("gradients", nbytes, waited, waited))
+        scaler = self.session.scaler
+        if scaler is not None:
+            # A rank without the loss never scaled anything: this starts its scale, equal
+            # to every rank's (they all back off and grow on the same agreed inf flags).
+            scaler.scale(torch.zeros((), device=self.session.device))
+            scaler.unscale_(optimizer)
+            self._agree_on_inf(scaler, optimizer)
         clip = self.session.workload.clip_grad_norm
         if clip is not None:
             self._clip(clip)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped on every rank alike when any gradient had an inf
+            scaler.update()
+        else:
+            optimizer.step()
         if self.session.scheduler is not None:
             self.session.scheduler.step()  # once per optimizer step, on every rank
+
+    def _agree_on_inf(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the GradScaler's inf check over the whole model. Each rank's optimizer sees
+        only its own devices' gradients, so an inf found by any rank of the model group
+        counts on all of them (they then skip the step, and back the scale off, together)."""
+        if self.mp <= 1:
+            return  # every rank holds the whole (data-parallel averaged) gradient
+        # The scaler's per-device inf flags of this optimizer (no public API exposes them).
+        found = scaler._found_inf_per_device(optimizer)
+        device = str(self.session.device)
+        if not found:
+            found[device] = torch.zeros((), dtype=torch.float32, device=self.session.device)
+        flag = torch.stack([v.reshape(()).to(torch.float32) for v in found.values()]).amax()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
+        for v in found.values():
+            v.fill_(flag.item())
 
     def _clip(self, max_norm: float) -> None:
         """Clip by the norm of the whole model's gradient, as ``clip_grad_norm_`` on one
@@ -545,7 +572,9 @@ class HybridSync(GradSync):
             roots: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
             if seg.has_loss and loss is not None:
-                roots.append(loss / micro_batches if micro_batches > 1 else loss)
+                root = loss / micro_batches if micro_batches > 1 else loss
+                scaler = self.session.scaler
+                roots.append(scaler.scale(root) if scaler is not None else root)
                 grads.append(None)
             for v in seg.outputs:
                 value = values[v]
@@ -600,14 +629,10 @@ class HybridSync(GradSync):
         return value
 
 
-HYBRID_HANDLES = ALL_FEATURES - {"grad_scaler"}
-"""Training features the hybrid honours. fp16's GradScaler is not one: each rank's
-optimizer sees only its own devices' gradients, so the scaler's inf check (and its skip)
-would differ between the ranks of a model group."""
-HYBRID_NEEDS = {
-    "grad_scaler": "one inf check over every model-parallel rank's gradients before any of "
-    "them steps (each rank's optimizer sees only its own devices' gradients)",
-}
+HYBRID_HANDLES = ALL_FEATURES
+"""Training features the hybrid honours: all (fp16's inf check is agreed over the model
+group, clipping's norm summed over it)."""
+HYBRID_NEEDS: dict[str, str] = {}
 """Why each feature the hybrid does not honour does not apply (its diagnosis says so)."""
 HybridSync.handles = HYBRID_HANDLES
 HybridSync.train_step.handles = HYBRID_HANDLES
