@@ -16,7 +16,7 @@ FEATURES = Path(__file__).parent / "data" / "feature_workloads.py"
 
 
 def spec(variant: str) -> str:
-    return f"{FEATURES}:mlp_{variant}"
+    return f"{FEATURES}:{variant if variant.startswith('tied') else f'mlp_{variant}'}"
 
 
 def _install(session: Session, how: str, knobs: dict[str, Any]) -> None:

@@ -174,8 +174,10 @@ class TwoChunkSync(GradSync):
         self.group = session.group
         self.world = dist.get_world_size(self.group)
         model = session.model
+        # Every name of a tied parameter (a GPT head sharing the embedding's weight) resolves.
+        named_all = dict(model.named_parameters(remove_duplicate=False))
         named = dict(model.named_parameters())
-        missing = [n for n in self.chunk1_names if n not in named]
+        missing = [n for n in self.chunk1_names if n not in named_all]
         if missing:
             raise ConfigError(
                 f"overlap_chunking two_chunk: the model has no parameter {missing[0]!r}"
@@ -189,11 +191,11 @@ class TwoChunkSync(GradSync):
                 )
         self._fcs = [self._replicate(name, modules[name]) for name in self.replicated_names]
         replicated = {id(p) for fc in self._fcs for p in fc.params}
-        first = set(self.chunk1_names)
-        trained = [(n, p) for n, p in named.items() if p.requires_grad and id(p) not in replicated]
+        first = {id(named_all[n]) for n in self.chunk1_names}
+        trained = [p for p in named.values() if p.requires_grad and id(p) not in replicated]
         chunks = [
-            _Chunk("chunk1", [p for n, p in trained if n in first]),
-            _Chunk("chunk2", [p for n, p in trained if n not in first]),
+            _Chunk("chunk1", [p for p in trained if id(p) in first]),
+            _Chunk("chunk2", [p for p in trained if id(p) not in first]),
         ]
         self._chunks = [c for c in chunks if c.params]
         for index, chunk in enumerate(self._chunks):

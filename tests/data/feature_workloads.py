@@ -32,6 +32,25 @@ class MLP(nn.Module):
         return self.l2(F.relu(self.l1(F.relu(self.l0(x)))))
 
 
+class Tied(nn.Module):
+    """A GPT-style tied head: ``head.weight`` is ``l0.weight`` (one parameter, two names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(12, 12), nn.Linear(12, 12)
+        self.head = nn.Linear(12, 12, bias=False)
+        self.head.weight = self.l0.weight
+
+    def forward(self, x):
+        return self.head(F.relu(self.l1(F.relu(self.l0(x)))))
+
+
+def tied_all() -> Workload:
+    """:class:`Tied` with accumulation, the scheduler and clipping."""
+    return Workload(name="tied_all", model=Tied, make_batch=_batch, batch_size=8, lr=0.1, lr_scaling="none",
+                    **VARIANTS["all"])  # fmt: skip
+
+
 def _batch(n: int, gen: torch.Generator):
     x = torch.randn(n, 12, generator=gen)
     return x, x[:, :3].argmax(dim=1)

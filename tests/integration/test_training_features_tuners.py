@@ -87,6 +87,12 @@ def test_two_chunk_without_replicated_layers_honours_every_feature():
     _check_pairs(amp, ["bf16", "fp16"], "two_chunk k=2 f=0", autocast=True)
 
 
+def test_two_chunk_takes_a_tied_head_by_either_name():
+    # k=1: chunk 1 is the head, whose weight is the first layer's (as example:gpt's head)
+    res = run_ranks(train_many, 2, (_runs("two_chunk", {"k": 1, "f": 0}, ["tied_all"]),), dtype=F64)
+    _check_pairs(res, ["tied_all"], "two_chunk k=1 f=0, tied head")
+
+
 def test_cgdp_honours_every_feature_and_offload_all_but_the_scaler():
     runs = _runs("cgdp", {"chunk_size": 1}, EXACT) + [
         ("all", "cgdp", {"chunk_size": 2, "offload_optimizer": True}, STEPS),
