@@ -725,6 +725,12 @@ class Cgdp(Tuner):
             )
         if obs.truth is not None:
             summary = f"{_truth_lead(obs.truth)} on this machine, not the profile's; {summary}"
+        # -- training features (issue 17) --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        if why := declines({"offload_optimizer": True}, obs.workload.features()):
+            summary += f"; offload_optimizer {why}"
+        # --
         return Diagnosis(
             verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
         )
@@ -768,6 +774,11 @@ class Cgdp(Tuner):
                 details={"device_bytes_saved": freed * MiB},
             )
         )
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        out = [c for c in out if not declines(c.knobs, obs.workload.features())]
+        # --
         out.sort(key=lambda c: c.predicted_step_s)
         return out[:limit]
 

@@ -531,6 +531,13 @@ class HybridMp(Tuner):
     def diagnose(self, obs: Observation) -> Diagnosis:
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return Diagnosis(False, "one device: no model-parallel worker can be formed")
+        # -- training features (issue 17) --
+        from tunekit.plugins.hybrid_mp.runtime import HYBRID_HANDLES, HYBRID_NEEDS
+        from tunekit.runtime.sync import declined_features
+
+        if why := declined_features(obs.workload.features(), HYBRID_HANDLES, HYBRID_NEEDS):
+            return Diagnosis(False, why)
+        # --
         evidence = measured_evidence(obs)
         opts = HybridOptions.of(obs)
         try:

@@ -143,6 +143,15 @@ class LayerSplit(Tuner):
     def diagnose(self, obs: Observation) -> Diagnosis:
         if obs.nproc < 2:
             return Diagnosis(False, "one device: there is nothing to split")
+        # -- training features (issue 17) --
+        from tunekit.plugins.layer_split.runtime import LAYER_SPLIT_DECLINES, LAYER_SPLIT_HANDLES
+        from tunekit.runtime.sync import declined_features
+
+        if why := declined_features(
+            obs.workload.features(), LAYER_SPLIT_HANDLES, LAYER_SPLIT_DECLINES
+        ):
+            return Diagnosis(False, why)
+        # --
         graph = self._graph(obs)
         if graph.method != "fx":
             return Diagnosis(False, f"needs the model as a torch.fx graph: {graph.notice}")

@@ -273,13 +273,21 @@ class OverlapChunking(Tuner):
             return Diagnosis(False, "one rank: there is no gradient communication to overlap")
         priced = self._priced(obs)
         fitted: calibration.Fit = priced["fit"]
+        # -- training features (issue 17): configs that cannot honour them are left out --
+        from tunekit.plugins.overlap_chunking.runtime import declines
+
+        features = obs.workload.features()
+        declined = [d for s in priced["ranked"] if (d := declines(s.knobs, features))]
+        priced["ranked"] = [s for s in priced["ranked"] if not declines(s.knobs, features)]
+        # --
         base: Prediction = priced["baseline"]
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
         grad_mib = sum(c.nbytes for c in priced["costs"].layers) / MB
         gain, bound = expected_gain(fitted, best.prediction)
         return Diagnosis(
             applies=True,
-            summary=diagnosis_text(fitted, best, gain, bound, grad_mib),
+            summary=diagnosis_text(fitted, best, gain, bound, grad_mib)
+            + (f"; two_chunk with f > 0 {declined[0]}" if declined else ""),
             expected_gain=gain,
             details={
                 "exposed_s": measured_exposed(fitted),
@@ -304,6 +312,11 @@ class OverlapChunking(Tuner):
         priced = self._priced(obs)
         # The baseline trial already measures PyTorch's defaults.
         ranked = [s for s in priced["ranked"] if not is_default_ddp(s.knobs)]
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.overlap_chunking.runtime import declines
+
+        ranked = [s for s in ranked if not declines(s.knobs, obs.workload.features())]
+        # --
         chosen = shortlist(ranked, limit)
         spread = obs.baseline.spread_s if obs.baseline is not None else None
         return [self._candidate(s, priced, spread) for s in chosen]
