@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from tunekit.errors import WorkloadError
@@ -172,7 +173,11 @@ async def _observe(
             "profile_layers",
             "timing the model's layers",
             device=device,
-            threads=torch.get_num_threads(),
+            # At the threads each rank of the trial gets (the launcher's rule), so that the
+            # layers add up to a rank's step: all cores' threads per layer overstate it.
+            threads=max(1, (psutil.cpu_count(logical=False) or 1) // options.nproc)
+            if device == "cpu"
+            else None,
             repeats=options.layer_repeats,
         )
     if not timed["layer_profile"]:

@@ -96,16 +96,16 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
-    import torch
 
     from tunekit.observe.layer_profile import profile_layers as profile
 
     if state.model is None:
         raise RuntimeError("profile_layers before observe")
-    torch.set_num_threads(int(req["threads"]))  # each rank's share of the cores
+    threads = req.get("threads")  # each rank's share of the cores (None: torch's own)
     try:
         result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1,
-                         repeats=int(req.get("repeats", 3)), hardware_fingerprint=req.get("hardware_fingerprint", ""))
+                         repeats=int(req.get("repeats", 3)), threads=int(threads) if threads else None,
+                         hardware_fingerprint=req.get("hardware_fingerprint", ""))
     except Exception as exc:  # the workload's own code failed; the baseline trial reports it
         return {"layer_profile": None, "notice": f"could not time the model's layers ({type(exc).__name__}: "
                                                   f"{exc}); tuners fall back to the whole-step measurements"}
