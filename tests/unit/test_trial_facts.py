@@ -81,3 +81,22 @@ def test_a_short_output_is_kept_whole(tmp_path, size):
     record = log.close()
     assert (tmp_path / "out.log").read_bytes() == data
     assert (record.bytes, record.kept_bytes, record.dropped_bytes) == (size, size, 0)
+
+
+def test_the_workload_tunekit_does_not_run_carries_its_facts_and_training_features():
+    """tunekit's own process sees the observed workload as a stand-in: global_batch (micro-batches
+    included) and the features must be the real workload's; its code must not run here."""
+    import json
+
+    from support import WORKLOADS
+
+    from tunekit.observe.workload_process import stand_in_workload, workload_facts
+    from tunekit.workload import load_workload
+
+    real = load_workload(f"{WORKLOADS}:featured")
+    stand_in = stand_in_workload(json.loads(json.dumps(workload_facts(real))))  # as it crosses the pipe
+    for name in ("name", "batch_size", "lr", "accumulation", "clip_grad_norm", "precision", "grad_scaler"):
+        assert getattr(stand_in, name) == getattr(real, name), name
+    assert stand_in.accumulation == 3 and stand_in.scheduler is not None
+    with pytest.raises(RuntimeError, match="runs in its own process"):
+        stand_in.model()

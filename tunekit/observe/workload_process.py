@@ -213,7 +213,11 @@ def workload_facts(wl: Workload) -> dict[str, Any]:
     """What tunekit's own process needs to know of a workload it does not run (JSON)."""
     return {"name": wl.name, "batch_size": wl.batch_size, "lr": wl.lr, "lr_scaling": wl.lr_scaling,
             "batch_range": list(wl.batch_range) if wl.batch_range else None, "seed": wl.seed,
-            "description": wl.description}
+            "description": wl.description, "extra": wl.extra,
+            # The training features (Observation.global_batch counts micro-batches); a scheduler by
+            # its presence only: its factory is code, and runs only where the workload does.
+            "precision": wl.precision, "grad_scaler": wl.grad_scaler, "accumulation": wl.accumulation,
+            "clip_grad_norm": wl.clip_grad_norm, "scheduler": wl.scheduler is not None}
 
 
 def stand_in_workload(facts: dict[str, Any]) -> Workload:
@@ -226,7 +230,11 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
     batch_range = tuple(facts["batch_range"]) if facts.get("batch_range") else None
     return Workload(name=facts["name"], model=runs_in_its_own_process, make_batch=runs_in_its_own_process,
                     batch_size=facts["batch_size"], lr=facts["lr"], lr_scaling=facts["lr_scaling"],
-                    batch_range=batch_range, seed=facts.get("seed", 0), description=facts.get("description", ""))
+                    batch_range=batch_range, seed=facts.get("seed", 0), description=facts.get("description", ""),
+                    extra=facts.get("extra") or {}, precision=facts.get("precision", "fp32"),
+                    grad_scaler=facts.get("grad_scaler"), accumulation=facts.get("accumulation", 1),
+                    clip_grad_norm=facts.get("clip_grad_norm"),
+                    scheduler=runs_in_its_own_process if facts.get("scheduler") else None)
 
 
 def observation_parts(obs: Observation, cache: dict[str, Any]) -> dict[str, Any]:
