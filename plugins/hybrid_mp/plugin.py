@@ -127,8 +127,9 @@ class HybridOptions:
 # -- inputs ---------------------------------------------------------------------------------
 
 
-def model_graph(obs: Observation):
-    """The observation's traced graph at the per-rank batch, tracing the model if needed."""
+def model_graph(obs: Observation, strict: bool = True):
+    """The observation's traced graph at the per-rank batch, tracing the model if needed
+    (``strict``: refusing any graph but a torch.fx one)."""
     from tunekit.observe.graph import trace_model
 
     b = obs.workload.batch_size
@@ -136,7 +137,7 @@ def model_graph(obs: Observation):
     if graph is None:
         x, _ = obs.workload.example_batch(min(b, 2))
         graph = trace_model(obs.workload.model(), x, batch_size=b)
-    if graph.method != "fx":
+    if strict and graph.method != "fx":
         raise ConfigError(
             f"hybrid_mp needs a torch.fx-traceable model to see its branches ({graph.notice})"
         )
@@ -340,6 +341,9 @@ class HybridMp(Tuner):
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return Diagnosis(False, "one device: no model-parallel worker can be formed")
         opts = HybridOptions.of(obs)
+        graph = model_graph(obs, strict=False)
+        if graph.method != "fx":  # torch.export/hooks graphs: no fx nodes to place
+            return Diagnosis(False, f"needs the model as a torch.fx graph ({graph.notice})")
         og, source = op_graph(obs, opts)
         bound = speedup_bound(og)
         details = {"su_bound": bound, "ops": len(og.ops), "times": source}
@@ -380,6 +384,9 @@ class HybridMp(Tuner):
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return []
         opts = HybridOptions.of(obs)
+        graph = model_graph(obs, strict=False)
+        if graph.method != "fx":  # torch.export/hooks graphs: no fx nodes to place
+            return Diagnosis(False, f"needs the model as a torch.fx graph ({graph.notice})")
         og, source = op_graph(obs, opts)
         if speedup_bound(og) < MIN_USEFUL_SPEEDUP:
             return []

@@ -82,6 +82,14 @@ def default_prediction(costs: StepCosts) -> Prediction:
     return predict_ddp(costs, DEFAULT_FIRST_MB * MB, DEFAULT_CAP_MB * MB)
 
 
+def two_chunk_refuses(obs: Observation) -> bool:
+    """Two chunks update per chunk: a job with AMP, accumulation, a schedule or clipping
+    cannot keep its arithmetic under them (the session refuses it at apply)."""
+    from tunekit.plugins.overlap_chunking.two_chunk import TwoChunkSync
+
+    return bool(obs.workload.features() - TwoChunkSync.handles)
+
+
 class OverlapChunking(Tuner):
     name = "overlap_chunking"
     title = "Overlapped gradient chunks (Lee et al.)"
@@ -300,6 +308,8 @@ class OverlapChunking(Tuner):
         priced = self._priced(obs)
         # The baseline trial already measures PyTorch's defaults.
         ranked = [s for s in priced["ranked"] if not is_default_ddp(s.knobs)]
+        if two_chunk_refuses(obs):  # its trial would only be refused at apply
+            ranked = [s for s in ranked if s.knobs["mode"] != "two_chunk"]
         chosen = shortlist(ranked, limit)
         return [self._candidate(s, priced) for s in chosen]
 
