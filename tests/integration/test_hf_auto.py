@@ -10,9 +10,10 @@ TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunki
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # torch.export capture, a layer profile and 4+ torchrun trials on 2 ranks
 def test_auto_tunes_hf_gpt2_with_all_five_tuners_diagnosing_it(cli, workdir):
     res = cli("auto", "example:hf-gpt2", "--nproc", "2", "--trials", "2", "--steps", "6",
-              "--warmup", "1", "--no-probe")
+              "--warmup", "1", "--no-probe", timeout=840)
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
     graph = report["observation"]["graph"]

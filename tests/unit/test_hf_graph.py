@@ -130,3 +130,16 @@ def test_dropout_is_in_the_graph_because_capture_trains(captured):
     if name == "llama":
         pytest.skip("Llama has no dropout by default")
     assert any(n.op == "native_dropout" for n in graph.nodes.values())
+
+
+def test_layers_of_an_export_graph_are_timed_one_by_one(captured):
+    name, model, graph, _ = captured
+    if name != "gpt2":
+        pytest.skip("one model is enough for the layer runner")
+    from tunekit.observe.layer_profile import profile_layers
+
+    profile = profile_layers(model, (_inputs(name),), graph, warmup=0, repeats=1)
+    computing = {n for n, lay in graph.layers.items() if lay.kind not in ("input", "output")}
+    assert set(profile.layers) == computing
+    scores = next(n.layer for n in _attention_matmuls(graph))
+    assert profile.layers[scores].forward_s > 0 and profile.layers[scores].backward_s > 0

@@ -300,6 +300,7 @@ class _LayerRunner:
             self.gm = torch.fx.symbolic_trace(model) if graph.method == "fx" else graph.module
             if self.gm is None:
                 raise ValueError("an export graph read back from the store cannot run; trace again")
+            self.gm.to(device)  # its weights may be its own copies of the model's
             self.fx_nodes = {n.name: n for n in self.gm.graph.nodes}
             missing = set(graph.nodes) - set(self.fx_nodes)
             if missing:

@@ -174,3 +174,20 @@ def test_layer_times_from_the_observation_layers_profile():
     total = sum(t.forward_s + t.backward_s for t in times)
     profiled = sum(t.forward_s + t.backward_s for t in profile.layers.values())
     assert total == pytest.approx(2 * profiled, rel=1e-9)
+
+
+def test_two_chunk_is_not_planned_for_jobs_it_would_refuse():
+    """Two chunks update per chunk: clipping, AMP, accumulation or a schedule refuse it at apply."""
+    from tunekit.plugins.overlap_chunking.plugin import two_chunk_refuses
+    from tunekit.workload import Workload
+
+    def job(**fields):
+        def batch(n, g):
+            return torch.randn(n, 2, generator=g), torch.zeros(n, dtype=torch.long)
+
+        return SimpleNamespace(workload=Workload("w", model=lambda: torch.nn.Linear(2, 2),
+                                                 make_batch=batch, **fields))
+
+    assert not two_chunk_refuses(job())
+    assert two_chunk_refuses(job(clip_grad_norm=1.0))
+    assert two_chunk_refuses(job(accumulation=2))
