@@ -137,8 +137,9 @@ class HybridOptions:
 # -- inputs ---------------------------------------------------------------------------------
 
 
-def model_graph(obs: Observation):
-    """The observation's traced graph at the per-rank batch, tracing the model if needed."""
+def model_graph(obs: Observation, strict: bool = True):
+    """The observation's traced graph at the per-rank batch, tracing the model if needed
+    (``strict``: refusing any graph but a torch.fx one)."""
     from tunekit.observe.graph import trace_model
 
     b = obs.workload.batch_size
@@ -146,7 +147,7 @@ def model_graph(obs: Observation):
     if graph is None:
         x, _ = obs.workload.example_batch(min(b, 2))
         graph = trace_model(obs.workload.model(), x, batch_size=b)
-    if graph.method != "fx":
+    if strict and graph.method != "fx":
         raise ConfigError(
             f"hybrid_mp needs a torch.fx-traceable model to see its branches ({graph.notice})"
         )
@@ -540,6 +541,9 @@ class HybridMp(Tuner):
         # --
         evidence = measured_evidence(obs)
         opts = HybridOptions.of(obs)
+        graph = model_graph(obs, strict=False)
+        if graph.method != "fx":  # torch.export/hooks graphs: no fx nodes to place
+            return Diagnosis(False, f"{evidence}; needs the model as a torch.fx graph ({graph.notice})")
         try:
             og, source = op_graph(obs, opts)
         except ConfigError as exc:
@@ -595,6 +599,8 @@ class HybridMp(Tuner):
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return []
         opts = HybridOptions.of(obs)
+        if model_graph(obs, strict=False).method != "fx":
+            return []  # diagnose said why: no fx nodes to place
         try:
             og, source = op_graph(obs, opts)
         except ConfigError:

@@ -16,6 +16,7 @@ import sys
 from importlib.metadata import entry_points
 
 import click
+from rich.markup import escape
 
 from tunekit import __version__
 from tunekit.cli.common import err_console
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except TunekitError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
+        # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -363,8 +363,12 @@ class _LayerRunner:
         self.device = device
         self.gm: torch.fx.GraphModule | None = None
         self.fx_nodes: dict[str, torch.fx.Node] = {}
-        if graph.method == "fx":
-            self.gm = torch.fx.symbolic_trace(model)
+        if graph.method in ("fx", "export"):
+            # export: the captured ATen GraphModule (fx cannot trace the model again)
+            self.gm = torch.fx.symbolic_trace(model) if graph.method == "fx" else graph.module
+            if self.gm is None:
+                raise ValueError("an export graph read back from the store cannot run; trace again")
+            self.gm.to(device)  # its weights may be its own copies of the model's
             self.fx_nodes = {n.name: n for n in self.gm.graph.nodes}
             missing = set(graph.nodes) - set(self.fx_nodes)
             if missing:
@@ -379,6 +383,8 @@ class _LayerRunner:
             out: list[str] = []
             for m in self.graph.layers[layer].nodes:
                 for p in self.fx_nodes[m].all_input_nodes:
+                    if self._weight(p):
+                        continue  # a step argument itself (see steps)
                     if p.name not in members and p.name not in out:
                         out.append(p.name)
             return out
@@ -395,7 +401,10 @@ class _LayerRunner:
                 steps.append(_Step(m, "call_module", mod, (_Ref(src),), {}))
                 continue
             n = self.fx_nodes[m]
-            ref = lambda node: _Ref(node.name)  # noqa: E731
+
+            def ref(node):
+                return _attr(self.gm, node.target) if self._weight(node) else _Ref(node.name)
+
             args, kwargs = map_arg(n.args, ref), map_arg(n.kwargs, ref)
             if n.op == "call_module":
                 target = self.gm.get_submodule(n.target)
@@ -405,6 +414,11 @@ class _LayerRunner:
                 target = n.target
             steps.append(_Step(m, n.op, target, args, dict(kwargs)))
         return steps
+
+    def _weight(self, node: torch.fx.Node) -> bool:
+        """Export graphs read every weight through ``get_attr``: the graph has no node for
+        it, so steps take the parameter itself as an argument."""
+        return self.graph.method == "export" and node.op == "get_attr"
 
     def capture_env(self, example_inputs: tuple) -> dict[str, Any]:
         """Every node's output in one forward pass of ``example_inputs`` (no grad)."""
@@ -417,6 +431,10 @@ class _LayerRunner:
                         env[n.name] = super().run_node(n)
                         return env[n.name]
 
+                if self.graph.method == "export":  # placeholders are the inputs' leaves
+                    from tunekit.observe.graph_export import flat_inputs
+
+                    example_inputs = tuple(flat_inputs(example_inputs))
                 _Capture(self.gm).run(*example_inputs)
             else:
                 handles = []
@@ -493,6 +511,10 @@ def _layer_params(steps: list[_Step]) -> list[torch.Tensor]:
             params.extend(p for p in s.target.parameters() if p.requires_grad)
         elif isinstance(s.target, nn.Parameter) and s.target.requires_grad:
             params.append(s.target)
+        # export graphs pass weights as arguments (a parameter read by two steps counts once)
+        for a in [*s.args, *s.kwargs.values()]:
+            if isinstance(a, nn.Parameter) and a.requires_grad and all(a is not p for p in params):
+                params.append(a)
     return params
 
 
@@ -608,8 +630,8 @@ def _profile_layers(
 ) -> LayerProfile:
     device = torch.device(device)
     args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    if graph is None:
-        graph = trace_model(model, args)
+    if graph is None or (graph.method == "export" and graph.module is None):
+        graph = trace_model(model, args)  # an export graph from the store: capture it again
     model.to(device)
     args = _to_device(args, device)
     runner = _LayerRunner(model, graph, device)
