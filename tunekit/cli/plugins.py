@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from tunekit.cli.common import console
-from tunekit.plugin_loading import load_all
+from tunekit.plugin_loading import load_all, slow_imports
 
 
 @click.command("plugins")
@@ -21,6 +21,8 @@ def plugins_cmd(knobs: bool) -> None:
         status = "[green]ok[/]" if r.ok else f"[red]{r.status}[/]: {r.error}"
         table.add_row(r.name, r.aspect or "—", r.title or "—", r.package, status)
     console.print(table)
+    for line in slow_imports(records):
+        console.print(f"[yellow]slow:[/] {line}")
     if knobs:
         for r in records:
             if not r.ok:
