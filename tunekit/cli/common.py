@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from tunekit.errors import TunekitError
+
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class Interrupted(TunekitError):
+    """Ctrl-C: said in one line with the command that continues the work."""
+
+    exit_code = 130
+
+
+def ensure_writable(folder: Path, what: str) -> Path:
+    """Make ``folder`` (with its parents) and check that files can be created in it.
+
+    Before long work, not after it: a read-only working directory fails in one line.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise TunekitError(f"cannot write {what} {folder}: {reason} (give another folder, or run from a "
+                           "writable working directory)") from None
+    return folder
+
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s|ms)?")
 _UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, None: 1.0}
