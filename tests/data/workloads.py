@@ -100,3 +100,10 @@ def cnn_float64() -> Workload:
     build = w.model
     w.model, w.make_batch = (lambda: build().double()), make_batch
     return w
+
+
+def forward_fails() -> Workload:
+    """Builds fine; its forward pass fails on every batch (16 features into a layer that takes 15)."""
+    w = tiny()
+    w.model = lambda: nn.Sequential(nn.Linear(15, 4), nn.ReLU(), nn.Linear(4, 2))
+    return w

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import console, ensure_writable
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
 from tunekit.observe.profile_job import ProfileOptions, profile_job
@@ -59,6 +59,7 @@ def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top):
     summary and py-spy hot spots; writes profile.json, telemetry.json and the
     ranks' Chrome traces (open them in Perfetto) under --out.
     """
+    ensure_writable(out_dir, "the profile folder (--out)")  # before the profile, not after it
     opts = ProfileOptions(
         nproc=nproc, steps=steps, warmup=warmup, out_dir=out_dir, device=device, top_layers=top
     )

@@ -34,7 +34,6 @@ import torch
 import torch.fx
 from torch import nn
 from torch.fx.operator_schemas import normalize_function
-from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode
 
 from tunekit.errors import WorkloadError
@@ -385,8 +384,13 @@ class _ParamLedger:
 # -- fx path ---------------------------------------------------------------------------
 
 
-class _CountingShapeProp(ShapeProp):
-    """Shape propagation that also records each node's output and its FLOPs."""
+class _CountingShapeProp(torch.fx.Interpreter):
+    """Shape propagation that also records each node's output and its FLOPs.
+
+    An Interpreter rather than torch.fx's ShapeProp, which prints a whole
+    traceback to stderr when a node fails: a workload whose forward pass fails
+    is reported in one line (the caller's WorkloadError), nothing more.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode):
         super().__init__(gm)
@@ -406,7 +410,7 @@ def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
     gm = torch.fx.symbolic_trace(model)
     with FlopCounterMode(display=False) as counter:
         prop = _CountingShapeProp(gm, counter)
-        prop.propagate(*args)
+        prop.run(*args)
     modules = dict(gm.named_modules())
     ledger = _ParamLedger()
     nodes: dict[str, GraphNode] = {}
