@@ -5,8 +5,9 @@
 On 2 CPU gloo ranks (one thread each) against one process with one thread:
 
 1. Δ(k) measured: every layer's forward and backward timed standalone
-   (``tunekit.observe.layer_profile``); the link measured: a send/recv
-   ping-pong between the two ranks fitted to latency + bytes / bandwidth.
+   (``tunekit.observe.layer_profile``); the link measured: the core's send/recv
+   ping-pong between the two ranks (``tunekit.observe.timing.measure_link``:
+   warm-up, repeats, medians) fitted to latency + bytes / bandwidth.
 2. DLPlacer places the model on the two ranks and predicts SU^2.
 3. The placement runs for real (``hybrid_mp``'s executor) and its step time is
    compared with one process training the same batches.
@@ -30,8 +31,9 @@ from rich.table import Table
 
 from tunekit.observe.graph import trace_model
 from tunekit.observe.layer_profile import profile_layers
+from tunekit.observe.timing import measure_link
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
-from tunekit.plugins.hybrid_mp.harness import fit_link, hybrid_rank, p2p_pingpong, reference_run
+from tunekit.plugins.hybrid_mp.harness import hybrid_rank, reference_run
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
 from tunekit.plugins.hybrid_mp.plugin import nodes_of
 from tunekit.plugins.hybrid_mp.render import format_gantt, format_summary
@@ -64,8 +66,8 @@ def main() -> None:
     x, _ = workload.example_batch(b)
     graph = trace_model(model, x)
     prof = profile_layers(model, x, graph, warmup=2, repeats=5)
-    link = run_ranks(p2p_pingpong, 2, args=(SIZES,))[0]
-    bandwidth, latency = fit_link(link)
+    link = run_ranks(measure_link, 2, args=(SIZES,))[0]
+    bandwidth, latency = link.bandwidth, link.latency
     measured = {name: (t.forward_s, t.backward_s) for name, t in prof.layers.items()}
     og = op_graph_from_model(graph, measured=measured)
     mem = 64e9

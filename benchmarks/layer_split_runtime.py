@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/layer_split_runtime.py [--steps 12] [--warmup 3]
 
-1. Probes this machine: point-to-point and all-reduce times of the 2 ranks over
-   a size sweep, fitted to latency + bytes/bandwidth (the hardware model's
-   collective fits).
+1. Probes this machine (``tunekit.observe.probe.probe_hardware``): point-to-point
+   and all-reduce times of the 2 ranks over a size sweep, fitted to latency +
+   bytes/bandwidth (the hardware model's collective fits).
 2. Builds the cost tables of the example CNN for those 2 ranks, with compute
    MEASURED per (layer, config) by ``time_layer_split`` at one thread per rank.
 3. Runs plans for real (image parallelism, OWT, DeePa's best, the best under the
@@ -23,16 +23,14 @@ import argparse
 import json
 import os
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tunekit.hardware import CollectiveFit
-from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Observation, summarize_model
+from tunekit.observe.probe import probe_hardware
 from tunekit.plugins.layer_split.model import CostOptions, build_tables
 from tunekit.plugins.layer_split.plugin import LayerSplit
-from tunekit.plugins.layer_split.ranks import p2p_probe, train_plans
+from tunekit.plugins.layer_split.ranks import train_plans
 from tunekit.plugins.layer_split.search import evaluate, named_configs, search
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload
@@ -52,14 +50,6 @@ MIXED = {
 }
 
 
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares latency (s) and bandwidth (bytes/s) of time = latency + bytes / bandwidth."""
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([p[1] for p in points], dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
-    return max(intercept, 0.0), 1.0 / max(slope, 1e-15)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -68,20 +58,15 @@ def main() -> None:
     console = Console(width=150)
 
     sizes = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
-    probe = run_ranks(p2p_probe, 2, (sizes,))[0]
-    p2p_lat, p2p_bw = fit(probe["p2p"])
-    ar_lat, ar_bw = fit(probe["all_reduce"])
-    fits = (
-        CollectiveFit("gloo", "p2p", 2, p2p_lat, p2p_bw),
-        CollectiveFit("gloo", "all_reduce", 2, ar_lat, ar_bw),
-    )
+    hw = probe_hardware(2, sizes=sizes, device_type="cpu").hardware
+    p2p, ar = hw.fit("p2p", 2), hw.fit("all_reduce", 2)
+    p2p_lat, p2p_bw, ar_lat, ar_bw = p2p.latency, p2p.bandwidth, ar.latency, ar.bandwidth
     console.print(
         f"probe: p2p {p2p_lat * 1e6:.0f} us + bytes / {p2p_bw / 1e9:.2f} GB/s; "
         f"all-reduce {ar_lat * 1e6:.0f} us + bytes / {ar_bw / 1e9:.2f} GB/s"
     )
 
     wl = load_workload(SPEC)
-    hw = describe_local_machine(2, "cpu", fits)
     obs = Observation(
         SPEC, wl, 2, "gloo", "cpu", hw, summarize_model(wl.model(), wl.example_batch(2)[0])
     )

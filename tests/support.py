@@ -112,3 +112,16 @@ def rank_broadcasts_without_unpickling(rank: int, world: int) -> list:
                                  src=src) for src in range(world)]
     finally:
         c10d._unpickler = saved
+
+
+def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
+    """Train ``steps`` steps with the session's default gradient sync; this rank's parameters."""
+    import torch.distributed as dist
+
+    from tunekit.runtime.session import Session
+    from tunekit.workload import load_workload
+
+    session = Session(load_workload(spec), rank=rank, world_size=world, group=dist.group.WORLD)
+    losses = [session.train_step().loss for _ in range(steps)]
+    session.close()
+    return {"params": {n: p.detach().clone() for n, p in session.model.named_parameters()}, "losses": losses}

@@ -23,4 +23,17 @@ __version__ = "0.1.0"
 # version it was built for; a different major is refused when it is loaded.
 API_VERSION = (1, 0)
 
-__all__ = ["API_VERSION", "__version__"]
+__all__ = ["API_VERSION", "Workload", "__version__", "load_workload", "prepare"]
+
+
+def __getattr__(name: str):
+    # Lazily: `import tunekit` stays free of torch (the CLI's fast paths rely on it).
+    if name in ("Workload", "load_workload"):
+        from tunekit import workload
+
+        return getattr(workload, name)
+    if name == "prepare":
+        from tunekit.prepared import prepare
+
+        return prepare
+    raise AttributeError(f"module 'tunekit' has no attribute {name!r}")

@@ -33,6 +33,8 @@ TOML schema (every key required unless marked optional)::
     [[collectives]]                      # optional: a measured or calibrated fit
     backend = "nccl"; op = "all_reduce"; world_size = 4
     latency_us = 20; bandwidth_gb_s = 60; residual = 0.03
+    latency_us_interval = [18, 23]       # optional: 95 % intervals of a measured fit
+    bandwidth_gb_s_interval = [55, 63]   # optional
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import hashlib
 import heapq
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +90,52 @@ class Host:
 
 @dataclass(frozen=True)
 class CollectiveFit:
-    """``time(bytes) = latency + bytes / bandwidth`` for one collective at one world size."""
+    """``time(bytes) = latency + bytes / bandwidth`` for one collective at one world size.
+
+    A measured fit carries 95 % intervals of its latency and bandwidth
+    (:func:`tunekit.observe.timing.fit_samples`); a fit from an older cache, a
+    profile without them or a model has none (``None``), and its ends are its value.
+    """
 
     backend: str  # "gloo" | "nccl" | "model"
-    op: str  # "all_reduce" | "p2p" | "all_gather" | "h2d" | "d2h"
+    op: str  # "all_reduce" | "p2p" | "all_gather" | "h2d" | "d2h" | "memcpy"
     world_size: int
     latency: float  # s
     bandwidth: float  # bytes/s (effective, as fitted)
     residual: float = 0.0  # relative RMS error of the fit
+    latency_interval: tuple[float, float] | None = None  # s, (low, high)
+    bandwidth_interval: tuple[float, float] | None = None  # bytes/s, (low, high)
+
+    def __post_init__(self) -> None:
+        # JSON (the study store) gives lists back; keep the fit hashable and comparable.
+        for name in ("latency_interval", "bandwidth_interval"):
+            value = getattr(self, name)
+            if value is not None:
+                low, high = (float(v) for v in value)
+                object.__setattr__(self, name, (low, high))
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    def bandwidth_bounds(self) -> tuple[float, float]:
+        """(low, high) bandwidth: the interval, or the value twice when there is none."""
+        return self.bandwidth_interval or (self.bandwidth, self.bandwidth)
+
+    def latency_bounds(self) -> tuple[float, float]:
+        return self.latency_interval or (self.latency, self.latency)
+
+    def at_end(self, end: str) -> CollectiveFit:
+        """This fit at the ``"slow"`` end of its intervals (high latency, low bandwidth) or ``"fast"``."""
+        if end not in ("slow", "fast"):
+            raise ValueError(f"end must be 'slow' or 'fast', not {end!r}")
+        slow = end == "slow"
+        lat_low, lat_high = self.latency_bounds()
+        bw_low, bw_high = self.bandwidth_bounds()
+        return replace(
+            self,
+            latency=lat_high if slow else lat_low,
+            bandwidth=bw_low if slow else bw_high,
+        )
 
 
 @dataclass(frozen=True)
@@ -231,6 +268,15 @@ class Hardware:
         p = world_size
         return 2 * (p - 1) * lat + 2 * (p - 1) / p * nbytes / bw
 
+    def at_end(self, end: str) -> Hardware:
+        """This machine with every fit at the ``"slow"`` or ``"fast"`` end of its 95 % intervals.
+
+        Decisions that hinge on a measured figure evaluate both ends to see whether
+        the measurement's uncertainty could change them. Fits without intervals
+        and links (whose figures come from fits or profiles) are unchanged.
+        """
+        return replace(self, collectives=tuple(c.at_end(end) for c in self.collectives))
+
     def host_bandwidth(self, device: str) -> float:
         """Bandwidth between a device and its nearest host socket (D2H/H2D)."""
         fit = self.fit("d2h", 1)
@@ -331,6 +377,8 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
                 latency=r.num(t, "latency_us", p) * 1e-6,
                 bandwidth=r.num(t, "bandwidth_gb_s", p, minimum=1e-12) * GB,
                 residual=r.num(t, "residual", p, default=0.0),
+                latency_interval=r.interval(t, "latency_us_interval", p, 1e-6),
+                bandwidth_interval=r.interval(t, "bandwidth_gb_s_interval", p, GB),
             )
         )
     return Hardware(
@@ -390,6 +438,20 @@ class _Reader:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise HardwareError(f"{self.where}: field {prefix}{key} must be a list of names")
         return v
+
+    def interval(
+        self, data: dict, key: str, prefix: str, unit: float
+    ) -> tuple[float, float] | None:
+        """An optional ``[low, high]`` pair of non-negative numbers, scaled by ``unit``."""
+        v = data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, list) or len(v) != 2:
+            raise HardwareError(f"{self.where}: field {prefix}{key} must be [low, high]")
+        low, high = (self.num({key: x}, key, prefix) for x in v)
+        if low > high:
+            raise HardwareError(f"{self.where}: field {prefix}{key} has low {low} > high {high}")
+        return low * unit, high * unit
 
     def num(self, data: dict, key: str, prefix: str = "", minimum: float = 0.0, default=_missing) -> float:
         v = data.get(key, self._missing)

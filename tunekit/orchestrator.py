@@ -68,6 +68,7 @@ from tunekit.trials.decide import (
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.length import trial_length
 from tunekit.workload import Workload, load_workload, resolve_spec
 
 
@@ -205,7 +206,7 @@ def observe_static(
         hw = describe_local_machine(world_size, device_type)
         fits = store.cache_get(probe_cache_key(hw))
         if not fits and probe and world_size >= 2:
-            result = probe_hardware(world_size, repeats=3, device_type=device_type)
+            result = probe_hardware(world_size, device_type=device_type)
             fits = [asdict(f) for f in result.hardware.collectives]
             store.cache_put(probe_cache_key(hw), fits)
             notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
@@ -629,17 +630,21 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         if row is None:
             return
         index += 1
-        if not run.fits_budget():
-            store.finish_trial(row.id, status="skipped", error="did not fit the time budget")
+        length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
+        skip = "did not fit the time budget" if not run.fits_budget() else length.skip_reason
+        if skip:
+            store.finish_trial(row.id, status="skipped", error=skip, result={"length": length.to_dict()})
             yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
-                                None, None, row.predicted_s, "did not fit the time budget", row.corrected_s)
+                                None, None, row.predicted_s, skip, row.corrected_s)
             continue
+        if length.shortened:
+            yield Notice(f"trial {row.seq} {describe(row.config)}: {length.reason}")
         yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
                            index, index - 1 + left, row.corrected_s)
         store.start_trial(row.id)
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
-            warmup=s.warmup, steps=s.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+            warmup=length.warmup, steps=length.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
@@ -665,7 +670,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
         run.trial_walls.append(outcome.wall_s)
-        result = _trial_result(outcome)
+        result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()
         m = outcome.measurement
@@ -715,6 +720,7 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         "wall_s": outcome.wall_s,
         "trial_dir": outcome.trial_dir,
         "search": outcome.search,
+        "startup_s": outcome.startup_s,
     }
 
 

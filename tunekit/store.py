@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS trials (
     config TEXT NOT NULL,
     predicted_s REAL,              -- the tuner's own prediction (seconds per step)
     corrected_s REAL,              -- that prediction corrected by the trials before this one ran
-    status TEXT NOT NULL,          -- pending | running | ok | crash | oom | hang | skipped
+    status TEXT NOT NULL,          -- pending | running | ok | crash | oom | hang | too_slow | skipped
     median_s REAL,
     spread_s REAL,
     samples_per_s REAL,
@@ -84,9 +84,14 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-FINISHED_STATUSES = ("ok", "crash", "oom", "hang", "skipped")
 TABLES = ("studies", "trials", "cache", "events")
 LOCKS_DIR = "locks"
+FAILED_STATUSES = ("crash", "oom", "hang", "too_slow")
+"""A trial ran and measured nothing: it crashed, ran out of memory, stopped
+finishing steps (hang) or outlived the trial timeout while its steps kept
+finishing (too_slow)."""
+FINISHED_STATUSES = ("ok", *FAILED_STATUSES, "skipped")
+"""Final: ``--resume`` never runs these again (``skipped``: not run, with the reason)."""
 
 
 @dataclass

@@ -27,7 +27,12 @@ from torch import nn
 from tunekit.errors import WorkloadError
 
 LrScaling = Literal["linear", "sqrt", "none"]
+Precision = Literal["fp32", "bf16", "fp16"]
 Batch = tuple[Any, torch.Tensor]
+SchedulerFactory = Callable[[torch.optim.Optimizer], "torch.optim.lr_scheduler.LRScheduler"]
+
+DOC = "docs/workloads.md"
+"""Where every field is described; workload errors point there."""
 
 
 def _default_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -66,28 +71,87 @@ class Workload:
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for plugins (e.g. ``{"family": "cnn"}``)."""
+    precision: Precision = "fp32"
+    """Mixed precision: forward and loss under ``torch.autocast`` in ``bf16`` or ``fp16``
+    (``fp32``: off). Parameters, gradients and the optimizer stay in fp32."""
+    grad_scaler: bool | None = None
+    """fp16 only: scale the loss against gradient underflow (``torch.amp.GradScaler``;
+    None: on for fp16). bf16 and fp32 need none."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step: each rank runs ``accumulation`` forward and backward
+    passes of ``batch_size`` samples, then one update. The global batch of a step is
+    ``batch_size x accumulation x ranks``."""
+    scheduler: SchedulerFactory | None = None
+    """``optimizer -> LR scheduler``, stepped once per optimizer step; its state is
+    checkpointed and carried through live applies and rollbacks."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients to this global L2 norm before each update (None: no clipping)."""
 
     def __post_init__(self) -> None:
         if (self.make_batch is None) == (self.dataset is None):
-            raise WorkloadError(
-                f"workload {self.name!r}: give exactly one of make_batch and dataset"
-            )
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise WorkloadError(f"workload {self.name!r}: batch_size must be a positive int")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise WorkloadError(f"workload {self.name!r}: lr must be a positive number")
+            raise self._error("make_batch/dataset", "give exactly one of make_batch and dataset")
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise self._error("batch_size", f"must be a positive int, not {self.batch_size!r}")
+        if not isinstance(self.lr, int | float) or not (self.lr > 0 and math.isfinite(self.lr)):
+            raise self._error("lr", f"must be a positive number, not {self.lr!r}")
         if self.lr_scaling not in ("linear", "sqrt", "none"):
-            raise WorkloadError(
-                f"workload {self.name!r}: lr_scaling must be linear, sqrt or none, "
-                f"not {self.lr_scaling!r}"
-            )
+            raise self._error("lr_scaling", f"must be linear, sqrt or none, not {self.lr_scaling!r}")
         if self.batch_range is not None:
-            lo, hi = self.batch_range
+            try:
+                lo, hi = self.batch_range
+            except (TypeError, ValueError):
+                raise self._error("batch_range", f"must be (low, high), not {self.batch_range!r}") from None
             if not (1 <= lo <= self.batch_size <= hi):
-                raise WorkloadError(
-                    f"workload {self.name!r}: batch_range {self.batch_range} must contain "
-                    f"batch_size {self.batch_size}"
+                raise self._error(
+                    "batch_range", f"{self.batch_range} must contain batch_size {self.batch_size}"
                 )
+        for name in ("model", "loss", "optimizer"):
+            if not callable(getattr(self, name)):
+                raise self._error(name, f"must be callable, not {type(getattr(self, name)).__name__}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise self._error("precision", f"must be fp32, bf16 or fp16, not {self.precision!r}")
+        if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
+            raise self._error("grad_scaler", f"must be True, False or None, not {self.grad_scaler!r}")
+        if self.precision == "fp16" and self.grad_scaler is False:
+            raise self._error(
+                "grad_scaler", "fp16 needs a GradScaler against gradient underflow: "
+                "leave grad_scaler on, or use precision='bf16'"
+            )
+        if self.grad_scaler and self.precision != "fp16":
+            raise self._error("grad_scaler", f"only fp16 scales the loss; precision is {self.precision}")
+        if not isinstance(self.accumulation, int) or isinstance(self.accumulation, bool) or self.accumulation < 1:
+            raise self._error("accumulation", f"must be an int of 1 or more, not {self.accumulation!r}")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise self._error("scheduler", "must be a function optimizer -> LR scheduler")
+        if self.clip_grad_norm is not None and (
+            isinstance(self.clip_grad_norm, bool)
+            or not isinstance(self.clip_grad_norm, int | float)
+            or not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm))
+        ):
+            raise self._error("clip_grad_norm", f"must be a positive number or None, not {self.clip_grad_norm!r}")
+
+    def _error(self, field_name: str, problem: str) -> WorkloadError:
+        return WorkloadError(f"workload {self.name!r}: {field_name} {problem} (see {DOC})")
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.precision == "fp16"
+
+    def features(self) -> frozenset[str]:
+        """The training features in use: ``amp``, ``grad_scaler``, ``accumulation``,
+        ``scheduler``, ``clipping`` (what a gradient strategy or a placement must honour)."""
+        out = set()
+        if self.precision != "fp32":
+            out.add("amp")
+        if self.uses_scaler:
+            out.add("grad_scaler")
+        if self.accumulation > 1:
+            out.add("accumulation")
+        if self.scheduler is not None:
+            out.add("scheduler")
+        if self.clip_grad_norm is not None:
+            out.add("clipping")
+        return frozenset(out)
 
     def scaled_lr(self, batch_size: int) -> float:
         """The learning rate for per-rank ``batch_size`` under this workload's scaling rule."""
@@ -158,7 +222,8 @@ def load_workload(spec: str) -> Workload:
         raise WorkloadError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
-            f"{where} returned {type(workload).__name__}, expected a tunekit Workload"
+            f"{where} returned {type(workload).__name__}, expected a tunekit.Workload "
+            f"(see {DOC})"
         )
     return workload
 

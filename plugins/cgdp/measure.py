@@ -14,7 +14,6 @@ fraction of the device's peak.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,16 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from tunekit.costmodel import ComputeRate
+from tunekit.hardware import CollectiveFit
 from tunekit.observe.grad_timing import time_groups
+from tunekit.observe.timing import (
+    Estimate,
+    allreduce_timings,
+    bandwidth_estimate,
+    copy_timings,
+    fit_samples,
+    timed_rounds,
+)
 from tunekit.plugins.cgdp.model import HostRates, host_sum_bandwidth
 from tunekit.plugins.cgdp.runtime import parameterised_layers
 
@@ -155,68 +163,61 @@ def backward_times_from_profile(model: nn.Module, graph: Any, profile: Any) -> L
 
 # -- host rates ----------------------------------------------------------------------------------
 
-
-def _best_time(fn: Callable[[], None], device: torch.device, repeats: int = 7) -> float:
-    """Fastest of ``repeats`` runs: a bandwidth probe wants what the hardware can do, not the noise."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+HOST_SIZES = (8 * MiB, 32 * MiB, 128 * MiB)
+"""Buffer sizes of the host-rate sweeps: from cache-sized to far past a large L3, so the rate
+is the memory's and not one run's cache luck (a 16 MiB copy ran at 70 GB/s from L3 one run)."""
+HOST_REPEATS = 9
+"""Timed rounds per size, after the core's warm-up rounds."""
 
 
-def copy_bandwidths(device: torch.device, nbytes: int = 16 * MiB) -> tuple[float, float]:
-    """Measured (device->host, host->device) bytes/s; a plain memory copy for a CPU rank."""
-    n = nbytes // 4
+def copy_bandwidths(
+    device: torch.device, sizes: tuple[int, ...] = HOST_SIZES, repeats: int = HOST_REPEATS
+) -> tuple[Estimate, Estimate]:
+    """(device->host, host->device) bytes/s with 95 % intervals; a one-thread memory copy for a CPU rank.
+
+    Each is the bandwidth of a latency + bytes/bandwidth fit to a sweep of
+    copies (:func:`tunekit.observe.timing.fit_samples`).
+    """
     if device.type == "cuda":
-        host = torch.empty(n, pin_memory=True)
-        dev = torch.empty(n, device=device)
-        d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), device)
-        h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), device)
-        return nbytes / d2h, nbytes / h2d
-    src, dst = torch.ones(n), torch.empty(n)
-    t = _best_time(lambda: dst.copy_(src), device)
-    return nbytes / t, nbytes / t
+        d2h, h2d = (
+            fit_samples(copy_timings(sizes, repeats, device=device, direction=d), "cuda", d, 1)
+            for d in ("d2h", "h2d")
+        )
+        return bandwidth_estimate(d2h), bandwidth_estimate(h2d)
+    copy = bandwidth_estimate(fit_samples(copy_timings(sizes, repeats), "cpu", "memcpy", 1))
+    return copy, copy
 
 
-def host_add_bandwidth(nbytes: int = 16 * MiB, threads: int | None = 1) -> float:
+def host_add_bandwidth(
+    threads: int | None = 1, sizes: tuple[int, ...] = HOST_SIZES, repeats: int = HOST_REPEATS
+) -> Estimate:
     """Bytes/s of adding one host buffer into another (one contribution of a host sum).
 
     Measured on ``threads`` threads (one by default: a per-core rate that
-    does not depend on how busy the other cores are).
+    does not depend on how busy the other cores are), as a fitted sweep with
+    its 95 % interval.
     """
-    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+    pairs = {n: (torch.ones(n // 4), torch.ones(n // 4)) for n in sizes}
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return nbytes / _best_time(lambda: a.add_(b), torch.device("cpu"))
+        times = timed_rounds(
+            {n: (lambda a=a, b=b: a.add_(b)) for n, (a, b) in pairs.items()}, repeats
+        )
     finally:
         torch.set_num_threads(before)
+    return bandwidth_estimate(fit_samples(times, "cpu", "add", 1))
 
 
 def fit_gloo_allreduce(
-    group: dist.ProcessGroup, sizes: tuple[int, ...] = (64 * 1024, 8 * MiB)
-) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of gloo all-reduce of host tensors; call on every rank."""
-    points = []
-    for nbytes in sizes:
-        t = torch.zeros(nbytes // 4)
-        dist.all_reduce(t, group=group)
-        times = []
-        for _ in range(10):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(t, group=group)
-            times.append(time.perf_counter() - t0)
-        points.append((nbytes, min(times)))  # the link's speed, not a neighbour's burst
-    (n0, t0), (n1, t1) = points[0], points[-1]
-    bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    return max(0.0, t0 - n0 / bw), bw
+    group: dist.ProcessGroup,
+    sizes: tuple[int, ...] = (64 * 1024, 1 * MiB, 8 * MiB),
+    repeats: int = HOST_REPEATS,
+) -> CollectiveFit:
+    """Gloo all-reduce of host tensors over ``group``, fitted with intervals; call on every rank."""
+    times = allreduce_timings(sizes, repeats, group=group, control=group)
+    return fit_samples(times, "gloo", "all_reduce", group.size())
 
 
 def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 6) -> float:
@@ -266,15 +267,16 @@ def measure_host_rates(
     """
     d2h, h2d = copy_bandwidths(device)
     if group is not None and world_size > 1:
-        latency, reduce_bw = fit_gloo_allreduce(group)
+        gloo = fit_gloo_allreduce(group)
+        latency, reduce_bw = gloo.latency, gloo.bandwidth
         source = "measured copies and gloo all-reduce"
     else:
         adds = host_add_bandwidth(threads=None)
-        latency, reduce_bw = 0.0, host_sum_bandwidth(adds, world_size)
+        latency, reduce_bw = 0.0, host_sum_bandwidth(adds.value, world_size)
         source = "measured copies and host adds"
     return HostRates(
-        d2h_bw=d2h,
-        h2d_bw=h2d,
+        d2h_bw=d2h.value,
+        h2d_bw=h2d.value,
         reduce_bw=reduce_bw,
         reduce_latency=latency,
         sync_s=measure_sync_overhead(device),

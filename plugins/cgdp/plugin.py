@@ -4,20 +4,25 @@ Gradients are reduced on the host, chunk by chunk of layers, while backward
 runs on; the chunk size is searched inside the job (Algorithm 1). The
 diagnosis runs the paper's cost model with this job's per-layer backward
 times and gradient sizes, and the hardware's host links against its peer
-links, to say whether the host path should beat DDP here.
+links, to say whether the host path should beat DDP here. Measured rates
+carry 95 % intervals; a verdict that the intervals could turn says so
+("too close to call") and lets the trials decide, instead of flipping from
+run to run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from itertools import product
 from typing import Any
 
 import torch
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
-from tunekit.hardware import GB
+from tunekit.hardware import GB, Hardware
 from tunekit.observe.observation import Observation
+from tunekit.observe.timing import Estimate, bandwidth_estimate
 from tunekit.plugins.cgdp.model import (
     HostRates,
     MiB,
@@ -99,36 +104,60 @@ def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[st
     return {**times.to_dict(), "state_bytes": state, "source": source}
 
 
-def _host_rates(obs: Observation, device: torch.device, local: bool) -> HostRates:
-    """Copy, reduction and synchronisation rates of the host path on ``obs.hardware``."""
+def _measure_host(device: torch.device, local: bool) -> dict[str, Any]:
+    """What this machine measures for the host path, with intervals (JSON-able, cached).
+
+    Host adds and the sync cost always; the host link only when the hardware
+    is this machine (a profile's host link is read from the profile).
+    """
     from tunekit.plugins.cgdp.measure import (
         copy_bandwidths,
         host_add_bandwidth,
         measure_sync_overhead,
     )
 
-    hw, nproc = obs.hardware, obs.nproc
+    out: dict[str, Any] = {
+        "add_per_core": host_add_bandwidth(threads=1).to_dict(),
+        "sync": measure_sync_overhead(device),
+    }
+    if local:
+        d2h, h2d = copy_bandwidths(device)
+        out.update(d2h=d2h.to_dict(), h2d=h2d.to_dict())
+    return out
 
-    def measure() -> dict[str, float]:
-        if local:
-            d2h, h2d = copy_bandwidths(device)
-        else:
-            d2h = h2d = hw.host_bandwidth(hw.devices[0].name)
-        return {
-            "d2h": d2h,
-            "h2d": h2d,
-            "add_per_core": host_add_bandwidth(threads=1),
-            "sync": measure_sync_overhead(device),
-        }
 
-    r = _cached(obs, f"cgdp:rates:{hw.fingerprint()}:{device}:{local}", measure)
+def _profile_host_link(hw: Hardware) -> dict[str, Any]:
+    """A profile's host link: its D2H fit (with the fit's interval) or its host links."""
+    fit = hw.fit("d2h", 1)
+    if fit is not None:
+        link = bandwidth_estimate(fit)
+    else:
+        link = Estimate.exact(hw.host_bandwidth(hw.devices[0].name))
+    return {"d2h": link.to_dict(), "h2d": link.to_dict()}
+
+
+def _rate(measured: dict[str, float], end: str | None) -> float:
+    """A measured bandwidth at ``end``: the median (None), its interval's ``"slow"`` or ``"fast"`` end."""
+    est = Estimate.from_dict(measured)
+    return {None: est.value, "slow": est.low, "fast": est.high}[end]
+
+
+def _host_rates(
+    obs: Observation, measured: dict[str, Any], hw: Hardware, host_end: str | None = None
+) -> HostRates:
+    """Copy, reduction and synchronisation rates of the host path on ``hw``.
+
+    ``host_end`` picks the end of the host rates' intervals; the reduction's
+    fit comes from ``hw`` (pass ``hw.at_end(...)`` for the ends of its interval).
+    """
+    nproc = obs.nproc
     # The reduction across ranks: a measured gloo fit when the hardware has one; CPU ranks on
     # this machine reduce through gloo on loopback whichever sync is used; otherwise the
     # paper's host-side sum of G contributions.
     gloo = hw.fit("all_reduce", nproc, "gloo")
     if gloo is not None:
         latency, reduce_bw, source = gloo.latency, gloo.bandwidth, "gloo all-reduce fit"
-    elif obs.device_type == "cpu" and local:
+    elif obs.device_type == "cpu" and hw.source in MEASURED_SOURCES:
         big = 64 * MiB
         latency = hw.allreduce_time(0, nproc, "gloo")
         reduce_bw = big / max(hw.allreduce_time(big, nproc, "gloo") - latency, 1e-12)
@@ -137,9 +166,34 @@ def _host_rates(obs: Observation, device: torch.device, local: bool) -> HostRate
         # The paper sums on all host cores (OpenMP). Profiles carry no host memory
         # bandwidth: this machine's per-core add rate times the host's cores (optimistic).
         latency = 0.0
-        reduce_bw = host_sum_bandwidth(r["add_per_core"] * hw.host.cores, nproc)
+        add = _rate(measured["add_per_core"], host_end)
+        reduce_bw = host_sum_bandwidth(add * hw.host.cores, nproc)
         source = f"host adds on {hw.host.cores} cores at this machine's per-core rate"
-    return HostRates(r["d2h"], r["h2d"], reduce_bw, latency, r["sync"], source=source)
+    return HostRates(
+        _rate(measured["d2h"], host_end),
+        _rate(measured["h2d"], host_end),
+        reduce_bw,
+        latency,
+        measured["sync"],
+        source=source,
+    )
+
+
+def _peer(hw: Hardware, nproc: int, backend: str) -> Callable[[float], float]:
+    """Seconds of one all-reduce of ``n`` bytes over the devices' peer links (the DDP baseline)."""
+    return lambda nbytes: hw.allreduce_time(nbytes, nproc, backend)
+
+
+def _peer_bus(hw: Hardware, nproc: int, backend: str) -> float:
+    """Bus bandwidth of a large peer all-reduce: bytes each rank sends and receives per second."""
+    big = 256 * MiB
+    return 2 * (nproc - 1) / nproc * big / hw.allreduce_time(big, nproc, backend)
+
+
+def _interval_text(est: Estimate) -> str:
+    """``3.1 GB/s (1.2–9.8)`` for bytes/s, or ``3.1 GB/s`` when the interval rounds to the value."""
+    value, low, high = (f"{x / GB:.1f}" for x in (est.value, est.low, est.high))
+    return f"{value} GB/s" if low == high else f"{value} GB/s ({low}–{high})"
 
 
 class Cgdp(Tuner):
@@ -187,25 +241,52 @@ class Cgdp(Tuner):
         key = f"cgdp:layers:{obs.workload_spec}:{device}:{local}:{target.model}"
         lt = _cached(obs, key, lambda: _layer_times(obs, device, local))
         times = LayerTimes.from_dict(lt)
-        rates = _host_rates(obs, device, local)
+        measured = _cached(
+            obs,
+            f"cgdp:rates:v2:{hw.fingerprint()}:{device}:{local}",
+            lambda: _measure_host(device, local),
+        )
+        if not local:
+            measured = {**measured, **_profile_host_link(hw)}
 
-        def peer(nbytes: float) -> float:
-            return hw.allreduce_time(nbytes, nproc, backend)
+        def predict_at(host_end: str | None, peer_end: str | None) -> Prediction:
+            """The model with the host rates and the peer fits at the given ends of their intervals."""
+            peer_hw = hw if peer_end is None else hw.at_end(peer_end)
+            rates = _host_rates(obs, measured, peer_hw, host_end)
+            return predict(times.t_bp, times.nbytes, rates, _peer(peer_hw, nproc, backend))
 
-        pred = predict(times.t_bp, times.nbytes, rates, peer)
-        big = 256 * MiB
-        peer_bus = 2 * (nproc - 1) / nproc * big / peer(big)
+        rates = _host_rates(obs, measured, hw)
+        pred = predict_at(None, None)
         facts = {
             "layers": times.names,
             "t_bp_source": lt["source"],
             "host_bw_gbs": rates.d2h_bw / GB,
-            "peer_allreduce_bus_gbs": peer_bus / GB,
+            "host_bw": Estimate.from_dict(measured["d2h"]),
+            "peer_allreduce_bus_gbs": _peer_bus(hw, nproc, backend) / GB,
+            "peer_bus": Estimate(
+                _peer_bus(hw, nproc, backend),
+                _peer_bus(hw.at_end("slow"), nproc, backend),
+                _peer_bus(hw.at_end("fast"), nproc, backend),
+            ),
             "reduce_source": rates.source,
             "sync_overhead_us": rates.sync_s * 1e6,
             "state_bytes": lt["state_bytes"],
             "rates": rates,
+            "predict_at": predict_at,
         }
         return pred, facts
+
+    def _gain_range(self, facts: dict[str, Any], step: float) -> tuple[float, float]:
+        """Lowest and highest gain over DDP across the ends of the measured intervals.
+
+        Every combination of the host rates' ends and the peer fits' ends; the
+        ends of one interval move together (a slow host copies and adds slowly).
+        """
+        gains = []
+        for host_end, peer_end in product((None, "slow", "fast"), repeat=2):
+            p = facts["predict_at"](host_end, peer_end)
+            gains.append((p.ddp_s - p.best_cgdp_s) / step)
+        return min(gains), max(gains)
 
     def _step_s(self, obs: Observation, pred: Prediction) -> float:
         if obs.baseline is not None:
@@ -225,25 +306,48 @@ class Cgdp(Tuner):
             return Diagnosis(False, f"cannot model this hardware: {exc}")
         step = self._step_s(obs, pred)
         gain = (pred.ddp_s - pred.best_cgdp_s) / step
+        low, high = self._gain_range(facts, step)
         vs_typical = (pred.typical_s - pred.best_cgdp_s) / step
         mem = memory_estimates(pred.gradient_bytes, facts["state_bytes"])
+        host, peer = facts["host_bw"], facts["peer_bus"]
+        if Estimate(gain, low, high).straddles(MIN_GAIN):
+            verdict = "too_close"
+        else:
+            verdict = "gain" if gain > MIN_GAIN else "no_gain"
         details = {
             **pred.to_dict(),
-            **{k: v for k, v in facts.items() if k != "rates"},
+            **{
+                k: v
+                for k, v in facts.items()
+                if k not in ("rates", "predict_at", "host_bw", "peer_bus")
+            },
+            "host_bw_interval_gbs": [host.low / GB, host.high / GB],
+            "peer_allreduce_bus_interval_gbs": [peer.low / GB, peer.high / GB],
             "step_s": step,
             "gain_vs_ddp": gain,
+            "gain_vs_ddp_interval": [low, high],
+            "verdict": verdict,
             "gain_vs_typical_dp": vs_typical,
             "memory_bytes": {
                 k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()
             },
         }
         links = (
-            f"host link {facts['host_bw_gbs']:.1f} GB/s vs peer all-reduce {facts['peer_allreduce_bus_gbs']:.1f} GB/s; "
+            f"host link {_interval_text(host)} vs peer all-reduce {_interval_text(peer)}; "
             f"{pred.gradient_bytes / MiB:.1f} MiB of gradients over {pred.num_layers} layers, "
             f"{pred.backprop_s * 1e3:.1f} ms backward"
         )
         saved = (mem["ddp"].device_bytes - mem["cgdp"].device_bytes) / MiB
-        if gain > MIN_GAIN:
+        if verdict == "too_close":
+            # The measured intervals hold both verdicts: the model cannot decide on this
+            # machine, a trial can. "Applies" here means "worth a trial", every run alike.
+            summary = (
+                f"{links}; too close to call here: within the measured intervals CGDP "
+                f"(best chunk {pred.best_chunk}) gains {low:+.0%} to {high:+.0%} of the step over "
+                f"DDP (it must gain more than {MIN_GAIN:.0%}), so CGDP is tried and its trials "
+                f"decide; it would save {saved:.0f} MiB of device memory"
+            )
+        elif verdict == "gain":
             summary = (
                 f"{links}; CGDP with chunks of {pred.best_chunk} should save ~{gain:.0%} of the step "
                 f"over DDP ({vs_typical:.0%} over reduce-after-backward) and {saved:.0f} MiB of device memory"
@@ -265,7 +369,9 @@ class Cgdp(Tuner):
                 f"{-gain:.0%} of the step more than DDP: the host path is slower than the "
                 f"peer links here; it would still save {saved:.0f} MiB of device memory"
             )
-        return Diagnosis(gain > MIN_GAIN, summary, expected_gain=max(gain, 0.0), details=details)
+        return Diagnosis(
+            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+        )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
         if obs.nproc < 2:

@@ -3,7 +3,8 @@
 Tests use these with :func:`tunekit.testing.run_ranks` to check that a split
 model trains to the same parameters as one process on the same global
 batches; ``benchmarks/hybrid_mp_speedup.py`` uses them to measure the per-step
-speed-up of model parallelism against DLPlacer's prediction.
+speed-up of model parallelism against DLPlacer's prediction (the link between
+the ranks is measured by the core's :func:`tunekit.observe.timing.measure_link`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tunekit.runtime.data import BatchSource
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 
-__all__ = ["hybrid_rank", "reference_run", "p2p_pingpong", "fit_link"]
+__all__ = ["hybrid_rank", "reference_run"]
 
 
 def hybrid_rank(
@@ -135,40 +136,3 @@ def reference_run(
         "state": {k: v.detach().clone() for k, v in session.model.state_dict().items()},
         "optimizer": session.optimizer.state_dict(),
     }
-
-
-def p2p_pingpong(
-    rank: int, world: int, sizes: list[int], repeats: int = 5
-) -> list[tuple[int, float]]:
-    """One-way time of a ``send``/``recv`` between ranks 0 and 1, per message size (median
-    of half round trips), for fitting a link's latency and bandwidth."""
-    out = []
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        times = []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - start) / 2)
-        times = sorted(times[1:])
-        out.append((buf.numel() * 4, times[len(times) // 2]))
-    return out
-
-
-def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``time = latency + bytes / bandwidth``; returns (bandwidth, latency)."""
-    n = len(samples)
-    xs = [float(b) for b, _ in samples]
-    ys = [t for _, t in samples]
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    slope = max(slope, 1e-15)
-    return 1.0 / slope, max(0.0, my - slope * mx)

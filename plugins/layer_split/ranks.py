@@ -7,7 +7,6 @@ interpreter that must import the function by name.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -106,33 +105,6 @@ def train_single_process(spec: str, world: int, steps: int) -> dict:
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": losses,
     }
-
-
-def p2p_probe(rank: int, world: int, sizes: list[int], repeats: int = 5) -> dict:
-    """Ping-pong between ranks 0 and 1 and an all-reduce sweep: fits for the cost model."""
-    out = {"p2p": [], "all_reduce": []}
-    for n in sizes:
-        buf = torch.zeros(max(1, n // 4))
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            samples.append((time.perf_counter() - t0) / 2)
-        out["p2p"].append((n, statistics.median(samples)))
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            samples.append(time.perf_counter() - t0)
-        out["all_reduce"].append((n, statistics.median(samples)))
-    return out
 
 
 # -- a small branchy model for the executor's DAG paths ------------------------------------

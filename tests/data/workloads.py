@@ -107,3 +107,23 @@ def forward_fails() -> Workload:
     w = tiny()
     w.model = lambda: nn.Sequential(nn.Linear(15, 4), nn.ReLU(), nn.Linear(4, 2))
     return w
+
+
+def featured() -> Workload:
+    """A small MLP with every training feature on: accumulation, a warm-up schedule,
+    clipping (mixed precision is tested on its own: bf16 is not "the same mathematics")."""
+
+    def make_batch(n, gen):
+        x = torch.randn(n, 12, generator=gen)
+        return x, x[:, :3].argmax(dim=1)
+
+    return Workload(
+        name="featured",
+        model=lambda: nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3)),
+        make_batch=make_batch,
+        batch_size=4,
+        lr=0.2,
+        accumulation=3,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
+        clip_grad_norm=0.5,
+    )

@@ -146,3 +146,35 @@ def test_ctrl_c_stops_auto_in_one_line_with_the_command_that_resumes(workdir):
     finally:
         again.kill()
         again.wait()
+
+
+def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(cli, workdir, chaos_env):
+    # The chaos tuner proposes what this test plans. Against a 2-minute timeout (x1.5 headroom,
+    # after the baseline's start-up, up to a minute on a busy machine):
+    #  - an unchanged config predicted at 10 s/step: 19 steps do not fit, 4 do: it runs shortened
+    #    (its real steps take milliseconds, so the test waits for none of the 10 s);
+    #  - one predicted at 1000 s/step: even 4 steps would not fit: skipped, never started.
+    plan = [{"mode": "ok", "predicted_s": 10.0}, {"mode": "slow", "predicted_s": 1000.0}]
+    res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", "--trials", "2", "--timeout", "2m",
+              "--min-effect", "0.5", "--no-probe", env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)})
+    assert res.returncode == 0, res.stderr + res.stdout
+    shortened, skipped = (r for r in _trials(workdir) if r["role"] == "candidate")
+
+    result = json.loads(shortened["result"])
+    length = result["length"]
+    assert shortened["status"] == "ok"
+    assert (length["planned_warmup"], length["planned_steps"]) == (3, 16)
+    assert length["warmup"] == 1 and 3 <= length["steps"] < 16  # warm-up gave way first
+    assert len(result["measurement"]["step_s"]) == length["steps"]
+    assert length["reason"].startswith(f"predicted 10.0 s/step: shortened to {1 + length['steps']} of 19 planned steps")
+    assert "shortened to" in " ".join(res.stdout.split())  # said as it happened (rich wraps lines)
+
+    assert skipped["status"] == "skipped" and skipped["started"] is None
+    assert skipped["error"].startswith("predicted 1000.0 s/step: even 4 steps would exceed the 120 s trial timeout")
+
+    report = (workdir / "tunekit-out" / "report.md").read_text()
+    assert f"| ok | 1+{length['steps']} |" in report and length["reason"] in report
+    assert "| skipped | — |" in report and skipped["error"] in report
+    again = cli("report", env_extra={"COLUMNS": "300"})  # rich wraps to the terminal's width
+    assert again.returncode == 0
+    assert "even 4 steps would exceed the 120 s trial timeout" in again.stdout

@@ -26,7 +26,7 @@ def _one_line_error(res, needle):
         (["auto", "example:nope"], "unknown example 'nope'"),
         (["auto", "missing.py:fn"], "workload file missing.py not found"),
         (["auto", f"{WORKLOADS}:absent"], "has no function 'absent'"),
-        (["auto", f"{WORKLOADS}:not_a_workload"], "expected a tunekit Workload"),
+        (["auto", f"{WORKLOADS}:not_a_workload"], "expected a tunekit.Workload"),
         (["auto", "--plugins", "nope"], "unknown plugin 'nope'"),
         (["auto", "--budget", "soon"], "is not a duration"),
         (["auto", "--trials", "-1"], "-1 is not in the range x>=0"),
@@ -47,7 +47,7 @@ def test_bad_input(workdir, capsys, args, needle):
 
 
 def test_bad_input_through_the_installed_command(cli):
-    _one_line_error(cli("auto", f"{WORKLOADS}:not_a_workload"), "expected a tunekit Workload")
+    _one_line_error(cli("auto", f"{WORKLOADS}:not_a_workload"), "expected a tunekit.Workload")
 
 
 def test_corrupt_store_is_refused_and_kept(cli, workdir):

@@ -1,6 +1,7 @@
 """Relaunch trials for real: torchrun, gloo, 2 ranks."""
 
 import os
+import re
 import time
 
 import pytest
@@ -67,3 +68,17 @@ def test_two_loopback_nodes_form_one_job(tmp_path):
     assert all(r["world_size"] == 2 for r in out.ranks)
     assert (tmp_path / "agent0.log").exists() and (tmp_path / "agent1.log").exists()
     assert os.path.getsize(tmp_path / "rank1.json") > 0
+
+
+def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_hang(tmp_path, monkeypatch):
+    # 2 s steps, 31 of them: they keep coming, but not all within 30 s (start-up included).
+    monkeypatch.setenv("PYTHONPATH", chaos_pythonpath()["PYTHONPATH"])
+    spec = TrialSpec(f"{WORKLOADS}:tiny", config={"plugins": {"chaos": {"mode": "slow", "sleep_s": 2.0}}},
+                     warmup=1, steps=30)
+    out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=30, stall_s=60), tmp_path)
+    assert out.status == "too_slow", out.error
+    pace = re.fullmatch(r"too slow: (\d+\.\d) s per step, (\d+) of 31 steps done when the 30 s timeout came; "
+                        r"killed the trial's processes", out.error)
+    assert pace and float(pace[1]) >= 2.0 and 1 <= int(pace[2]) < 31
+    assert 0 < out.startup_s < 30 and out.measurement is None
+    assert not live_rank_pids(tmp_path)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import asdict
+
 import pytest
 from click.testing import CliRunner
 
 from tunekit.errors import HardwareError
-from tunekit.hardware import GB, CollectiveFit, load_profile
+from tunekit.hardware import GB, CollectiveFit, Hardware, load_profile
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.probe import fit_latency_bandwidth, hardware_to_toml
 
@@ -62,6 +66,101 @@ def test_probe_profile_round_trips_through_toml(tmp_path):
         assert a.latency == pytest.approx(b.latency) and a.bandwidth == pytest.approx(b.bandwidth)
         assert a.residual == pytest.approx(b.residual)
     assert again.links[0].bandwidth == pytest.approx(hw.links[0].bandwidth)
+
+
+def test_intervals_round_trip_through_toml_and_the_store(tmp_path):
+    from tunekit.orchestrator import observe_static, probe_cache_key
+    from tunekit.store import Store
+
+    fits = (
+        CollectiveFit(
+            "gloo", "all_reduce", 2, 210e-6, 1.25 * GB, 0.12, (190e-6, 260e-6), (1.1 * GB, 1.4 * GB)
+        ),
+        CollectiveFit("gloo", "p2p", 2, 75e-6, 2.5 * GB, 0.08),  # no interval: stays without one
+    )
+    hw = describe_local_machine(2, "cpu", fits)
+    path = tmp_path / "probe.toml"
+    path.write_text(hardware_to_toml(hw))
+    assert "bandwidth_gb_s_interval = [1.1, 1.4]" in path.read_text()
+    again = load_profile(path)
+    ar = again.fit("all_reduce", 2)
+    assert ar.bandwidth_interval == pytest.approx((1.1 * GB, 1.4 * GB))
+    assert ar.latency_interval == pytest.approx((190e-6, 260e-6))
+    assert again.fit("p2p", 2).bandwidth_interval is None
+    # the study store keeps fits as JSON (tuples come back as lists): they compare equal
+    store = Store.open_default(tmp_path / "store")
+    try:
+        store.cache_put(probe_cache_key(hw), [asdict(f) for f in fits])
+        static = observe_static("example:cnn", 2, "cpu", None, store, time_layers=False)
+    finally:
+        store.close()
+    assert static.hardware.collectives == fits
+
+
+def test_old_cached_fits_and_profiles_without_intervals_still_load(tmp_path):
+    from tunekit.orchestrator import observe_static, probe_cache_key
+    from tunekit.store import Store
+
+    # What `tunekit hardware probe` cached before fits carried intervals.
+    old = [
+        {
+            "backend": "gloo",
+            "op": "all_reduce",
+            "world_size": 2,
+            "latency": 2.1e-4,
+            "bandwidth": 1.25e9,
+            "residual": 0.12,
+        },
+        {
+            "backend": "gloo",
+            "op": "p2p",
+            "world_size": 2,
+            "latency": 7.5e-5,
+            "bandwidth": 2.5e9,
+            "residual": 0.08,
+        },
+    ]
+    store = Store.open_default(tmp_path)
+    try:
+        store.cache_put(probe_cache_key(describe_local_machine(2, "cpu")), old)
+        hw = observe_static("example:cnn", 2, "cpu", None, store, time_layers=False).hardware
+    finally:
+        store.close()
+    ar = hw.fit("all_reduce", 2, "gloo")
+    assert (ar.latency, ar.bandwidth, ar.bandwidth_interval) == (2.1e-4, 1.25e9, None)
+    assert hw.at_end("slow") == hw == hw.at_end("fast")  # no interval: both ends are the value
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    # ... and a profile written before then
+    path = tmp_path / "old.toml"
+    path.write_text(
+        'name = "old"\n[host]\ncores = 2\nmemory_gb = 8\n'
+        '[[devices]]\nname = "rank"\ncount = 2\nkind = "cpu"\nmodel = "x"\nmemory_gb = 4\npeak_tflops = 0.1\n'
+        '[[collectives]]\nbackend = "gloo"\nop = "all_reduce"\nworld_size = 2\n'
+        "latency_us = 210\nbandwidth_gb_s = 1.25\nresidual = 0.12\n"
+    )
+    fit = load_profile(path).fit("all_reduce", 2)
+    assert fit.bandwidth == pytest.approx(1.25 * GB) and fit.bandwidth_interval is None
+
+
+@pytest.mark.parametrize(
+    ("interval", "message"),
+    [
+        ("[2]", "must be [low, high]"),
+        ("[3, 2]", "has low 3.0 > high 2.0"),
+        ('["a", 2]', "must be a number"),
+    ],
+)
+def test_a_bad_interval_in_a_profile_is_one_line(tmp_path, interval, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        'name = "x"\n[host]\ncores = 2\nmemory_gb = 8\n'
+        '[[devices]]\nname = "g"\nkind = "gpu"\nmodel = "m"\nmemory_gb = 16\npeak_tflops = 1\n'
+        '[[collectives]]\nbackend = "nccl"\nop = "all_reduce"\nworld_size = 1\n'
+        f"latency_us = 20\nbandwidth_gb_s = 60\nbandwidth_gb_s_interval = {interval}\n"
+    )
+    with pytest.raises(HardwareError, match=re.escape(message)) as err:
+        load_profile(path)
+    assert "collectives[0].bandwidth_gb_s_interval" in str(err.value)
 
 
 # -- tunekit hardware show ------------------------------------------------------------------

@@ -76,3 +76,43 @@ def test_no_limit_never_stalls_and_a_bad_limit_is_refused():
     assert watch.stalled() is None
     with pytest.raises(ValueError, match="stall_s"):
         LaunchOptions(stall_s=0)
+
+
+def test_at_the_timeout_steps_still_finishing_make_a_trial_too_slow_not_hung():
+    clock = Clock()
+    watch = StallWatch(TrialSpec("example:cnn", warmup=3, steps=16), 60.0, clock, started=clock.now)
+    clock.now += 9.0 + 14.0  # start-up, then the first step
+    watch.saw(line("warmup", 1, 3, step_s=14.0))
+    assert watch.startup_s == pytest.approx(9.0)
+    for i in range(2, 4):
+        clock.now += 14.0
+        watch.saw(line("warmup", i, 3, step_s=14.0))
+    clock.now += 14.4
+    watch.saw(line("measure", 1, 16, step_s=14.4))
+    clock.now += 5.0  # mid-step when the timeout comes
+    assert watch.timed_out(300) == (
+        "too_slow",
+        "too slow: 14.0 s per step, 4 of 19 steps done when the 300 s timeout came; killed the trial's processes",
+    )
+
+
+def test_at_the_timeout_a_trial_whose_steps_stopped_or_never_started_is_a_hang():
+    clock = Clock()
+    never = StallWatch(TrialSpec("example:cnn", warmup=1, steps=4), None, clock)
+    clock.now += 300
+    assert never.timed_out(300) == ("hang", "no result within 300 s; killed the trial's processes")
+    assert never.startup_s is None
+    stopped = StallWatch(TrialSpec("example:cnn", warmup=1, steps=4), None, clock)  # --stall off
+    stopped.saw(line("warmup", 1, 1, step_s=0.1))
+    clock.now += STALL_STEPS * 0.1 + 2  # silent for far longer than its pace
+    assert stopped.timed_out(300)[0] == "hang"
+
+
+def test_start_up_is_the_time_to_the_first_step():
+    clock = Clock()
+    watch = StallWatch(TrialSpec("example:cnn", warmup=1, steps=4), 60.0, clock, started=clock.now)
+    clock.now += 8.5
+    watch.saw(line("warmup", 1, 1, step_s=0.5))
+    clock.now += 0.5
+    watch.saw(line("measure", 1, 4, step_s=0.5))
+    assert watch.startup_s == pytest.approx(8.0)

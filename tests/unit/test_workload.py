@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from support import WORKLOADS
@@ -37,7 +39,7 @@ def test_file_spec_resolves_to_absolute_path(tmp_path, monkeypatch):
         ("missing_file.py:fn", "workload file missing_file.py not found"),
         ("no_such_module_xyz:fn", "no module named 'no_such_module_xyz'"),
         (f"{WORKLOADS}:absent", "has no function 'absent'"),
-        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit Workload"),
+        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit.Workload (see docs/workloads.md)"),
         (f"{WORKLOADS}:factory_fails", "raised ValueError: cannot build this workload"),
         ("just-a-name", "is not of the form"),
     ],
@@ -72,10 +74,11 @@ def test_lr_scaling_rules():
 
 
 def test_every_listed_example_is_registered():
-    assert set(EXAMPLES) == {"cnn", "alexnet", "vgg16", "inception_v3", "googlenet", "resnet152", "lstm"}
+    assert set(EXAMPLES) == {"cnn", "alexnet", "vgg16", "inception_v3", "googlenet", "resnet152", "lstm",
+                             "gpt", "vit"}
 
 
-@pytest.mark.parametrize("name", ["lstm", "googlenet"])
+@pytest.mark.parametrize("name", ["lstm", "googlenet", "gpt", "vit"])
 def test_paper_examples_build_and_run_forward(name):
     w = load_workload(f"example:{name}")
     model = w.model()
@@ -104,3 +107,15 @@ def test_session_lr_composes_batch_and_data_parallel_degree(monkeypatch):
     assert all(g["lr"] == pytest.approx(0.2) for g in s.optimizer.param_groups)
     s.reset()
     assert (s.global_batch, s.lr) == (32, pytest.approx(0.1))
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_transformer_examples_train_as_people_train_them(name):
+    w = load_workload(f"example:{name}")
+    assert {"scheduler", "clipping"} <= w.features()
+    assert isinstance(w.optimizer(w.model().parameters(), w.lr), torch.optim.AdamW)
+    if name == "gpt":
+        n = sum(p.numel() for p in w.model().parameters())
+        assert 10e6 <= n <= 30e6
+        x, y = w.example_batch(2)
+        assert float(w.loss(w.model()(x), y)) == pytest.approx(math.log(8192), rel=0.05)  # initialised small

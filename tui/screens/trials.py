@@ -20,6 +20,7 @@ STATUS_STYLE = {
     "crash": "red",
     "oom": "red",
     "hang": "red",
+    "too_slow": "red",
     "skipped": "dim",
 }
 

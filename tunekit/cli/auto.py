@@ -53,7 +53,7 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
 @click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")
-@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is a hang [default: 5m].")
+@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is too_slow (steps still finishing) or a hang [default: 5m].")
 @click.option("--stall", "stall_s", type=DURATION, default=60.0,
               help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].")
 @click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")

@@ -95,13 +95,14 @@ def trials_table(rows: list[dict], title: str = "trials") -> Table:
     """Every trial: its prediction, raw and corrected by the trials before it, what was
     measured and the error of each (rows from ``tunekit.report.data.report_data``)."""
     table = Table(title=title + " (per step; error = |prediction − measured| / measured)", title_justify="left")
-    for col in ("#", "role", "config", "status", "predicted", "corrected", "measured", "error", "note"):
+    for col in ("#", "role", "config", "status", "steps", "predicted", "corrected", "measured", "error", "note"):
         table.add_column(col, overflow="fold")
     for t in rows:
         med = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
         err = _pct(t.get("prediction_error"))
         if t.get("corrected_prediction_error") is not None:
             err += f" → {_pct(t['corrected_prediction_error'])}"
-        table.add_row(str(t["seq"]), t["role"], t["description"], t["status"], _ms(t["predicted_s"]),
-                      _ms(t.get("corrected_s")), med, err, (t.get("error") or "")[:60])
+        table.add_row(str(t["seq"]), t["role"], t["description"], t["status"], t.get("steps_run") or "—",
+                      _ms(t["predicted_s"]), _ms(t.get("corrected_s")), med, err,
+                      (t.get("note") or t.get("error") or "")[:160])
     return table

@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from tunekit.cli.common import STORE_OPTION, console, ensure_writable
-from tunekit.hardware import GB, Hardware, list_profiles, load_profile
+from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 
 @click.group("hardware")
@@ -28,9 +28,9 @@ def hardware_group() -> None:
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
-    default=5,
+    default=9,
     show_default=True,
-    help="Timed repeats per message size.",
+    help="Timed repeats per message size (after 2 warm-up rounds).",
 )
 @click.option(
     "--save",
@@ -58,7 +58,7 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
         result = probe_hardware(nproc, repeats=repeats)
     hw = result.hardware
     table = Table(title=f"measured on {hw.name} ({result.wall_s:.0f} s)", title_justify="left")
-    for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "fit residual"):
+    for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "95% GB/s", "fit residual"):
         table.add_column(c, justify="left" if c in ("op", "backend") else "right")
     for s in result.sweeps:
         f = s.fit
@@ -68,6 +68,7 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
             str(s.world_size),
             f"{f.latency * 1e6:.1f}",
             f"{f.bandwidth / GB:.3f}",
+            _interval_gbs(f),
             f"{100 * f.residual:.1f}%",
         )
     console.print(table)
@@ -145,7 +146,7 @@ def print_hardware(hw: Hardware) -> None:
         console.print(f"switches: {', '.join(hw.switches)}")
     if hw.collectives:
         fits = Table(title="collective fits", title_justify="left")
-        for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "residual"):
+        for c in ("op", "backend", "ranks", "latency µs", "bandwidth GB/s", "95% GB/s", "residual"):
             fits.add_column(c)
         for f in hw.collectives:
             fits.add_row(
@@ -154,6 +155,15 @@ def print_hardware(hw: Hardware) -> None:
                 str(f.world_size),
                 f"{f.latency * 1e6:.1f}",
                 f"{f.bandwidth / GB:.3f}",
+                _interval_gbs(f),
                 f"{100 * f.residual:.1f}%",
             )
         console.print(fits)
+
+
+def _interval_gbs(fit: CollectiveFit) -> str:
+    """``low–high`` of a fit's bandwidth interval in GB/s, or a dash when it has none."""
+    if fit.bandwidth_interval is None:
+        return "—"
+    low, high = fit.bandwidth_interval
+    return f"{low / GB:.2f}–{high / GB:.2f}"

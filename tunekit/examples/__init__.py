@@ -23,6 +23,8 @@ EXAMPLES: dict[str, tuple[str, str, str]] = {
     "googlenet": ("tunekit.examples.vision", "googlenet", "torchvision GoogLeNet, 224x224"),
     "resnet152": ("tunekit.examples.vision", "resnet152", "torchvision ResNet-152, 224x224"),
     "lstm": ("tunekit.examples.lstm", "workload", "BigLSTM-shaped language model, small"),
+    "gpt": ("tunekit.examples.transformers", "gpt", "decoder-only transformer LM, ~14M parameters"),
+    "vit": ("tunekit.examples.transformers", "vit", "vision transformer encoder, 32x32 images"),
 }
 
 

@@ -2,27 +2,30 @@
 
 :func:`probe_hardware` starts ``nproc`` real ranks (``tunekit.testing.run_ranks``:
 gloo on loopback; on a GPU machine the ranks add an NCCL group and time on
-their GPUs) and measures, for message sizes from 4 KiB to 16 MiB:
+their GPUs) and measures, for message sizes from 4 KiB to 16 MiB, with the
+robust primitives of :mod:`tunekit.observe.timing` (warm-up rounds, repeats
+interleaved across sizes, medians with 95 % bootstrap intervals):
 
-* ``all_reduce`` over all ranks: per size, the median over repeats of the
-  slowest rank's time (a collective ends when its last rank does);
-* ``p2p`` between ranks 0 and 1: half the median ping-pong round trip;
+* ``all_reduce`` over all ranks: per repeat the slowest rank's time (a
+  collective ends when its last rank does);
+* ``p2p`` between ranks 0 and 1: half a ping-pong round trip, timed on rank 0;
 * on a GPU, ``h2d`` / ``d2h`` copies between pinned host memory and rank 0's GPU.
 
 Collectives use NCCL when every rank has its own GPU, gloo otherwise.
 
-Each sweep is fitted to ``t(bytes) = latency + bytes / bandwidth`` by least
-squares on relative error (each point weighted by ``1/t``, so small and large
-messages count alike; non-negative coefficients via ``scipy.optimize.nnls``).
-The fit's ``residual`` is the RMS relative error of the fit over the sweep.
-The result is a :class:`~tunekit.hardware.Hardware` from
+Each sweep is fitted to ``t(bytes) = latency + bytes / bandwidth`` on its
+per-size medians by least squares on relative error (each point weighted by
+``1/t``; non-negative coefficients via ``scipy.optimize.nnls``), and carries
+95 % intervals of its latency and bandwidth from refitting bootstrap
+resamples (:func:`~tunekit.observe.timing.fit_samples`). The fit's
+``residual`` is the RMS relative error of the fit over the medians. The
+result is a :class:`~tunekit.hardware.Hardware` from
 :func:`~tunekit.observe.local.describe_local_machine` carrying the fits, with
 its links' bandwidth and latency taken from the point-to-point fit.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,21 +36,44 @@ import torch.distributed as dist
 
 from tunekit.hardware import GB, CollectiveFit, Hardware
 from tunekit.observe.local import describe_local_machine
+from tunekit.observe.timing import (
+    allreduce_timings,
+    copy_timings,
+    fit_latency_bandwidth,
+    fit_samples,
+    ping_pong,
+)
 from tunekit.testing import run_ranks
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "ProbeResult",
+    "Sweep",
+    "fit_latency_bandwidth",
+    "hardware_to_toml",
+    "probe_hardware",
+]
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 """Message sizes in bytes of the default sweep."""
+DEFAULT_REPEATS = 9
+"""Timed repeats per size: enough for a bootstrap interval of the median to mean something."""
 
 
 @dataclass
 class Sweep:
-    """Measured (bytes, seconds) points of one operation and their fit."""
+    """Timings of one operation per message size, their medians and the fit."""
 
     op: str
     backend: str
     world_size: int
-    points: list[tuple[int, float]]
+    samples: dict[int, list[float]]
     fit: CollectiveFit
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        """``(bytes, median seconds)`` per size, smallest first."""
+        return [(n, float(np.median(self.samples[n]))) for n in sorted(self.samples)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,10 +81,17 @@ class Sweep:
             "backend": self.backend,
             "world_size": self.world_size,
             "points": [list(p) for p in self.points],
+            "samples": {str(n): ts for n, ts in sorted(self.samples.items())},
             "latency_s": self.fit.latency,
             "bandwidth_bytes_s": self.fit.bandwidth,
+            "latency_interval_s": _as_list(self.fit.latency_interval),
+            "bandwidth_interval_bytes_s": _as_list(self.fit.bandwidth_interval),
             "residual": self.fit.residual,
         }
+
+
+def _as_list(pair: tuple[float, float] | None) -> list[float] | None:
+    return None if pair is None else list(pair)
 
 
 @dataclass
@@ -75,34 +108,7 @@ class ProbeResult:
         }
 
 
-def fit_latency_bandwidth(
-    points: list[tuple[float, float]], backend: str, op: str, world_size: int
-) -> CollectiveFit:
-    """Least-squares fit of ``t = latency + bytes / bandwidth`` on relative error."""
-    if len(points) < 2:
-        raise ValueError("a fit needs at least two message sizes")
-    x = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    if np.any(t <= 0):
-        raise ValueError("measured times must be positive")
-    a = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
-    from scipy.optimize import nnls  # here: scipy costs every command a third of a second
-
-    (lat, inv_bw), _ = nnls(a, np.ones_like(t))
-    pred = lat + inv_bw * x
-    residual = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
-    # A sweep too noisy to show any slope still needs a finite bandwidth: take
-    # the largest message's effective rate.
-    bandwidth = 1.0 / inv_bw if inv_bw > 0 else float(x[-1] / t[-1])
-    return CollectiveFit(backend, op, world_size, float(lat), float(bandwidth), residual)
-
-
 # -- what each rank runs ---------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _sweep_rank(rank: int, world: int, sizes: list[int], repeats: int, use_cuda: bool) -> dict:
@@ -116,85 +122,26 @@ def _sweep_rank(rank: int, world: int, sizes: list[int], repeats: int, use_cuda:
         torch.cuda.set_device(device)
         group = dist.new_group(backend="nccl")
         backend = "nccl"
-    out: dict[str, Any] = {"backend": backend, "all_reduce": [], "p2p": [], "h2d": [], "d2h": []}
-    for nbytes in sizes:
-        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            _sync(device)
-            if i >= 2:  # two warm-up rounds per size
-                times.append(time.perf_counter() - t0)
-        out["all_reduce"].append((nbytes, times))
-        if world >= 2:
-            out["p2p"].append((nbytes, _ping_pong(rank, buf, repeats, device, group)))
-        if gpus and rank == 0:
-            dev_buf = buf if buf.is_cuda else buf.to("cuda:0")
-            out["h2d"].append((nbytes, _copy_times(dev_buf, "h2d", repeats)))
-            out["d2h"].append((nbytes, _copy_times(dev_buf, "d2h", repeats)))
+    out: dict[str, Any] = {
+        "backend": backend,
+        "all_reduce": allreduce_timings(sizes, repeats, device=device, group=group),
+    }
+    if world >= 2:
+        out["p2p"] = ping_pong(rank, sizes, repeats, device=device, group=group)
+    if gpus and rank == 0:
+        for direction in ("h2d", "d2h"):
+            out[direction] = copy_timings(sizes, repeats, device="cuda:0", direction=direction)
     return out
 
 
-def _ping_pong(rank: int, buf: torch.Tensor, repeats: int, device, group) -> list[float]:
-    """One-way times between ranks 0 and 1 (half a round trip); other ranks wait."""
-    times = []
-    for i in range(repeats + 2):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1, group=group)
-            dist.recv(buf, 1, group=group)
-        elif rank == 1:
-            dist.recv(buf, 0, group=group)
-            dist.send(buf, 0, group=group)
-        _sync(device)
-        if i >= 2 and rank in (0, 1):
-            times.append((time.perf_counter() - t0) / 2)
-    return times
-
-
-def _copy_times(dev_buf: torch.Tensor, direction: str, repeats: int) -> list[float]:
-    host = torch.empty(dev_buf.shape, dtype=dev_buf.dtype, pin_memory=True)
-    times = []
-    for i in range(repeats + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if direction == "h2d":
-            dev_buf.copy_(host, non_blocking=True)
-        else:
-            host.copy_(dev_buf, non_blocking=True)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 # -- the probe --------------------------------------------------------------------------------
-
-
-def _combine(
-    per_rank: list[list[tuple[int, list[float]]]], slowest: bool
-) -> list[tuple[int, float]]:
-    """Per size: the median over repeats of the slowest rank (or of the ranks that timed it)."""
-    points = []
-    for entries in zip(*per_rank, strict=True):
-        nbytes = entries[0][0]
-        timed = [times for _, times in entries if times]
-        by_repeat = list(zip(*timed, strict=True))
-        step = [max(r) if slowest else statistics.fmean(r) for r in by_repeat]
-        points.append((nbytes, statistics.median(step)))
-    return points
 
 
 def probe_hardware(
     nproc: int = 2,
     *,
     sizes: tuple[int, ...] | list[int] = DEFAULT_SIZES,
-    repeats: int = 5,
+    repeats: int = DEFAULT_REPEATS,
     device_type: str | None = None,
     timeout_s: float = 300,
 ) -> ProbeResult:
@@ -207,24 +154,19 @@ def probe_hardware(
     use_cuda = device_type == "cuda"
     start = time.perf_counter()
     results = run_ranks(_sweep_rank, nproc, (list(sizes), repeats, use_cuda), timeout_s=timeout_s)
-    backend = results[0]["backend"]
-    sweeps = []
-    ar = _combine([r["all_reduce"] for r in results], slowest=True)
-    sweeps.append(
-        Sweep(
-            "all_reduce",
-            backend,
-            nproc,
-            ar,
-            fit_latency_bandwidth(ar, backend, "all_reduce", nproc),
-        )
-    )
-    p2p = _combine([r["p2p"] for r in results[:2]], slowest=True)
-    sweeps.append(Sweep("p2p", backend, 2, p2p, fit_latency_bandwidth(p2p, backend, "p2p", 2)))
-    for op in ("h2d", "d2h"):
-        if results[0][op]:
-            pts = [(n, statistics.median(ts)) for n, ts in results[0][op]]
-            sweeps.append(Sweep(op, "cuda", 1, pts, fit_latency_bandwidth(pts, "cuda", op, 1)))
+    first = results[0]  # all-reduce and ping-pong samples are the same on every rank
+    backend = first["backend"]
+    measured = [
+        ("all_reduce", backend, nproc),
+        ("p2p", backend, 2),
+        ("h2d", "cuda", 1),
+        ("d2h", "cuda", 1),
+    ]
+    sweeps = [
+        Sweep(op, b, world, first[op], fit_samples(first[op], b, op, world))
+        for op, b, world in measured
+        if first.get(op)
+    ]
     hw = describe_local_machine(nproc, device_type, tuple(s.fit for s in sweeps))
     return ProbeResult(hw, sweeps, time.perf_counter() - start)
 
@@ -284,4 +226,10 @@ def hardware_to_toml(hw: Hardware) -> str:
             f"bandwidth_gb_s = {num(c.bandwidth / GB)}",
             f"residual = {num(c.residual)}",
         ]
+        if c.latency_interval is not None:
+            low, high = c.latency_interval
+            lines.append(f"latency_us_interval = [{num(low * 1e6)}, {num(high * 1e6)}]")
+        if c.bandwidth_interval is not None:
+            low, high = c.bandwidth_interval
+            lines.append(f"bandwidth_gb_s_interval = [{num(low / GB)}, {num(high / GB)}]")
     return "\n".join(lines) + "\n"

@@ -39,7 +39,7 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "median_s": t.median_s, "spread_s": t.spread_s,
             "samples_per_s": t.samples_per_s, "step_s": m.get("step_s"),
             "overlap_R": sum(rs) / len(rs) if rs else None, "error": t.error,
-            "wall_s": (t.result or {}).get("wall_s"),
+            "wall_s": (t.result or {}).get("wall_s"), **_length_columns(t.result, t.error),
         })
     best = TuningConfig.from_dict(decision.get("winner_config") or {})
     base_rows = [r for r in rows if r["role"] == "baseline" and r["status"] == "ok"]
@@ -77,7 +77,8 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "measured_median_s": best_med,
             "speedup": decision.get("speedup"),
         },
-        "snippet": snippet(study.workload, best, tuners, launch),
+        "snippet": snippet(study.workload, best, tuners, launch,
+                           (summary.get("batch_size") or 0) or None),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
 
@@ -100,6 +101,13 @@ def prediction_errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _length_columns(result: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    """The steps a trial was launched with (warm-up + measured) and its note: its error, or why it ran fewer."""
+    length = (result or {}).get("length") or {}
+    ran = f"{length['warmup']}+{length['steps']}" if length.get("steps") else None
+    return {"steps_run": ran, "length": length or None, "note": error or length.get("reason") or None}
+
+
 def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]) -> str | None:
     """The winning tuner's own account of its candidate (``Tuner.explain``)."""
     winner = decision.get("winner_config") or {}
@@ -113,7 +121,10 @@ def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mappin
     return None
 
 
-def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> str:
+def snippet(
+    workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions,
+    batch_size: int | None = None,
+) -> str:
     """Ready-to-use instructions for the winning config, as Markdown."""
     nodes = ["--standalone"] if launch.nnodes == 1 else [
         "--nnodes", str(launch.nnodes), "--node-rank", "$NODE_RANK",
@@ -140,11 +151,26 @@ def snippet(workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], laun
         text = tuner.snippet(tuners[name].validate(knobs)) if tuner else None
         if text:
             code.append(f"# {name}\n{text}")
-    if code:
-        lines += ["```python", *code, "```", ""]
-    elif best.is_baseline:
+    if best.is_baseline:
         lines += ["Nothing to change: the baseline (PyTorch's defaults) was fastest.", ""]
     else:
-        lines += ["These tuners have no plain-PyTorch equivalent; run the job with tunekit.", ""]
+        batch = batch_size if batch_size else "YOUR_PER_RANK_BATCH"
+        lines += [
+            "`tunekit.prepare` applies the config to your model, optimizer and loss, and gives you "
+            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md):",
+            "",
+            "```python",
+            "import tunekit",
+            "",
+            "model, optimizer, step = tunekit.prepare(",
+            f'    model, optimizer, loss_fn, config="best_config.json", batch_size={batch}',
+            ")",
+            "for inputs, targets in loader:  # a loader of step.batch_size samples per rank",
+            "    loss = step(inputs, targets)",
+            "```",
+            "",
+        ]
+        if code:
+            lines += ["Or, in plain PyTorch without tunekit:", "", "```python", *code, "```", ""]
     lines += ["Launch it as before:", "", "```sh", torchrun, "```", ""]
     return "\n".join(lines)

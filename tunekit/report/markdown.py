@@ -52,15 +52,16 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
         "|prediction − measured| / measured, raw → corrected.",
         "",
-        "| # | role | config | status | predicted | corrected | measured (median ± IQR) | error | R | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| # | role | config | status | steps | predicted | corrected | measured (median ± IQR) | error | R | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in data["trials"]:
         measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
         r = "—" if t.get("overlap_R") is None else f"{t['overlap_R']:.0f}"
-        note = (t.get("error") or "").replace("|", "/")[:80]
+        note = (t.get("note") or "").replace("|", "/")[:200]
         out.append(
-            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {_ms(t['predicted_s'])} | "
+            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
+            f"{_ms(t['predicted_s'])} | "
             f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {r} | {note} |"
         )
     out += _prediction_section(data)

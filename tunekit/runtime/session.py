@@ -9,6 +9,7 @@ the same call serves fresh trials, live config changes and rollbacks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,9 +25,20 @@ from tunekit.runtime.data import BatchSource
 from tunekit.runtime.sync import DDPSync, GradSync, LocalSync, overlap_ratio
 from tunekit.workload import Workload
 
+FEATURE_WHY = {
+    "amp": "its forward runs outside the session's autocast",
+    "grad_scaler": "fp16's loss scale must unscale every gradient before any update",
+    "accumulation": "its reductions would run on every micro-batch",
+    "scheduler": "it steps the optimizer more than once per step",
+    "clipping": "clipping needs the whole gradient before any update",
+}
+"""Why a strategy that updates in pieces cannot take a training feature as it is."""
+
 StepFn = Callable[["Session", int], torch.Tensor]
 """A replacement training step for tuners that change how the model executes
-(placement): ``(session, step) -> loss``; it must leave parameters updated."""
+(placement): ``(session, step) -> loss``; it must leave parameters updated. It
+lists the training features it honours in a ``handles`` attribute (a frozenset
+of ``Workload.features()`` names); a job using others refuses it."""
 
 
 @dataclass
@@ -69,6 +81,12 @@ class Session:
         self.model = workload.model().to(self.device)
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler = workload.scheduler(self.optimizer) if workload.scheduler is not None else None
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if workload.uses_scaler else None
+        )
+        self.accumulation = workload.accumulation
+        """Micro-batches per optimizer step (a batch tuner may trade it against the batch)."""
         self.batch_size = workload.batch_size
         self.dp_world_size = world_size
         """Data-parallel degree: ranks that each take a different shard of the batch.
@@ -98,8 +116,27 @@ class Session:
     def default_grad_sync(self) -> GradSync:
         return DDPSync() if self.world_size > 1 else LocalSync()
 
+    def features(self) -> frozenset[str]:
+        """The workload's training features in use now (see ``Workload.features``)."""
+        out = set(self.workload.features())
+        out.discard("accumulation")
+        if self.accumulation > 1:
+            out.add("accumulation")
+        return frozenset(out)
+
+    def check_features(self, who: str, handles: frozenset[str]) -> None:
+        """Refuse, in one line, to run ``who`` on a job using a feature it does not honour
+        (it would silently train with other arithmetic)."""
+        missing = sorted(self.features() - handles)
+        if missing:
+            raise ConfigError(
+                f"{who} does not honour {', '.join(missing)} ({FEATURE_WHY[missing[0]]}); "
+                "the job keeps its current configuration"
+            )
+
     def set_grad_sync(self, sync: GradSync) -> None:
         """Replace the gradient synchronisation strategy (at a step boundary)."""
+        self.check_features(f"gradient strategy {sync.name}", sync.handles)
         if self._grad_sync is not None:
             self._grad_sync.flush()
             self._grad_sync.detach()
@@ -113,6 +150,15 @@ class Session:
             self._grad_sync = fallback
             raise
         self._grad_sync = sync
+
+    def set_accumulation(self, micro_batches: int) -> None:
+        """Micro-batches per optimizer step; the learning rate follows the global batch."""
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"accumulation must be an int of 1 or more, not {micro_batches!r}")
+        if micro_batches > 1 and "accumulation" not in self._grad_sync.handles:
+            raise ConfigError(f"gradient strategy {self._grad_sync.name} does not honour accumulation")
+        self.accumulation = micro_batches
+        self.set_lr(self.scaled_lr())
 
     def set_batch_size(self, batch_size: int) -> None:
         """Change the per-rank batch and rescale the learning rate by the workload's rule."""
@@ -135,20 +181,63 @@ class Session:
 
     @property
     def global_batch(self) -> int:
-        """Samples one training step consumes, over all ranks."""
-        return self.batch_size * self.dp_world_size
+        """Samples one training step (one optimizer update) consumes, over all ranks."""
+        return self.batch_size * self.accumulation * self.dp_world_size
 
     def scaled_lr(self) -> float:
         """The workload's learning rate for the current global batch, by its scaling rule."""
-        base = self.workload.batch_size * self.world_size
+        base = self.workload.batch_size * self.workload.accumulation * self.world_size
         return self.workload.lr_for_ratio(self.global_batch / base)
 
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate; groups keep their ratios to the workload's lr."""
+        """Set the learning rate; groups keep their ratios to the workload's lr.
+
+        With a scheduler, ``lr`` is the schedule's base: the scheduler's base rates
+        follow it, and each group keeps its current point on the schedule (its rate
+        changes by the same factor as its base)."""
         self.lr = lr
         scale = lr / self.workload.lr
-        for group, base in zip(self.optimizer.param_groups, self._base_group_lrs, strict=True):
-            group["lr"] = base * scale
+        for i, (group, base) in enumerate(zip(self.optimizer.param_groups, self._base_group_lrs, strict=True)):
+            new_base = base * scale
+            if self.scheduler is not None:
+                old_base = self.scheduler.base_lrs[i]
+                group["lr"] = group["lr"] * (new_base / old_base) if old_base else new_base
+                _set_base_lr(self.scheduler, i, new_base)
+                group["initial_lr"] = new_base
+            else:
+                group["lr"] = new_base
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """One update from the (reduced) gradients: unscale (fp16), clip, step, schedule.
+
+        Every gradient strategy that updates the whole model at once calls this
+        instead of ``optimizer.step()``, so mixed precision, clipping and the
+        scheduler mean the same under every strategy."""
+        opt = optimizer or self.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        clip = self.workload.clip_grad_norm
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in opt.param_groups for p in g["params"]], clip, foreach=None
+            )
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def autocast(self):
+        """The forward's mixed-precision context (a no-op in fp32)."""
+        precision = self.workload.precision
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled against underflow when the workload uses fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the session next returns to the workload's defaults."""
@@ -163,6 +252,7 @@ class Session:
             self._reset_callbacks.pop()()
         self.step_fn = None
         self.dp_world_size = self.world_size
+        self.accumulation = self.workload.accumulation
         if self.batch_size != self.workload.batch_size:
             self.set_batch_size(self.workload.batch_size)
         self.set_lr(self.workload.lr)
@@ -175,6 +265,9 @@ class Session:
         self.reset()
         for tuner, knobs in plan:
             tuner.apply(self, knobs)
+        if self.step_fn is not None:
+            # A placement's own training step lists what it honours on the function.
+            self.check_features("the placement's training step", getattr(self.step_fn, "handles", frozenset()))
         self.config = TuningConfig({t.name: k for t, k in plan})
 
     # -- the loop --------------------------------------------------------------------
@@ -186,15 +279,26 @@ class Session:
             data_s = 0.0
             loss = self.step_fn(self, self.step)
         else:
-            with record_function("tunekit.data"):
-                inputs, targets = self.data.batch(self.step)
-            data_s = time.perf_counter() - start
+            data_s = 0.0
             sync = self._grad_sync
             sync.before_forward()
-            loss = self.workload.loss(sync.module(inputs), targets)
-            loss.backward()
+            total = 0.0
+            for micro in range(self.accumulation):
+                t0 = time.perf_counter()
+                with record_function("tunekit.data"):
+                    inputs, targets = self.data.batch(self.micro_step(micro))
+                data_s += time.perf_counter() - t0
+                last = micro == self.accumulation - 1
+                # Micro-batches before the last only accumulate: no reduction yet.
+                with sync.accumulating() if not last else contextlib.nullcontext():
+                    with self.autocast():
+                        loss = self.workload.loss(sync.module(inputs), targets)
+                    self.backward(loss / self.accumulation if self.accumulation > 1 else loss)
+                total += float(loss.detach()) if self.accumulation > 1 else 0.0
             sync.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
+            if self.accumulation > 1:
+                loss = torch.tensor(total / self.accumulation)
         loss_value = float(loss.detach())  # also waits for the device
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {}
@@ -205,6 +309,11 @@ class Session:
         rec = StepRecord(self.step, loss_value, elapsed, data_s, metrics)
         self.step += 1
         return rec
+
+    def micro_step(self, micro: int) -> int:
+        """The data index of micro-batch ``micro`` of the current step: batches stay a pure
+        function of (seed, index, rank) with accumulation too."""
+        return self.step * self.accumulation + micro
 
     def flush(self) -> None:
         self._grad_sync.flush()
@@ -221,6 +330,8 @@ class Session:
             "config": self.config.to_dict(),
             "base_group_lrs": list(self._base_group_lrs),
             "rng": torch.get_rng_state(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -229,6 +340,10 @@ class Session:
         # The saved groups hold the lr of the saved config; the caller re-applies
         # that config, which rescales from these bases.
         self._base_group_lrs = list(state["base_group_lrs"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
         self.set_lr(self.lr)
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"])
@@ -237,3 +352,11 @@ class Session:
         self._grad_sync.flush()
         self._grad_sync.detach()
         self.data.close()
+
+
+def _set_base_lr(scheduler, group: int, lr: float) -> None:
+    """A scheduler's base rate of one parameter group, and its parts' (SequentialLR,
+    ChainedScheduler keep schedulers of their own)."""
+    scheduler.base_lrs[group] = lr
+    for part in getattr(scheduler, "_schedulers", ()):
+        _set_base_lr(part, group, lr)

@@ -16,6 +16,7 @@ the rank was blocked waiting on it ``T_b`` (Lee et al., Eq. 11's inputs).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -53,10 +54,20 @@ def overlap_ratio(records: list[CommRecord]) -> float | None:
     return min(100.0, max(0.0, 100.0 * sum(r.own_s - r.blocked_s for r in records) / total))
 
 
+ALL_FEATURES = frozenset({"amp", "grad_scaler", "accumulation", "scheduler", "clipping"})
+"""The workload's training features (``Workload.features``)."""
+
+
 class GradSync:
     """Base strategy: no communication (one rank, or a strategy-free session)."""
 
     name = "local"
+    handles: frozenset[str] = frozenset()
+    """Training features (:data:`ALL_FEATURES`) this strategy honours. A session refuses
+    to install a strategy on a job using a feature it does not list, rather than train
+    with other arithmetic. A strategy that reduces the whole gradient and then calls
+    ``session.optimizer_step`` once per step honours them all; one that updates in
+    pieces (per chunk) must handle each feature itself before it lists it."""
 
     def attach(self, session: Session) -> None:
         """Install on ``session``: wrap its model, register hooks."""
@@ -70,9 +81,14 @@ class GradSync:
     def before_forward(self) -> None:
         """Called before each forward pass (deferred updates land here)."""
 
+    def accumulating(self):
+        """Context for the backward of a micro-batch that is not the step's last: gradients
+        only accumulate (DDP: ``no_sync``)."""
+        return contextlib.nullcontext()
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``backward()``: wait for this step's reductions and update parameters."""
-        optimizer.step()
+        self.session.optimizer_step(optimizer)
 
     def flush(self) -> None:
         """Finish deferred work (before a checkpoint, a config change, the end)."""
@@ -87,6 +103,8 @@ class GradSync:
 
 class LocalSync(GradSync):
     """One rank: nothing to synchronise."""
+
+    handles = ALL_FEATURES
 
 
 def ddp_supports_bucket_list() -> bool:
@@ -104,6 +122,7 @@ class DDPSync(GradSync):
     """
 
     name = "ddp"
+    handles = ALL_FEATURES
 
     def __init__(
         self,
@@ -152,6 +171,9 @@ class DDPSync(GradSync):
     def module(self) -> nn.Module:
         return self.ddp
 
+    def accumulating(self):
+        return self.ddp.no_sync()
+
     # No annotations: DDP compares them to its own types, and this module's
     # postponed (string) annotations would not match.
     def _timed_allreduce(self, _state, bucket):
@@ -175,7 +197,7 @@ class DDPSync(GradSync):
         if self._pending:
             self._records += self._settle(self._pending, time.perf_counter())
             self._pending = []
-        optimizer.step()
+        self.session.optimizer_step(optimizer)
 
     @staticmethod
     def _settle(pending: list, now: float) -> list[CommRecord]:

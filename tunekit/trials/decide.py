@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunekit.config import TuningConfig
-from tunekit.store import TrialRow
+from tunekit.store import FAILED_STATUSES, TrialRow
 from tunekit.trials.stats import compare_runs, ranks_global_batch
 
 BASELINE = "baseline"
@@ -98,7 +98,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
         first = runs[0]
         samples = [trial_samples(t) for t in runs]
         samples = [r for r in samples if r]
-        failed = [t for t in runs if t.status not in ("ok", "pending", "running", "skipped")]
+        unmeasured = [t for t in runs if t.status in FAILED_STATUSES or t.status == "skipped"]
         row = {
             "trial_id": first.id, "seq": first.seq, "role": first.role, "plugin": first.plugin,
             "config": first.config, "config_id": first.config_id, "description": describe(first.config),
@@ -107,7 +107,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             "median_s": float(statistics.median(
                 [x for t in runs if trial_samples(t) for x in t.result["measurement"]["step_s"]])) if samples else None,
             "global_batch": global_batch(first),
-            "spread_s": first.spread_s, "error": failed[0].error if failed and not samples else None,
+            "spread_s": first.spread_s, "error": unmeasured[0].error if unmeasured and not samples else None,
         }
         if samples:
             row["comparison"] = compare_runs(base_runs, samples, min_effect=min_effect).to_dict()

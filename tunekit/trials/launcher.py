@@ -7,7 +7,9 @@ agent also gets SIGTERM when tunekit itself dies, however it dies, so that
 an interrupted study leaves no trial running (or hanging) behind it.
 
 Outcomes: ``ok``; ``crash`` (non-zero exit or a rank reported an error);
-``oom`` (a rank ran out of memory); ``hang`` (the trial outlived its timeout).
+``oom`` (a rank ran out of memory); ``too_slow`` (the trial outlived its
+timeout while its steps kept finishing); ``hang`` (its steps stopped, or it
+outlived its timeout without finishing a step).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +33,7 @@ from tunekit.runtime.dist import free_port
 from tunekit.runtime.worker import OOM_MARKERS
 from tunekit.trials.stats import measurement_from_ranks
 
-OK, CRASH, OOM, HANG = "ok", "crash", "oom", "hang"
+OK, CRASH, OOM, HANG, TOO_SLOW = "ok", "crash", "oom", "hang", "too_slow"
 
 
 @dataclass
@@ -59,7 +62,8 @@ class LaunchOptions:
     nproc: int = 2
     """Ranks per node (``torchrun --nproc-per-node``)."""
     timeout_s: float = 300.0
-    """Wall-clock limit of the trial; past it the trial is a hang."""
+    """Wall-clock limit of the trial; past it the trial is ``too_slow`` if its steps
+    were still finishing, else a hang."""
     stall_s: float | None = 60.0
     """Once training steps run, a trial whose rank 0 finishes no step for this long
     (and for ``STALL_STEPS`` times its slowest step so far) is a hang, without waiting
@@ -99,6 +103,8 @@ class TrialOutcome:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     measurement: Measurement | None = None
     search: dict[str, Any] | None = None
+    startup_s: float | None = None
+    """Seconds from launch to rank 0's first step (None: it never started one)."""
 
     @property
     def ok(self) -> bool:
@@ -181,33 +187,66 @@ class StallWatch:
     Armed from the first timed step to the trial's last one: before it, process
     start-up and compilation have no steps to show, and an in-job search runs steps
     without lines; after it, only ``timeout_s`` bounds the trace export and teardown.
+    The same lines give the trial's start-up time and its pace when the timeout comes.
     """
 
-    def __init__(self, spec: TrialSpec, limit_s: float | None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: TrialSpec, limit_s: float | None, clock: Callable[[], float] = time.monotonic,
+                 started: float | None = None):
         self.limit_s = limit_s
         self.clock = clock
+        self.started = clock() if started is None else started
         profiled = spec.profile_steps > 0
         self.final = ("profile", spec.profile_steps) if profiled else ("measure", spec.steps)
+        self.total = spec.warmup + spec.steps + spec.profile_steps
         self.last_at: float | None = None
         self.slowest_s = 0.0
+        self.step_times: list[float] = []
+        self.startup_s: float | None = None
+        """Launch to the start of rank 0's first step (or of its in-job search)."""
         self.where = ""
 
     def saw(self, line: dict[str, Any]) -> None:
         phase, index = line.get("phase"), line.get("index")
+        step_s = float(line.get("step_s") or 0.0)
+        if self.startup_s is None:
+            self.startup_s = max(0.0, self.clock() - self.started - step_s)
+        if phase in _TIMED_PHASES:
+            self.step_times.append(step_s)
         timed = phase in _TIMED_PHASES and (phase, index) != self.final
         self.last_at = self.clock() if timed else None
-        self.slowest_s = max(self.slowest_s, float(line.get("step_s") or 0.0))
+        self.slowest_s = max(self.slowest_s, step_s)
         self.where = f"{phase} step {index}/{line.get('total')}"
+
+    def _silence_limit(self) -> float:
+        return max(self.limit_s or 0.0, STALL_STEPS * self.slowest_s)
 
     def stalled(self) -> str | None:
         """Why the trial counts as hung now, or None."""
         if self.limit_s is None or self.last_at is None:
             return None
-        limit = max(self.limit_s, STALL_STEPS * self.slowest_s)
         idle = self.clock() - self.last_at
-        if idle <= limit:
+        if idle <= self._silence_limit():
             return None
         return f"no step finished for {idle:.0f} s after {self.where}; killed the trial's processes"
+
+    def steps_running(self) -> bool:
+        """Timed steps are under way and the last one finished recently for their pace."""
+        # At least a second: lines are read every quarter second, millisecond steps
+        # would otherwise look stopped between two reads.
+        return self.last_at is not None and self.clock() - self.last_at <= max(self._silence_limit(), 1.0)
+
+    def timed_out(self, timeout_s: float) -> tuple[str, str]:
+        """The status and error line of a trial killed at its timeout: too slow while steps finish, else hung."""
+        if self.steps_running():
+            return TOO_SLOW, (
+                f"too slow: {_seconds(statistics.median(self.step_times))} per step, {len(self.step_times)} of "
+                f"{self.total} steps done when the {timeout_s:.0f} s timeout came; killed the trial's processes"
+            )
+        return HANG, f"no result within {timeout_s:.0f} s; killed the trial's processes"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.1f} s" if x >= 1 else f"{x:.2f} s"
 
 
 async def run_trial(
@@ -235,9 +274,9 @@ async def run_trial(
                 start_new_session=True,
             )
         )
-    hang: str | None = None
+    killed: tuple[str, str] | None = None  # (status, why) of a trial we had to kill
     stopped_after_results = False
-    watch = StallWatch(spec, opts.stall_s)
+    watch = StallWatch(spec, opts.stall_s, started=start)
     seen = 0
     try:
         while any(p.returncode is None for p in procs):
@@ -246,9 +285,10 @@ async def run_trial(
                 stopped_after_results = True  # no need to wait for torchrun's teardown
                 break
             if time.monotonic() - start > opts.timeout_s:
-                hang = f"no result within {opts.timeout_s:.0f} s; killed the trial's processes"
+                killed = watch.timed_out(opts.timeout_s)
                 break
-            if hang := watch.stalled():
+            if stall := watch.stalled():
+                killed = (HANG, stall)
                 break
             try:
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
@@ -263,7 +303,9 @@ async def run_trial(
     if stopped_after_results:
         # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
         codes = [0] * len(procs)
-    return collect(trial_dir, opts, codes, hang, time.monotonic() - start)
+    outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start)
+    outcome.startup_s = watch.startup_s
+    return outcome
 
 
 def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
@@ -308,8 +350,9 @@ async def stop_all(procs) -> None:
             continue
 
 
-def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], hang: str | None, wall_s: float) -> TrialOutcome:
-    """Turn the rank files and exit codes into an outcome (``hang``: why it was killed as hung)."""
+def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], killed: tuple[str, str] | None,
+            wall_s: float) -> TrialOutcome:
+    """Turn the rank files and exit codes into an outcome (``killed``: the status and reason of a killed trial)."""
     ranks = []
     for r in range(opts.world_size):
         path = trial_dir / f"rank{r}.json"
@@ -321,9 +364,8 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
     logs = "\n".join(p.read_text(errors="replace") for p in sorted(trial_dir.glob("agent*.log")))
     failed = [r for r in ranks if r.get("status") != OK]
     out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks)
-    if hang:
-        out.status = HANG
-        out.error = hang
+    if killed:
+        out.status, out.error = killed
     elif any(r.get("status") == OOM for r in ranks) or any(m in logs for m in OOM_MARKERS):
         out.status = OOM
         out.error = next((r["error"] for r in ranks if r.get("status") == OOM), "out of memory")

@@ -21,6 +21,11 @@ import numpy as np
 
 from tunekit.observe.observation import Measurement
 
+MIN_MEASURED_STEPS = 3
+"""The fewest measured steps a run may have and still count: a median of three
+outlasts one stray step (a page fault, a neighbour's burst), a median of two does
+not. Runs of different lengths compare fairly (see ``_boot_medians``)."""
+
 
 def slowest_rank_steps(ranks: list[dict[str, Any]]) -> list[float]:
     """Per measured step, the maximum over ranks."""

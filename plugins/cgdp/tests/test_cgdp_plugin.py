@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.metadata import entry_points
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from tunekit.config import TuningConfig
 from tunekit.contract import Aspect
 from tunekit.errors import ConfigError
-from tunekit.hardware import load_profile
+from tunekit.hardware import GB, CollectiveFit, load_profile
 from tunekit.observe.local import describe_local_machine
 from tunekit.observe.observation import Measurement, Observation, summarize_model
 from tunekit.plugins.cgdp.plugin import Cgdp
@@ -128,6 +129,49 @@ def test_diagnosis_on_the_papers_machines_names_host_and_peer_links(profile, hos
     )
     # the prediction is consistent: applies exactly when CGDP beats DDP by the margin
     assert d.applies == (d.details["gain_vs_ddp"] > 0.01)
+
+
+WIDE = "tunekit.plugins.cgdp.workloads:wide"
+
+
+def _dgx1_with_host_link(gb_s: float, interval: tuple[float, float] | None = None):
+    """dgx1-v100x4 with a measured D2H fit (its host link) and a fixed host reduction."""
+    d2h = CollectiveFit(
+        "cuda", "d2h", 1, 1e-5, gb_s * GB,
+        bandwidth_interval=interval and (interval[0] * GB, interval[1] * GB),
+    )  # fmt: skip
+    gloo = CollectiveFit("gloo", "all_reduce", 4, 20e-6, 60 * GB)
+    return dataclasses.replace(load_profile("dgx1-v100x4"), collectives=(d2h, gloo))
+
+
+def _wide_obs(hardware, cache=None) -> Observation:
+    work = load_workload(WIDE)
+    x, _ = work.example_batch(2)
+    return Observation(
+        workload_spec=WIDE, workload=work, nproc=4, backend="gloo", device_type="cpu",
+        hardware=hardware, model=summarize_model(work.model(), x), cache=cache,
+    )  # fmt: skip
+
+
+def test_a_host_link_interval_that_straddles_the_peer_rate_is_too_close_to_call_every_time():
+    # Taken at either end of its interval, the host link gives opposite verdicts ...
+    cache = DictCache()
+    slow = Cgdp().diagnose(_wide_obs(_dgx1_with_host_link(12), cache))
+    fast = Cgdp().diagnose(_wide_obs(_dgx1_with_host_link(120), cache))
+    assert (slow.applies, slow.details["verdict"]) == (False, "no_gain")
+    assert (fast.applies, fast.details["verdict"]) == (True, "gain")
+    # ... so with the interval (12-120 GB/s around the peer all-reduce's 25) the diagnosis
+    # says it cannot tell, on every run (each measures this machine's sync cost afresh).
+    runs = [Cgdp().diagnose(_wide_obs(_dgx1_with_host_link(40, (12, 120)))) for _ in range(3)]
+    for d in runs:
+        assert d.applies and d.details["verdict"] == "too_close"
+        assert "host link 40.0 GB/s (12.0–120.0) vs peer all-reduce 25.0 GB/s" in d.summary
+        assert "too close to call" in d.summary and "CGDP is tried" in d.summary
+        low, high = d.details["gain_vs_ddp_interval"]
+        assert low <= d.details["gain_vs_ddp"] <= high
+        assert low < -0.5 and high > 0.2  # the slow end clearly loses, the fast end clearly wins
+        assert d.details["host_bw_interval_gbs"] == pytest.approx([12, 120])
+        assert d.expected_gain == max(d.details["gain_vs_ddp"], 0.0)
 
 
 def test_unknown_world_size_for_a_profile_is_one_line():

@@ -3,8 +3,14 @@
 Tests put this folder on PYTHONPATH; its ``tunekit_chaos-0.1.dist-info``
 registers the entry point, so tunekit and every trial worker discover it
 exactly as they would an installed third-party plugin.
+
+``TUNEKIT_CHAOS_PLAN`` (JSON: a list of knob dicts, each with an optional
+``predicted_s``) replaces its plan, so a test chooses both the candidates and
+what the "cost model" predicts for them.
 """
 
+import json
+import os
 import time
 
 import torch
@@ -18,12 +24,19 @@ class Chaos(Tuner):
     aspect = Aspect.DATA
 
     def knobs(self):
-        return [Knob("mode", "choice", "ok", "what the trial does", choices=("ok", "raise", "hang", "oom", "slow", "bad_hook"))]
+        return [
+            Knob("mode", "choice", "ok", "what the trial does", choices=("ok", "raise", "hang", "oom", "slow", "bad_hook")),
+            Knob("sleep_s", "float", 0.15, "seconds the slow mode adds to every step", low=0.0, high=600.0),
+        ]
 
     def diagnose(self, obs):
         return Diagnosis(True, "injects faults into trials", expected_gain=0.5)
 
     def plan(self, obs, limit):
+        if os.environ.get("TUNEKIT_CHAOS_PLAN"):
+            planned = json.loads(os.environ["TUNEKIT_CHAOS_PLAN"])
+            return [Candidate({k: v for k, v in c.items() if k != "predicted_s"}, c.get("predicted_s"), "planned by the test")
+                    for c in planned][:limit]
         modes = ["raise", "hang", "oom", "ok"]
         return [Candidate({"mode": m}, obs.baseline.median_s, f"mode {m}") for m in modes][:limit]
 
@@ -36,7 +49,7 @@ class Chaos(Tuner):
 
         def step(session, step):
             if mode == "slow":
-                time.sleep(0.15)  # a regression: same maths, slower steps
+                time.sleep(knobs["sleep_s"])  # a regression: same maths, slower steps
             elif step >= 1:
                 if mode == "raise":
                     raise RuntimeError("chaos: injected failure")

@@ -1,0 +1,115 @@
+"""How many steps a trial runs: as planned, fewer, or none.
+
+A candidate predicted to be slow would otherwise run into the trial timeout
+and measure nothing. Before it starts, its expected step time times its steps,
+plus the trial's start-up, is held against the timeout: it runs with fewer
+warm-up steps first, then fewer measured steps (never fewer than the decision
+needs), or not at all, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tunekit.store import TrialRow
+from tunekit.trials.stats import MIN_MEASURED_STEPS
+
+MIN_WARMUP_STEPS = 1
+"""Warm-up kept when shortening: the first step pays one-off costs (allocator
+growth, first collectives) that would be a third of a three-step measurement."""
+
+HEADROOM = 1.5
+"""Steps are planned at this multiple of the expected step time: predictions
+miss by tens of percent, and runs on a shared machine vary as much."""
+
+DEFAULT_STARTUP_S = 10.0
+"""Start-up assumed before any trial of the study has measured its own (about
+4 s on 2 idle cores, twice that on a busy machine)."""
+
+
+@dataclass(frozen=True)
+class TrialLength:
+    """The steps a trial runs, and why when they are not the planned ones."""
+
+    warmup: int
+    steps: int
+    planned_warmup: int
+    planned_steps: int
+    step_estimate_s: float | None = None
+    """Expected seconds per step (None: nothing to go by, the trial runs as planned)."""
+    source: str = ""
+    """Where ``step_estimate_s`` comes from: ``predicted`` or ``measured``."""
+    startup_s: float = DEFAULT_STARTUP_S
+    reason: str = ""
+    """Why the trial is shortened or skipped; empty when it runs as planned."""
+
+    @property
+    def skipped(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def skip_reason(self) -> str:
+        return self.reason if self.skipped else ""
+
+    @property
+    def shortened(self) -> bool:
+        return not self.skipped and (self.warmup, self.steps) != (self.planned_warmup, self.planned_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_length(
+    step_s: float | None, warmup: int, steps: int, timeout_s: float,
+    startup_s: float = DEFAULT_STARTUP_S, source: str = "predicted",
+) -> TrialLength:
+    """Fit ``warmup`` + ``steps`` steps of ``step_s`` seconds (with ``HEADROOM``) and the start-up into the timeout."""
+    planned = TrialLength(warmup, steps, warmup, steps, step_s, source, startup_s)
+    if step_s is None or math.isnan(step_s) or step_s <= 0:  # nothing to go by
+        return planned
+    fit = math.floor((timeout_s - startup_s) / (step_s * HEADROOM))
+    if warmup + steps <= fit:
+        return planned
+    least_warmup, least_steps = min(warmup, MIN_WARMUP_STEPS), min(steps, MIN_MEASURED_STEPS)
+    why = f"at {HEADROOM:g}x the estimate, after {startup_s:.0f} s of start-up"
+    head = f"{source} {step_s:.1f} s/step"
+    if least_warmup + least_steps > fit:
+        n = least_warmup + least_steps
+        return TrialLength(
+            0, 0, warmup, steps, step_s, source, startup_s,
+            f"{head}: even {n} steps would exceed the {timeout_s:.0f} s trial timeout "
+            f"({least_warmup} warm-up + {least_steps} measured, {why})",
+        )
+    new_warmup = max(least_warmup, min(warmup, fit - steps))  # warm-up gives way first
+    new_steps = min(steps, fit - new_warmup)
+    return TrialLength(
+        new_warmup, new_steps, warmup, steps, step_s, source, startup_s,
+        f"{head}: shortened to {new_warmup + new_steps} of {warmup + steps} planned steps to fit the "
+        f"{timeout_s:.0f} s trial timeout ({new_warmup} warm-up + {new_steps} measured, {why})",
+    )
+
+
+def startup_estimate(rows: Sequence[TrialRow]) -> float:
+    """The longest start-up (launch to the first step) a trial of this study has shown."""
+    seen = [float(r.result["startup_s"]) for r in rows if r.result and r.result.get("startup_s") is not None]
+    return max(seen) if seen else DEFAULT_STARTUP_S
+
+
+def step_estimate(row: TrialRow, rows: Sequence[TrialRow]) -> tuple[float | None, str]:
+    """Expected seconds per step of ``row``: a measured run of its config beats a prediction,
+    and a prediction corrected by earlier trials beats the tuner's raw one."""
+    measured = [r.median_s for r in rows if r.config_id == row.config_id and r.status == "ok" and r.median_s]
+    if measured:
+        return max(measured), "measured"
+    if row.corrected_s:
+        return row.corrected_s, "predicted (corrected by earlier trials)"
+    return row.predicted_s, "predicted"
+
+
+def trial_length(row: TrialRow, rows: Sequence[TrialRow], warmup: int, steps: int, timeout_s: float) -> TrialLength:
+    """The steps ``row`` runs in this study (``rows``: its trials so far)."""
+    step_s, source = step_estimate(row, rows)
+    return plan_length(step_s, warmup, steps, timeout_s, startup_estimate(rows), source)
