@@ -135,7 +135,7 @@ REQUEST_FIELDS: dict[str, dict[str, Field]] = {
     "subscribe": {},
     "rollback": {},
     "stop": {},
-    "pause": {"reason": Field(str, max_len=200)},
+    "pause": {"reason": Field(str, max_len=1000)},  # status shows the first 200 characters
     "apply": {"config": Field(dict, required=True), "nproc": Field(int, low=1, high=1024),
               "watch": Field(int, low=2, high=10_000)},
     "trial": {"config": Field(dict, required=True), "window": Field(int, low=2, high=10_000)},

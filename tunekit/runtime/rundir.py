@@ -24,6 +24,7 @@ file is rewritten in place rather than not at all.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -62,8 +63,8 @@ def _atomic_write(path: Path, text: str) -> None:
     try:
         with private_file(tmp) as f:
             f.write(text)
-    except PermissionError:
-        if not path.exists():
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
             raise
         # The folder has become read-only but the file is not: rewrite it in place
         # (a reader may see it half-written once) rather than lose the update.
