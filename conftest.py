@@ -17,8 +17,12 @@ def pytest_collection_modifyitems(config, items):
     # marked busy_ok (their checks hold on a busy machine) form a second group, run
     # beside the first on the other worker with the single-process tests. GPU tests
     # join the first group: two of them at once would share the one device.
+    # Equivalence tests compare maths, not timings: they are busy_ok by nature.
     for item in items:
-        if item.get_closest_marker("busy_ok") and item.get_closest_marker("slow"):
+        marked = item.get_closest_marker
+        if marked("gpu"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+        elif marked("slow") and (marked("busy_ok") or marked("equivalence")):
             item.add_marker(pytest.mark.xdist_group("processes-busy-ok"))
-        elif item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+        elif marked("slow"):
             item.add_marker(pytest.mark.xdist_group("processes"))

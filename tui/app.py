@@ -38,11 +38,13 @@ from tunekit.tui.screens.tuners import TunersScreen, TunerTable
 from tunekit.tui.state import (
     ApplyTarget,
     ApplyView,
+    BaselineView,
     HotSpots,
     LiveView,
     ProfileView,
     StudyView,
     TunerView,
+    baseline_from_observed,
     best_target,
     fold_study,
     fold_tuners,
@@ -101,15 +103,17 @@ class TunekitApp(App[str]):
     ]
     MODES = {mode: cls for mode, (_, cls) in SCREENS.items()}
     DEFAULT_MODE = "live"
+    # Help and Quit before the screens: a narrow footer cuts from the right, and these two
+    # must stay in sight at 80 columns (each screen's own keys come first, see the tests).
     BINDINGS = [
+        Binding("question_mark,f1", "show('help')", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
         Binding("1", "show('live')", "Live"),
         Binding("2", "show('profile')", "Profile"),
         Binding("3", "show('tuners')", "Tuners"),
         Binding("4", "show('trials')", "Trials"),
         Binding("5", "show('apply')", "Apply"),
-        Binding("question_mark,f1", "show('help')", "Help", key_display="?"),
         Binding("t", "tune", "Tune", show=False),
-        Binding("q", "quit", "Quit"),
     ]
 
     live_view: var[LiveView] = var(LiveView())
@@ -117,6 +121,8 @@ class TunekitApp(App[str]):
     profile_view: var[ProfileView | None] = var(None)
     profile_stage: var[str] = var("")
     tuner_views: var[tuple[TunerView, ...]] = var(())
+    tuner_baseline: var[BaselineView | None] = var(None)
+    """What the tuners' predictions on show are against (a diagnosis's or a tuning's baseline)."""
     study_view: var[StudyView] = var(StudyView())
     apply_view: var[ApplyView] = var(ApplyView())
 
@@ -148,6 +154,13 @@ class TunekitApp(App[str]):
             workload=self.backend.workload,
             attached=not self.backend.owns_job,
         )
+        if self.backend.owns_job:
+            self.notify(
+                f"q checkpoints and stops it. If this terminal closes, the job keeps running: "
+                f"`tunekit tui --attach {self.backend.run_id}` watches it again.",
+                title=f"run {self.backend.run_id} was started by this app",
+                timeout=15,
+            )
         for notice in self.backend.start():
             self._said.add(notice)
             self.notify(notice, title="telemetry", severity="warning", timeout=10)
@@ -269,6 +282,17 @@ class TunekitApp(App[str]):
     def action_detach(self) -> None:
         self.exit(DETACH)
 
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Palette → Screenshot: an SVG of the screen, saved where the backend says (the
+        working directory), not in a Downloads folder that may not exist."""
+        folder = Path(path) if path else self.backend.screenshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.notify(f"cannot create {folder}: {exc}", title="Screenshot", severity="error")
+            return
+        self.deliver_screenshot(filename, str(folder))
+
     # -- tuners: enable, diagnose ------------------------------------------------------------
 
     def on_tuner_table_toggled(self, message: TunerTable.Toggled) -> None:
@@ -306,6 +330,8 @@ class TunekitApp(App[str]):
             self.call_from_thread(self._diagnosis_over)
 
     def _diagnosed(self, r: DiagnosisResult) -> None:
+        if r.baseline is not None:
+            self.tuner_baseline = r.baseline
         if r.error:
             self.tuner_views = replace_tuner(
                 self.tuner_views, r.name, state="failed", summary=r.error
@@ -430,10 +456,10 @@ class TunekitApp(App[str]):
                 title="trial failed",
                 severity="error",
             )
-        elif isinstance(ev, Observed) and (
-            self.profile_view is None or self.profile_view.source.startswith("baseline")
-        ):
-            self.profile_view = profile_from_observed(ev.summary)
+        elif isinstance(ev, Observed):
+            self.tuner_baseline = baseline_from_observed(ev.summary) or self.tuner_baseline
+            if self.profile_view is None or self.profile_view.source.startswith("baseline"):
+                self.profile_view = profile_from_observed(ev.summary)
         elif isinstance(ev, StudyFinished):
             self.notify(f"tuning finished: {self.study_view.message}", title=f"winner: {ev.winner}")
         if not self._target_pinned:

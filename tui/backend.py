@@ -18,6 +18,7 @@ socket, and escalates to signals only if it will not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -38,7 +39,7 @@ from tunekit.observe.telemetry import TelemetrySampler, read_pid_dir
 from tunekit.plugin_loading import PluginRecord, load_all
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, last_error
-from tunekit.tui.state import HISTORY, CandidateView, candidate_view
+from tunekit.tui.state import HISTORY, BaselineView, CandidateView, candidate_view
 
 # -- what the app asks for -----------------------------------------------------------------
 
@@ -84,6 +85,8 @@ class DiagnosisResult:
     expected_gain: float | None = None
     candidates: tuple[CandidateView, ...] = ()
     error: str | None = None
+    baseline: BaselineView | None = None
+    """What the predictions are against (the same for every tuner of one diagnosis)."""
 
 
 class Backend(ABC):
@@ -98,6 +101,10 @@ class Backend(ABC):
     def start(self) -> list[str]:
         """Begin sampling; return notices to show once (no GPU, no py-spy ...)."""
         return []
+
+    def screenshot_dir(self) -> Path:
+        """Where the app's screenshots go (created on first use): the working directory."""
+        return Path.cwd()
 
     @abstractmethod
     def poll(self) -> LiveSnapshot:
@@ -377,15 +384,26 @@ class LiveBackend(Backend):
         store = Store.open_default(self.store_dir)
         try:
             static = observe_static(self.workload, self.nproc, self.device, None, store)
-            baseline = live_baseline(self._tail.read(), self.nproc)
+            metrics = self._tail.read()
+            baseline = live_baseline(metrics, self.nproc)
             obs = static.observation(self.nproc, baseline, store)
+            against = BaselineView(
+                obs.global_batch,
+                baseline.median_s if baseline else None,
+                f"the live job's last {len(baseline.step_s)} untuned steps"
+                if baseline
+                else "no measured baseline (the job runs a tuned config, or has too few steps): "
+                "predictions from the models alone",
+            )
             if self._profile_report and self._profile_report.get("nproc") == self.nproc:
                 obs.breakdown = Breakdown.from_dict(self._profile_report["breakdown"])
                 obs.telemetry = self._profile_report.get("telemetry")
             for name in names:
                 rec = records.get(name)
                 if rec is None or not rec.ok:
-                    yield DiagnosisResult(name, error=rec.error if rec else "not installed")
+                    yield DiagnosisResult(
+                        name, error=rec.error if rec else "not installed", baseline=against
+                    )
                     continue
                 tuner = rec.tuner
                 try:
@@ -399,9 +417,13 @@ class LiveBackend(Backend):
                         for c in plan
                     )
                 except Exception as exc:  # a broken plugin is a notification, not a crash
-                    yield DiagnosisResult(name, error=f"{type(exc).__name__}: {exc}")
+                    yield DiagnosisResult(
+                        name, error=f"{type(exc).__name__}: {exc}", baseline=against
+                    )
                     continue
-                yield DiagnosisResult(name, diag.applies, diag.summary, diag.expected_gain, cands)
+                yield DiagnosisResult(
+                    name, diag.applies, diag.summary, diag.expected_gain, cands, baseline=against
+                )
         finally:
             store.close()
 
@@ -413,11 +435,21 @@ class LiveBackend(Backend):
         from tunekit.observe.profile_job import ProfileOptions, profile_job
 
         out = self.out_dir / "profile"
-        report = profile_job(
-            self.workload,
-            ProfileOptions(nproc=self.nproc, out_dir=out, device=self.device),
-            on_stage=on_stage,
-        )
+        with contextlib.ExitStack() as held:
+            # Hold the job while the profiled run measures: sharing the CPUs would skew both.
+            if self._job_running():
+                try:
+                    reply = held.enter_context(
+                        client(self.rd).paused("tunekit tui is profiling the workload")
+                    )
+                    on_stage(f"run {self.run_id} paused at step {reply.get('paused_at')}")
+                except ControlError as exc:
+                    on_stage(f"run {self.run_id} not paused ({exc}): the run shares the machine")
+            report = profile_job(
+                self.workload,
+                ProfileOptions(nproc=self.nproc, out_dir=out, device=self.device),
+                on_stage=on_stage,
+            )
         self._profile_report = report
         try:
             series = json.loads((out / "telemetry.json").read_text())["series"].get("pyspy", [])

@@ -17,6 +17,7 @@ import click
 from tunekit.cli.common import STORE_OPTION, console, ensure_writable, err_console, split_names
 from tunekit.plugin_loading import load_all, select
 from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("tui")
@@ -97,13 +98,16 @@ def tui_cmd(
     """Watch WORKLOAD train, tune it and apply the winner, interactively (default: example:cnn).
 
     Starts WORKLOAD as a live job (`tunekit run`) and opens the app; quitting
-    checkpoints and stops that job. With --attach RUN it watches a job that is
-    already running and leaves it running on quit.
+    (q) checkpoints and stops that job, while closing the terminal leaves it
+    running (`tunekit tui --attach RUN` watches it again). With --attach RUN it
+    watches a job that is already running and leaves it running on quit.
     """
-    from tunekit.tui.app import DETACH, TunekitApp
-
     if workload and attach_run:
         raise click.UsageError("give WORKLOAD or --attach RUN, not both")
+    if workload:
+        resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    from tunekit.tui.app import DETACH, TunekitApp
+
     request = TuneRequest(plugins=split_names(plugins), trials=trials, steps=steps, warmup=warmup)
     if request.plugins:
         select(
@@ -127,6 +131,10 @@ def tui_cmd(
             device=device,
         )
         backend = LiveBackend(job.rd, store_dir, job=job, device=device)
+        err_console.print(keeps_running(backend.run_id))
+    from tunekit.observe.kineto import start_profiler_in_main_thread
+
+    start_profiler_in_main_thread()  # before the app's workers profile from their threads
     app = TunekitApp(backend, request)
     outcome = None
     log_path = backend.store_dir / "tui" / f"{backend.run_id}-app.log"
@@ -152,35 +160,45 @@ def tui_cmd(
             )
 
 
+def keeps_running(run_id: str) -> str:
+    """What happens to the job the app starts, said before the app takes the screen."""
+    return (
+        f"q checkpoints and stops run {run_id}; if this terminal closes instead, the job keeps "
+        f"running: `tunekit tui --attach {run_id}` to watch it again, `tunekit stop {run_id}` to stop it"
+    )
+
+
 @contextlib.contextmanager
 def children_write_to(log_path: Path) -> Iterator[None]:
     """While the app runs, file descriptors 1 and 2 go to ``log_path``; the app draws on the terminal.
 
     The app's workers call core code that may start processes (the hardware
     probe's ranks) or print from native code (torch warnings); either would
-    write over the screen. Textual draws on ``sys.__stderr__``, so that is
-    pointed at a duplicate of the terminal, and everything else that writes
-    to descriptor 1 or 2 — this process's native code and every child that
-    inherits them — lands in the log.
+    write over the screen. Textual draws on ``sys.__stderr__`` and asks
+    ``sys.__stdout__`` for the terminal's size (on start and on every resize,
+    through ``shutil.get_terminal_size``), so both are pointed at a duplicate of
+    the terminal; everything else that writes to descriptor 1 or 2 — this
+    process's native code and every child that inherits them — lands in the log.
     """
     if not os.isatty(2):
         yield
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    saved_stderr = sys.__stderr__
+    streams = {"__stdout__": sys.__stdout__, "__stderr__": sys.__stderr__}
     terminal = os.dup(2)
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     with open(log_path, "ab") as log:
         for fd in (1, 2):
             os.dup2(log.fileno(), fd)
-        sys.__stderr__ = os.fdopen(
-            terminal, "w", buffering=1, encoding=saved_stderr.encoding, closefd=False
-        )
+        for name, stream in streams.items():
+            encoding = getattr(stream, "encoding", None) or "utf-8"
+            setattr(sys, name, os.fdopen(terminal, "w", buffering=1, encoding=encoding, closefd=False))
         try:
             yield
         finally:
-            sys.__stderr__.flush()
-            sys.__stderr__ = saved_stderr
+            for name, stream in streams.items():
+                getattr(sys, name).flush()
+                setattr(sys, name, stream)
             for fd, copy in saved.items():
                 os.dup2(copy, fd)
                 os.close(copy)

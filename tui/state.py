@@ -375,6 +375,21 @@ def profile_from_observed(summary: Mapping[str, Any], source: str = "") -> Profi
 
 
 @dataclass(frozen=True)
+class BaselineView:
+    """What the tuners' predictions are against: the job's measured untuned steps, or nothing."""
+
+    global_batch: int
+    """Samples per step of the untuned job (all ranks)."""
+    step_s: float | None = None
+    """Median measured step of the untuned job; None: predictions from the models alone."""
+    source: str = ""
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.global_batch / self.step_s if self.step_s else None
+
+
+@dataclass(frozen=True)
 class CandidateView:
     config: Mapping[str, Any]
     """The candidate as a config dict (``TuningConfig.to_dict``)."""
@@ -383,6 +398,17 @@ class CandidateView:
     rationale: str = ""
     global_batch: int | None = None
     """Samples per step of this candidate when it changes them (a batch tuner's)."""
+
+    def samples_per_s(self, baseline: BaselineView | None) -> float | None:
+        """Predicted throughput, at this candidate's own global batch (else the baseline's)."""
+        batch = self.global_batch or (baseline.global_batch if baseline else None)
+        return batch / self.predicted_s if batch and self.predicted_s else None
+
+    def speedup(self, baseline: BaselineView | None) -> float | None:
+        """Predicted samples/s over the measured baseline's (None without a measured baseline)."""
+        rate = self.samples_per_s(baseline)
+        base = baseline.samples_per_s if baseline else None
+        return rate / base if rate and base else None
 
 
 @dataclass(frozen=True)
@@ -407,6 +433,21 @@ class TunerView:
     @property
     def loaded(self) -> bool:
         return self.status == "ok"
+
+    def best(self, baseline: BaselineView | None) -> CandidateView | None:
+        """The candidate predicted to process the most samples per second (the tuner's first
+        among equals, or when none has a prediction)."""
+        if not self.candidates:
+            return None
+        return max(self.candidates, key=lambda c: c.samples_per_s(baseline) or 0.0)
+
+
+def baseline_from_observed(summary: Mapping[str, Any]) -> BaselineView | None:
+    """The baseline a tuning's predictions are against (its ``Observed`` summary)."""
+    batch = summary.get("global_batch")
+    if not batch:
+        return None
+    return BaselineView(int(batch), summary.get("baseline_median_s"), "the tuning's baseline trial")
 
 
 def tuner_views(
@@ -487,6 +528,8 @@ class TrialView:
     """The config the trial measured (None until known)."""
     corrected_s: float | None = None
     """``predicted_s`` corrected by the trials before this one."""
+    samples_per_s: float | None = None
+    """Measured throughput at the trial's own global batch: what the decision compares."""
 
     @property
     def prediction_error(self) -> float | None:
@@ -535,10 +578,31 @@ class StudyView:
         return statistics.median(runs) if runs else None
 
     @property
+    def baseline_samples_per_s(self) -> float | None:
+        """The baseline's throughput: the decision's pooled one, or the median of its runs so far."""
+        d = self.decision or {}
+        batch = d.get("baseline_global_batch") or d.get("global_batch")
+        if batch and d.get("baseline_median_s"):
+            return batch / d["baseline_median_s"]
+        runs = [t.samples_per_s for t in self.trials if t.role == BASELINE and t.status == "ok" and t.samples_per_s]
+        if runs:
+            return statistics.median(runs)
+        base, batch = self.baseline_median_s, (self.observed or {}).get("global_batch")
+        return batch / base if base and batch else None
+
+    @property
     def best(self) -> TrialView | None:
-        """The fastest measured candidate so far (significant or not)."""
+        """The measured candidate with the most samples per second so far (significant or
+        not): per sample, as the decision judges, since a batch change makes steps longer."""
         ok = [t for t in self.trials if t.role != BASELINE and t.status == "ok" and t.median_s]
-        return min(ok, key=lambda t: t.median_s) if ok else None
+        if not ok:
+            return None
+        return max(ok, key=lambda t: t.samples_per_s or 1 / t.median_s)
+
+    def speedup(self, trial: TrialView) -> float | None:
+        """``trial``'s samples/s over the baseline's."""
+        base = self.baseline_samples_per_s
+        return trial.samples_per_s / base if base and trial.samples_per_s else None
 
     def trial(self, trial_id: int) -> TrialView | None:
         return next((t for t in self.trials if t.trial_id == trial_id), None)
@@ -610,6 +674,7 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             ev.error,
             config if config is not None else (old.config if old else None),
             ev.corrected_s,
+            getattr(ev, "samples_per_s", None),
         )
         current = None if study.current == ev.trial_id else study.current
         return r(
@@ -645,13 +710,13 @@ def best_target(study: StudyView) -> ApplyTarget | None:
     d = study.decision
     if d and d.get("winner", BASELINE) != BASELINE and d.get("winner_config"):
         return ApplyTarget(
-            dict(d["winner_config"]), f"winner {d['winner']} ({d.get('speedup', 1):.2f}x)"
+            dict(d["winner_config"]), f"winner {d['winner']} ({d.get('speedup', 1):.2f}x the baseline's samples/s)"
         )
     best = study.best
     if best is None or best.config is None:
         return None
-    base = study.baseline_median_s
-    vs = f", {base / best.median_s:.2f}x of the baseline" if base and best.median_s else ""
+    sp = study.speedup(best)
+    vs = f", {sp:.2f}x the baseline's samples/s" if sp else ""
     why = "the decision kept the baseline; " if d else "best so far: "
     return ApplyTarget(
         dict(best.config), f"{why}fastest candidate {best.description}{vs}", significant=False

@@ -95,8 +95,73 @@ class TuningConfig:
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
         return cls.from_json(text, where=str(path))
 
+    @classmethod
+    def from_pairs(cls, pairs: list[str] | tuple[str, ...]) -> TuningConfig:
+        """``["overlap_chunking.k=9", "overlap_chunking.mode=two_chunk"]`` -> a config.
+
+        A value is read as JSON when it is JSON (``9``, ``true``, ``[1, 2]``,
+        ``{"a": "n2"}``, ``"text"``), otherwise as the text it is (``two_chunk``).
+        """
+        plugins: dict[str, dict[str, Any]] = {}
+        for pair in pairs:
+            key, eq, text = pair.partition("=")
+            plugin, dot, knob = key.strip().partition(".")
+            if not eq or not dot or not plugin or not knob:
+                raise ConfigError(
+                    f"{pair!r} is not PLUGIN.knob=value (like overlap_chunking.mode=two_chunk)"
+                )
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            plugins.setdefault(plugin, {})[knob.strip()] = value
+        return cls(plugins)
+
+    def to_pairs(self) -> list[str]:
+        """The ``PLUGIN.knob=value`` form of :meth:`from_pairs`, values as compact JSON
+        unless a plain word reads back the same."""
+        out = []
+        for name in sorted(self.plugins):
+            for knob, value in sorted(self.plugins[name].items()):
+                text = value if isinstance(value, str) and _reads_back(value) else json.dumps(
+                    value, separators=(",", ":"))
+                out.append(f"{name}.{knob}={text}")
+        return out
+
     def merged(self, other: TuningConfig) -> TuningConfig:
         return TuningConfig({**self.plugins, **other.plugins})
+
+
+def check_batch(config: TuningConfig, status: dict) -> None:
+    """Refuse a per-rank ``batch_size`` knob outside a live run's batch range.
+
+    ``status`` is the run's status; its ``batch`` names the workload's own batch
+    and its ``batch_range``, the real limits (a tuner's knob declares only the
+    widest). The CLI checks before sending, the job again before applying;
+    0 and the workload's own batch are always allowed.
+    """
+    batch = status.get("batch") or {}
+    for plugin, knobs in config.plugins.items():
+        value = knobs.get("batch_size")
+        if not isinstance(value, int) or isinstance(value, bool) or value in (0, batch.get("workload")):
+            continue
+        low, high = batch.get("range") or (None, None)
+        if "range" in batch and (low is None or not low <= value <= high):
+            allowed = (f"{low}–{high}, the workload's batch_range" if low is not None
+                       else "the workload sets no batch_range")
+            raise ConfigError(
+                f"{plugin}.batch_size={value} is outside run {status.get('run_id', '?')}'s batch range "
+                f"({allowed}; 0 keeps its own {batch.get('workload')})"
+            )
+
+
+def _reads_back(text: str) -> bool:
+    """Whether ``text`` given bare reads back as the same string (not as JSON)."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return text != "" and text.strip() == text
+    return False
 
 
 def resolve(config: TuningConfig, tuners: Mapping[str, Tuner]) -> list[tuple[Tuner, dict[str, Any]]]:

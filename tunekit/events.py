@@ -64,8 +64,9 @@ class TrialStarted(Event):
     description: str
     predicted_s: float | None
     index: int
-    """1-based position among the trials this run executes."""
+    """1-based position among the study's trials (those finished, skipped included, come first)."""
     total: int
+    """Trials in the study so far; planning, a combination or a confirmation adds to it."""
     corrected_s: float | None = None
     """``predicted_s`` corrected by the trials before this one (see tunekit.trials.feedback)."""
 
@@ -92,6 +93,12 @@ class TrialFinished(Event):
     predicted_s: float | None
     error: str | None = None
     corrected_s: float | None = None
+    samples_per_s: float | None = None
+    """Measured throughput at the trial's own global batch (what a decision compares)."""
+
+
+BUDGET_SKIP = "did not fit the time budget"
+"""``TrialFinished.error`` of a trial skipped because the time budget had no room for it."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Tuner
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Event,
@@ -62,6 +63,7 @@ from tunekit.trials.decide import (
     CONFIRM,
     SEARCH,
     PlannedTrial,
+    baseline_drift,
     decide,
     leader_to_confirm,
     schedule,
@@ -257,11 +259,25 @@ class _Run:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def fits_budget(self) -> bool:
+    def fits_budget(self, trials_after: int = 0) -> bool:
+        """Whether one more trial, and ``trials_after`` more behind it, fit in the budget left
+        (each estimated at the mean wall time of the trials so far)."""
         if self.s.budget_s is None:
             return True
         estimate = (sum(self.trial_walls) / len(self.trial_walls)) if self.trial_walls else 0.0
-        return self.elapsed() + estimate <= self.s.budget_s
+        return self.elapsed() + estimate * (1 + trials_after) <= self.s.budget_s
+
+
+RESERVED_FOR_CONFIRMATION = 2
+"""Trials a budget keeps back from candidates: a confirmation run of the leader and the
+baseline run beside it, so that a winner is never declared on a single run for lack of time."""
+
+
+def budget_reserve(role: str) -> int:
+    """Trials that must still fit behind a trial of ``role`` (see :data:`RESERVED_FOR_CONFIRMATION`)."""
+    if role in (CANDIDATE, SEARCH, COMBINED):
+        return RESERVED_FOR_CONFIRMATION
+    return 1 if role == CONFIRM else 0  # a confirmation's own baseline
 
 
 async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
@@ -351,8 +367,11 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
-        decision = decide(store.trials(sid), s.min_effect, _describer(tuners))
+        trials = store.trials(sid)
+        decision = decide(trials, s.min_effect, _describer(tuners))
         decision["global_batch"] = obs.global_batch
+        for notice in _qualify(decision, trials, s, store.study(sid).observation or {}):
+            yield notice
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
@@ -371,6 +390,42 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if lock is not None:
             lock.release()
         store.close()
+
+
+def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings,
+             observation: dict[str, Any]) -> list[Notice]:
+    """Say in the decision what limited it: no candidate asked for, every candidate predicted
+    slower, a winner left unconfirmed by the budget, trials skipped for time, a machine too
+    noisy to decide. Returns warnings."""
+    notices = []
+    tried = [t for t in trials if t.role != BASELINE]
+    if s.trials == 0 and not tried:
+        decision["reason"] = ("--trials 0: the baseline was measured and every tuner diagnosed and planned "
+                              "(see the report); no candidate was tried")
+    elif not tried and observation.get("dropped"):
+        decision["reason"] = (f"all {len(observation['dropped'])} planned candidate(s) were predicted slower than "
+                              "the baseline, so none was tried (--no-rerank tries them anyway)")
+    skipped = [t for t in trials if t.status == "skipped" and t.error == BUDGET_SKIP]
+    if skipped:
+        decision["budget_skipped"] = len(skipped)
+        decision["reason"] += f"; {len(skipped)} planned trial(s) did not fit the {s.budget_s:g} s budget"
+    winner = next((r for r in decision.get("candidates", []) if r.get("trial_id") == decision.get("winner_trial")), None)
+    if winner is not None and winner.get("runs") == 1:
+        why = " (the time budget left no room)" if s.budget_s is not None else ""
+        decision["reason"] += f"; not confirmed by a second run{why}"
+    drift = baseline_drift(trials)
+    if drift is not None:
+        decision["baseline_drift"] = drift
+        runs = " → ".join(f"{m * 1e3:.0f}" for m in drift["medians_s"])
+        verdict = ("too noisy to decide" if decision.get("winner") == BASELINE
+                   else "too noisy to trust this winner without a rerun")
+        advice = ("close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
+                  "then run again with more --steps")
+        decision["reason"] += f"; the baseline drifted between its runs ({runs} ms/step): {verdict}"
+        notices.append(Notice(
+            f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
+            f"({runs} ms/step): this machine was {verdict}; {advice}", "warning"))
+    return notices
 
 
 async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> tuple[bool, Notice]:
@@ -462,8 +517,13 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         # to correct the predictions); after each trial `_feedback` re-ranks what is left.
         slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
         ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-        chosen, _ = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                                run.s.min_effect)
+        chosen, dropped = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
+                                      run.s.min_effect)
+        if dropped:
+            observation["dropped"] = [{"plugin": r.entry.plugin, "config": r.entry.config,
+                                       "predicted_s": r.entry.predicted_s} for r in dropped]
+            yield Notice(f"{len(dropped)} planned candidate(s) not scheduled: predicted slower than the baseline "
+                         f"by more than --min-effect {run.s.min_effect:g} (--no-rerank tries them anyway)")
         queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
                                          r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
         planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
@@ -581,7 +641,7 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
         yield ev
     while True:
         trials = store.trials(sid)
-        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget():
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(budget_reserve(CONFIRM)):
             return
         leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
         if leader is None:
@@ -618,20 +678,22 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
                        observe: bool = False) -> AsyncIterator[Event]:
     s = run.s
     describe = _describer(tuners)
-    index = 0
 
-    def next_pending() -> tuple[TrialRow | None, int]:
+    def next_pending() -> TrialRow | None:
         # Read afresh each time: feedback after a trial may have re-ranked the rest.
         rows = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
-        return (rows[0] if rows else None), len(rows)
+        return rows[0] if rows else None
 
     while True:
-        row, left = next_pending()
+        row = next_pending()
         if row is None:
             return
-        index += 1
+        # Trial i of n over the whole study (a confirmation adds to n), never per batch of trials.
+        study_rows = store.trials(sid)
+        index, total = sum(t.done for t in study_rows) + 1, len(study_rows)
         length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
-        skip = "did not fit the time budget" if not run.fits_budget() else length.skip_reason
+        fits = run.fits_budget(budget_reserve(row.role))
+        skip = BUDGET_SKIP if not fits else length.skip_reason
         if skip:
             store.finish_trial(row.id, status="skipped", error=skip, result={"length": length.to_dict()})
             yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
@@ -640,7 +702,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         if length.shortened:
             yield Notice(f"trial {row.seq} {describe(row.config)}: {length.reason}")
         yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
-                           index, index - 1 + left, row.corrected_s)
+                           index, total, row.corrected_s)
         store.start_trial(row.id)
         spec_ = TrialSpec(
             workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
@@ -689,7 +751,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             _record_search_config(store, row.id, result["config_found"])
         yield TrialFinished(row.id, row.seq, row.role, row.plugin, config_desc, outcome.status,
                             m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
-                            outcome.error or None, row.corrected_s)
+                            outcome.error or None, row.corrected_s, samples_per_s=m.samples_per_s if m else None)
         if row.role != BASELINE:
             reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tunekit.errors import WorkloadError
+from tunekit.workload_spec import EXAMPLE_PREFIX, _is_file, _split, resolve_spec  # noqa: F401 (re-exported)
 
 LrScaling = Literal["linear", "sqrt", "none"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -177,25 +178,6 @@ class Workload:
 
 # -- loading ------------------------------------------------------------------------
 
-EXAMPLE_PREFIX = "example:"
-
-
-def resolve_spec(spec: str) -> str:
-    """Normalise a workload name so that it means the same in every process.
-
-    File paths become absolute (workers may not share the caller's directory).
-    """
-    spec = spec.strip()
-    if spec.startswith(EXAMPLE_PREFIX):
-        return spec
-    target, fn = _split(spec)
-    if _is_file(target):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise WorkloadError(f"workload file {target} not found")
-        return f"{path.resolve()}:{fn}"
-    return spec
-
 
 def load_workload(spec: str) -> Workload:
     """Build the workload a name points at; raise :class:`WorkloadError` if it cannot."""
@@ -226,20 +208,6 @@ def load_workload(spec: str) -> Workload:
             f"(see {DOC})"
         )
     return workload
-
-
-def _split(spec: str) -> tuple[str, str]:
-    target, sep, fn = spec.rpartition(":")
-    if not sep or not target or not fn or not fn.isidentifier():
-        raise WorkloadError(
-            f"workload {spec!r} is not of the form path/file.py:fn, package.module:fn "
-            "or example:NAME"
-        )
-    return target, fn
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def _import_file(target: str):

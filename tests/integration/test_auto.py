@@ -33,7 +33,11 @@ def test_auto_on_the_demo_writes_a_report_and_keeps_only_real_winners(cli, workd
     assert (out / "trials.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "report.json").read_text())
     rows = _trials(workdir)
-    assert len([r for r in rows if r["role"] in ("candidate", "confirm")]) >= 3
+    tried = [r for r in rows if r["role"] == "candidate"]
+    # Three slots; feedback after the first trial may drop candidates now predicted slower.
+    assert 1 <= len(tried) <= 3
+    if len(tried) < 3:
+        assert "candidate(s) now predicted slower than the baseline" in " ".join(res.stdout.split())
     assert sum(r["role"] == "baseline" for r in rows) >= 2  # interleaved baselines
     assert all(r["status"] == "ok" and r["median_s"] > 0 for r in rows)
     decision = report["decision"]
@@ -154,9 +158,11 @@ def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(
     #  - an unchanged config predicted at 10 s/step: 19 steps do not fit, 4 do: it runs shortened
     #    (its real steps take milliseconds, so the test waits for none of the 10 s);
     #  - one predicted at 1000 s/step: even 4 steps would not fit: skipped, never started.
+    # --no-rerank: the plan runs as planned (re-ranking would drop both, predicted slower).
     plan = [{"mode": "ok", "predicted_s": 10.0}, {"mode": "slow", "predicted_s": 1000.0}]
     res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", "--trials", "2", "--timeout", "2m",
-              "--min-effect", "0.5", "--no-probe", env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)})
+              "--min-effect", "0.5", "--no-probe", "--no-rerank",
+              env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)})
     assert res.returncode == 0, res.stderr + res.stdout
     shortened, skipped = (r for r in _trials(workdir) if r["role"] == "candidate")
 

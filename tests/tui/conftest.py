@@ -10,6 +10,7 @@ runs on it. Only the processes are missing: no job, no trials.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -39,7 +40,7 @@ from tunekit.events import (
 from tunekit.plugin_loading import PluginRecord
 from tunekit.tui.app import TunekitApp
 from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, TuneRequest
-from tunekit.tui.state import candidate_view
+from tunekit.tui.state import BaselineView, candidate_view
 
 T0 = 1_700_000_000.0
 BASE = TuningConfig().to_dict()
@@ -155,7 +156,7 @@ def pyspy_series() -> list[dict[str, Any]]:
     wait = ("wait", "/site/torch/distributed/distributed_c10d.py")
     step = ("step", "/site/torch/optim/sgd.py")
     samples = []
-    for i in range(12):
+    for i in range(36):  # enough to flag (MIN_FLAG_SAMPLES)
         r0 = thread([conv, loop]) if i % 3 else thread([step, loop], gil=True)
         r1 = thread([wait, loop], active=False) if i % 2 else thread([conv, loop])
         samples.append(
@@ -267,7 +268,8 @@ def diagnoses() -> dict[str, DiagnosisResult]:
         {
             "knobs": BATCH["plugins"]["batch_ps_sizing"],
             "predicted_step_s": 0.41,
-            "rationale": "batch 64: 1.6x samples/s",
+            "global_batch": 128,
+            "rationale": "batch 64 per rank: 1.3x samples/s",
         },
     )
     return {
@@ -342,6 +344,7 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
                             "knobs": TuningConfig.from_dict(dict(c.config)).plugins[name],
                             "predicted_step_s": c.predicted_s,
                             "rationale": c.rationale,
+                            "global_batch": c.global_batch,
                         }
                         for c in r.candidates
                     ],
@@ -385,9 +388,18 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         evs.append((TrialStarted(tid, seq, role, plugin, desc, pred, n, len(trials), fix), None))
         for i in (1, 3):
             evs.append((TrialProgress(tid, "measure", i * 4, 16, med), None))
-        evs.append((TrialFinished(tid, seq, role, plugin, desc, st, med, spread, pred, err, fix), cfg))
+        rate = (128 if plugin == "batch_ps_sizing" else 64) / med if med else None
+        evs.append(
+            (
+                TrialFinished(
+                    tid, seq, role, plugin, desc, st, med, spread, pred, err, fix, samples_per_s=rate
+                ),
+                cfg,
+            )
+        )
     decision = {
         "baseline_median_s": 0.232,
+        "baseline_global_batch": 64,
         "baseline_runs": 2,
         "min_effect": 0.01,
         "candidates": [],
@@ -397,7 +409,7 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         "speedup": 1.11,
         "ci": [1.06, 1.15],
         "winner_median_s": 0.209,
-        "reason": "beats the baseline by 11.0% over 1 run(s) (95% CI 1.060-1.150x)",
+        "reason": "11.0% more samples/s than the baseline over 2 run(s) (95% CI 1.060-1.150x)",
     }
     evs += [
         (Notice("confirming the leader with a second run beside the baseline"), None),
@@ -453,8 +465,10 @@ class FixedBackend(Backend):
 
     def diagnose(self, names: Sequence[str], limit: int) -> Iterator[DiagnosisResult]:
         d = diagnoses()
+        against = BaselineView(64, 0.231, "the live job's last 57 untuned steps")
         for name in names:
-            yield d.get(name) or DiagnosisResult(name, False, "does not apply to this job")
+            r = d.get(name) or DiagnosisResult(name, False, "does not apply to this job")
+            yield dataclasses.replace(r, baseline=against)
 
     def profile(
         self, on_stage: Callable[[str], None]

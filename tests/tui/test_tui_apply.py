@@ -28,7 +28,7 @@ async def test_apply_the_best_config_with_confirmation_then_roll_back(
         await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
         await pilot.pause(0.05)
         screen = app.screen
-        assert "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x)" in text_of(
+        assert "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)" in text_of(
             screen.query_one("#apply-line")
         )
         assert "baseline" in text_of(screen.query_one("#current"))
@@ -53,7 +53,7 @@ async def test_apply_the_best_config_with_confirmation_then_roll_back(
         assert (
             "kept" in result
             and "before 277 samples/s → after 302 samples/s" in result
-            and "1.09x of before" in result
+            and "1.09x the samples/s of before" in result
         )
         assert "overlap_chunking" in text_of(screen.query_one("#current"))
 
@@ -66,6 +66,12 @@ async def test_apply_the_best_config_with_confirmation_then_roll_back(
         )
         await pilot.pause(0.05)
         assert screen.has_class("-rolled-back")
+        # Issue 19: it read as if the watch had rolled back a speed-up.
+        watch = text_of(screen.query_one("#apply-result")).split("watch window: ")[1]
+        assert watch.startswith(
+            "rolled back on request, not by the watch; the watch had measured it at "
+            "1.09x the samples/s of before"
+        )
 
 
 async def test_a_trial_picked_on_the_trials_screen_is_the_one_applied(

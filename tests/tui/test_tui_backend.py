@@ -58,7 +58,8 @@ async def test_the_app_attached_to_a_run_that_is_not_running(run_dir, wait_for_a
     app = TunekitApp(backend, TuneRequest(), poll_s=0.1)
     try:
         async with app.run_test(size=(120, 36)) as pilot:
-            await wait_for_app(pilot, lambda: app.live_view.step == 40 and app.tuner_views)
+            # The real plugins load (torch imports): slow on a busy machine.
+            await wait_for_app(pilot, lambda: app.live_view.step == 40 and app.tuner_views, 180)
             assert app.live_view.attached
             assert "attached" in text_of(app.screen.query_one("#job-line"))
             await pilot.press("5", "r")

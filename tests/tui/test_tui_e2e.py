@@ -80,13 +80,26 @@ async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, w
             status = client(job.rd).request("status")
             assert full_knobs(status["config"]) == full_knobs(dict(target.config))
             await wait_for_app(pilot, lambda: app.live_view.config == status["config"], 30)
+
+            # p: a profiled run, with the job held meanwhile (issue 19: it shared the CPUs)
+            await pilot.press("2", "p")
+            await wait_for_app(
+                pilot,
+                lambda: app.profile_view is not None
+                and app.profile_view.source.startswith("profiled run")
+                and not app.profile_stage,
+                600,
+            )
     finally:
         backend.close(stop_job=True)
     assert job.returncode == 0
     assert job.rd.read_status()["status"] == "stopped"
-    kinds = [e["kind"] for e in job.rd.read_events()]
+    events = job.rd.read_events()
+    kinds = [e["kind"] for e in events]
     # Held while the trials measured the machine, then resumed, then the apply.
     assert kinds.index("paused") < kinds.index("resumed") < kinds.index("applied")
+    pauses = [e.get("reason", "") for e in events if e["kind"] == "paused"]
+    assert any("profiling" in r for r in pauses), pauses  # and held again for the profiled run
 
 
 def read_until(fd: int, needle: bytes, timeout: float) -> bytes:
@@ -128,7 +141,9 @@ def test_the_command_in_a_terminal_starts_draws_and_stops_the_job(tmp_path):
     )
     os.close(child)
     try:
-        read_until(main, b"samples/s", 240)  # the live screen, drawing
+        start = read_until(main, b"samples/s", 240)  # the live screen, drawing
+        # Said before the app takes the screen (issue 19): what closing the terminal does.
+        assert b"if this terminal closes instead, the job keeps" in start
         run = RunDir.find("latest", tmp_path / ".tunekit")
         deadline = time.monotonic() + 240
         while run.read_status().get("status") != "running" and time.monotonic() < deadline:

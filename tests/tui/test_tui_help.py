@@ -63,3 +63,24 @@ async def test_quit_and_detach_say_what_to_do_with_the_job(app_factory):
     async with app.run_test(size=(120, 36)):
         app.action_detach()
     assert app.return_value == "detach"
+
+
+@pytest.mark.parametrize("width", [80, 100])
+async def test_help_and_quit_stay_in_the_footer_of_every_screen(app_factory, wait_for_app, width):
+    """Issue 19: at 100 columns the footer cut "? Help" and "q Quit"."""
+    from textual.widgets._footer import FooterKey
+
+    app = app_factory()
+
+    def visible() -> dict[str, bool]:
+        """Footer entries drawn, and whether each lies left of the palette key."""
+        keys = list(app.screen.query(FooterKey))
+        palette = min((k.region.x for k in keys if k.action == "command_palette"), default=width)
+        return {k.description: k.region.right <= palette for k in keys if k.region.width}
+
+    async with app.run_test(size=(width, 24)) as pilot:
+        for key in ("1", "2", "3", "4", "5", "question_mark"):
+            await pilot.press(key)
+            await wait_for_app(pilot, lambda: "Help" in visible() and "Quit" in visible())
+            shown = visible()
+            assert shown["Help"] and shown["Quit"], (key, shown)

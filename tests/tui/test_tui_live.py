@@ -95,3 +95,30 @@ async def test_an_unreadable_job_is_said_once_and_polling_goes_on(
         await wait_for_app(pilot, lambda: app.live_view.step == 60)
         said = [n for n in app.notes if "permission denied" in n.message]
         assert len(said) == 1 and len(calls) >= 6
+
+
+async def test_a_started_job_says_it_outlives_a_closed_terminal(app_factory, backend_factory, wait_for_app, text_of):
+    """Issue 19: closing the terminal left the job running with no word to the user."""
+    app = app_factory()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for_app(pilot, lambda: app.live_view.step == 60)
+        assert any(
+            "If this terminal closes, the job keeps running" in n.message
+            and "tunekit tui --attach demo" in n.message
+            for n in app.notes
+        )
+        assert "a closed terminal leaves it running" in text_of(app.screen.query_one("#job-line"))
+
+
+async def test_palette_screenshot_saves_a_file(app_factory, backend_factory, wait_for_app, tmp_path):
+    """Issue 19: Palette → Screenshot said "Failed to save screenshot" (no Downloads folder)."""
+    backend = backend_factory()
+    backend.screenshot_dir = lambda: tmp_path / "shots"
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for_app(pilot, lambda: app.live_view.step == 60)
+        app.action_screenshot()
+        await wait_for_app(pilot, lambda: any(n.title == "Screenshot" for n in app.notes))
+        assert [n.message for n in app.notes if n.title == "Screenshot"][0].startswith("Saved screenshot")
+        (svg,) = (tmp_path / "shots").glob("*.svg")
+        assert "tunekit" in svg.read_text()

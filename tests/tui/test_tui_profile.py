@@ -85,3 +85,28 @@ async def test_a_failing_profile_is_a_notification(app_factory, backend_factory,
         await wait_for_app(pilot, lambda: not app.profile_stage)
         assert app.is_running and app.profile_view is None
         assert app.screen.has_class("-empty")
+
+
+async def test_the_sorted_column_carries_an_arrow(app_factory, wait_for_app):
+    """Issue 19: `s` cycled the sort column with nothing saying which was active."""
+    from tunekit.tui.screens.profile import LayerTable
+
+    app = app_factory()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("2", "p")
+        await wait_for_app(pilot, lambda: app.profile_view is not None and not app.profile_stage)
+        await pilot.pause(0.1)
+        table = app.screen.query_one(LayerTable)
+
+        def headers() -> list[str]:
+            return [c.label.plain for c in table.columns.values()]
+
+        assert "total ▼" in headers() and "forward" in headers()
+        table.focus()
+        await pilot.press("s")  # the next column: share, largest first
+        await pilot.pause(0.05)
+        assert "share ▼" in headers() and "total" in headers()
+        await pilot.click(LayerTable, offset=(2, 0))  # the layer header: by name, A first
+        await pilot.pause(0.1)
+        assert headers()[0] == "layer ▲"
+        assert str(table.get_row_at(0)[0]) == "classifier.0"

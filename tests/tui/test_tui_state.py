@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -16,7 +17,9 @@ from tunekit.tui.backend import MetricsTail, live_baseline
 from tunekit.tui.formatting import describe_config, ms, pct, rate, size
 from tunekit.tui.state import (
     HISTORY,
+    BaselineView,
     StudyView,
+    TunerView,
     best_target,
     candidate_view,
     fold_study,
@@ -124,14 +127,15 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
     assert study.current == 1 and study.trials[0].status == "running"
     study = fold_study(
         study,
-        TrialFinished(1, 0, "baseline", None, "baseline", "ok", 0.200, 0.01, None),
+        TrialFinished(1, 0, "baseline", None, "baseline", "ok", 0.200, 0.01, None, samples_per_s=320.0),
         fixed.BASE,
     )
     for tid, med, cfg in ((2, 0.198, fixed.BUCKETS), (3, 0.205, fixed.TWO_CHUNK)):
         study = fold_study(
             study,
             TrialFinished(
-                tid, tid - 1, "candidate", "overlap_chunking", f"c{tid}", "ok", med, 0.02, 0.19
+                tid, tid - 1, "candidate", "overlap_chunking", f"c{tid}", "ok", med, 0.02, 0.19,
+                samples_per_s=64 / med,
             ),
             cfg,
         )
@@ -151,7 +155,7 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
     assert target.config == fixed.BUCKETS and not target.significant
     assert (
         target.label
-        == "the decision kept the baseline; fastest candidate c2, 1.01x of the baseline"
+        == "the decision kept the baseline; fastest candidate c2, 1.01x the baseline's samples/s"
     )
     assert trial_target(study.trials[2]).label == "trial 2: c3"
 
@@ -196,8 +200,8 @@ def test_profile_views_from_a_report_and_from_a_study(fixed):
 
 def test_hot_spots_are_summarised_rank_by_rank(fixed):
     (r0, r1) = hotspots(fixed.pyspy_series())
-    assert r0.samples == 12 and r1.samples == 12
-    assert r0.top[0] == ("_conv_forward (conv.py:10)", pytest.approx(8 / 12))
+    assert r0.samples == 36 and r1.samples == 36
+    assert r0.top[0] == ("_conv_forward (conv.py:10)", pytest.approx(24 / 36))
     assert r0.flags == ("optimizer step: 33% of stack samples",)
 
 
@@ -214,3 +218,43 @@ def test_formatting():
     assert rate(2**20) == "1.0 MiB/s"
     assert describe_config({"plugins": {}}) == "baseline"
     assert describe_config({"plugins": {"x": {"a": 1}}}) == "x(a=1)"
+
+
+def test_the_best_candidate_is_the_one_with_most_samples_per_second_not_the_shortest_step():
+    """Issue 19: "best so far" was judged per step beside a per-sample decision."""
+    study = StudyView()
+    rows = [
+        (1, "baseline", None, "baseline", 0.200, 64 / 0.200),
+        (2, "candidate", "overlap_chunking", "short", 0.190, 64 / 0.190),
+        (3, "candidate", "batch_ps_sizing", "big batch", 0.340, 128 / 0.340),
+    ]
+    for tid, role, plugin, desc, med, per_s in rows:
+        ev = TrialFinished(tid, tid - 1, role, plugin, desc, "ok", med, 0.01, None, samples_per_s=per_s)
+        study = fold_study(study, ev, {})
+    assert study.best.description == "big batch"
+    assert study.speedup(study.best) == pytest.approx((128 / 0.340) / (64 / 0.200))
+
+
+def test_predictions_are_shown_against_the_jobs_measured_baseline():
+    """Issue 19: "best predicted" mixed baselines; now samples/s over the job's own."""
+    base = BaselineView(64, 0.200, "the live job's last 40 untuned steps")
+    step = candidate_view("overlap_chunking", {"knobs": {}, "predicted_step_s": 0.180})
+    batch = candidate_view(
+        "batch_ps_sizing", {"knobs": {"batch_size": 64}, "predicted_step_s": 0.300, "global_batch": 128}
+    )
+    assert step.samples_per_s(base) == pytest.approx(64 / 0.180)
+    assert batch.speedup(base) == pytest.approx((128 / 0.300) / 320)
+    tuner = TunerView("t", candidates=(step, batch))
+    assert tuner.best(base) is batch  # more samples/s, though a longer step
+    assert step.speedup(BaselineView(64, None, "models alone")) is None  # no measured baseline
+
+
+def test_a_tuning_that_has_not_started_a_trial_says_no_trial_count():
+    """Issue 19: "trial 0/0" while the tuning observed and planned."""
+    from tunekit.tui.screens.tuners import tune_line
+
+    starting = StudyView(state="running", message="observing the workload")
+    line = tune_line(starting, "2 trial(s)", 1).plain
+    assert "trial 0" not in line and "observing the workload" in line
+    running = dataclasses.replace(starting, index=3, total=8)
+    assert "trial 3 of 8" in tune_line(running, "2 trial(s)", 1).plain

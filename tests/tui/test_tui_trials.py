@@ -35,16 +35,20 @@ async def test_a_tuning_started_from_the_tuners_screen_fills_the_trials_screen(
             ["2", "candidate"],
             ["3", "baseline"],
         ]
-        # raw prediction, corrected by earlier trials, measured, both errors, status
-        assert table[1][3:8] == ["201.0 ms", "207.0 ms", "209.0 ms ± 10.0 ms", "4% → 1%", "ok"]
-        assert table[2][7] == "crash" and "out of memory" in table[2][8]
+        # raw prediction, corrected by earlier trials, measured, samples/s, both errors, status
+        assert table[1][3:9] == [
+            "201.0 ms", "207.0 ms", "209.0 ms ± 10.0 ms", "306.2", "4% → 1%", "ok"
+        ]
+        assert table[2][8] == "crash" and "out of memory" in table[2][9]
         assert any(n.title == "trial failed" and "out of memory" in n.message for n in app.notes)
         assert any("cgdp" in n.message for n in app.notes)  # its diagnosis failed: a notification
         plot = screen.query_one(PredictedVsMeasured)
         assert plot.points == ((0.201, 0.209, "1", "candidate"),)
         assert "1" in str(plot.render())
         best = text_of(screen.query_one("#best"))
-        assert "overlap_chunking(bucket_cap_mb=4.0): 209.0 ms (1.11x)" in best
+        # One measure, the decision's: samples/s (issue 19: a per-step ratio sat beside it)
+        assert "baseline 275.9 samples/s" in best
+        assert "overlap_chunking(bucket_cap_mb=4.0): 306.2 samples/s (1.11x the baseline's)" in best
         assert "decision: overlap_chunking(bucket_cap_mb=4.0)" in best
         assert "tuning finished · study 7" in text_of(screen.query_one("#study-line"))
         assert app.study_view.trial(2).config is not None  # finished trials carry their config
@@ -68,7 +72,7 @@ async def test_a_running_tuning_shows_progress_and_can_be_cancelled(
         screen = app.screen
         assert screen.has_class("-tuning")
         line = text_of(screen.query_one("#study-line"))
-        assert "tuning running · study 7 · trial 1/4: baseline baseline · measure 4/16" in line
+        assert "tuning running · study 7 · trial 1 of 4: baseline baseline · measure 4/16" in line
         assert screen.query_one("#trial-progress", ProgressBar).percentage == pytest.approx(0.25)
         await pilot.press("t")
         assert any("already running" in n.message for n in app.notes)

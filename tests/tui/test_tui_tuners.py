@@ -65,8 +65,12 @@ async def test_diagnose_shows_verdicts_gains_candidates_and_a_failing_tuner(
         await pilot.pause(0.05)
         table = screen.query_one(TunerTable)
         by_name = {r[1]: r for r in rows(table)}
-        assert by_name["overlap_chunking"][3:6] == ["yes", "13%", "201.0 ms"]
-        assert by_name["batch_ps_sizing"][3:6] == ["yes", "22%", "410.0 ms"]
+        # predicted throughput against the live job's measured baseline (64 / 0.231 s)
+        assert by_name["overlap_chunking"][3:6] == ["yes", "13%", "318.4 samples/s (1.15x)"]
+        # a batch candidate: its own 128 samples per step, the same measure
+        assert by_name["batch_ps_sizing"][3:6] == ["yes", "22%", "312.2 samples/s (1.13x)"]
+        against = text_of(screen.query_one("#tuner-baseline"))
+        assert "277.1 samples/s (231.0 ms/step × 64), the live job's last 57 untuned steps" in against
         assert by_name["cgdp"][3] == "failed"
         assert any("cgdp needs at least 4 ranks" in n.message for n in app.notes)
 
@@ -74,9 +78,13 @@ async def test_diagnose_shows_verdicts_gains_candidates_and_a_failing_tuner(
         await pilot.press("down", "down", "down")  # overlap_chunking
         await pilot.pause(0.05)
         candidates = rows(screen.query_one(CandidateTable))
-        assert [c[1:3] for c in candidates] == [
-            ["overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)", "201.0 ms"],
-            ["overlap_chunking(k=5, mode=two_chunk)", "214.0 ms"],
+        assert [c[1:4] for c in candidates] == [
+            [
+                "overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)",
+                "318.4 samples/s (1.15x)",
+                "201.0 ms × 64",
+            ],
+            ["overlap_chunking(k=5, mode=two_chunk)", "299.1 samples/s (1.08x)", "214.0 ms × 64"],
         ]
         assert "should recover ~13%" in text_of(screen.query_one("#tuner-detail"))
 

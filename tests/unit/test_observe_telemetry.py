@@ -373,13 +373,13 @@ def test_classify_and_summary_flags():
         "python",
         "idle",
     ]
-    threads = [data, data, opt, native, native, native, python, idle, startup, startup]
+    threads = [data, data, opt, native, native, native, python, idle, startup, startup] * 4
     samples = [
         {"t": i, "data": {"ranks": {"0": {"pid": 1, "threads": [t]}}}}
         for i, t in enumerate(threads)
     ]
     s = summarize_pyspy(samples, flag_fraction=0.2)
-    assert s["samples"] == 8
+    assert s["samples"] == 32
     assert s["categories"] == {
         "data_loading": 0.25,
         "optimizer_step": 0.125,
@@ -389,3 +389,28 @@ def test_classify_and_summary_flags():
     }
     assert s["flags"] == ["data loading: 25% of stack samples"]
     assert s["top_functions"][0]["function"] == "forward (conv.py:1)"
+
+
+def test_no_flags_from_a_handful_of_samples_nor_from_tunekit_measuring():
+    """Issue 19: six samples raised flags, and the profiler exporting a trial's trace
+    (tunekit's own work) counted as the job's Python overhead."""
+    loop = ("train_step", "/x/tunekit/runtime/session.py")
+    python = _sample([("helper", "/u/train.py"), loop])
+    native = _sample([("forward", "/t/torch/nn/modules/conv.py"), loop], gil=False)
+    export = _sample([
+        ("_save", "/t/torch/autograd/profiler.py"),
+        ("export_chrome_trace", "/t/torch/profiler/profiler.py"),
+        ("_profile", "/x/tunekit/runtime/worker.py"),
+    ])
+
+    def summary(threads):
+        return summarize_pyspy([
+            {"t": i, "data": {"ranks": {"0": {"pid": 1, "threads": [t]}}}} for i, t in enumerate(threads)
+        ])
+
+    few = summary([python, python, python, native, native, native])
+    assert few["categories"]["python"] == 0.5 and few["flags"] == []
+    many = summary([python] * 5 + [native] * 30 + [export] * 40)
+    assert many["samples"] == 35  # the trace export is left out
+    assert "export_chrome_trace" not in " ".join(f["function"] for f in many["top_functions"])
+    assert many["flags"] == ["Python overhead in the loop: 14% of stack samples"]

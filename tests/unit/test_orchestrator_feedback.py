@@ -73,3 +73,18 @@ def test_without_reranking_the_schedule_stays_and_corrections_are_recorded(study
     assert [rows[s].plugin for s in (2, 3, 5)] == ["b", "c", "a"]  # as planned
     assert rows[5].corrected_s > 0.095  # a's own miss corrected its second candidate
     assert rows[2].corrected_s == pytest.approx(0.080)
+
+
+def test_a_study_whose_candidates_were_all_predicted_slower_says_so(study):
+    from tunekit.orchestrator import AutoSettings, _qualify
+    from tunekit.trials.decide import decide
+
+    store, sid = study
+    finish(store, sid, 0, 0.100)
+    baseline_only = [t for t in store.trials(sid) if t.seq == 0]
+    decision = decide(baseline_only, 0.01)
+    assert decision["reason"] == "no tuner proposed a candidate for this job"
+    dropped = [{"plugin": "a", "config": cfg("a", 1).to_dict(), "predicted_s": 10.0}]
+    _qualify(decision, baseline_only, AutoSettings(workload="example:cnn"), {"dropped": dropped})
+    assert decision["reason"] == ("all 1 planned candidate(s) were predicted slower than the baseline, "
+                                  "so none was tried (--no-rerank tries them anyway)")

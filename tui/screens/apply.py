@@ -33,16 +33,37 @@ def result_text(view: ApplyView, live: LiveView) -> Text:
     w = live.watch
     if w:
         text.append("\nwatch window: ", style="bold")
-        text.append(
-            f"{w.get('state', '').replace('_', ' ')} · before {per_sample_rate(w.get('before_s_per_sample'))}"
-            f" → after {per_sample_rate(w.get('after_s_per_sample'))}"
-        )
-        if w.get("speedup"):
-            ci = w.get("ci") or [None, None]
-            text.append(f" · {speedup(w['speedup'])} of before")
-            if ci[0] is not None:
-                text.append(f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})", style="dim")
+        text.append(watch_verdict(w))
     return text
+
+
+def watch_verdict(w) -> str:
+    """The watch window in words. A rollback on request says so, and the verdict the watch
+    had given before it (it read as if the watch had rolled back a speed-up)."""
+    rates = (
+        f"before {per_sample_rate(w.get('before_s_per_sample'))}"
+        f" → after {per_sample_rate(w.get('after_s_per_sample'))}"
+    )
+    measured = ""
+    if w.get("speedup"):
+        ci = w.get("ci") or [None, None]
+        measured = f"{speedup(w['speedup'])} the samples/s of before"
+        if ci[0] is not None:
+            measured += f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})"
+    if rolled_back_on_request(w):
+        had = f"; the watch had measured it at {measured}" if measured else ""
+        return f"rolled back on request, not by the watch{had} · {rates}"
+    state = w.get("state", "").replace("_", " ")
+    return f"{state} · {rates}" + (f" · {measured}" if measured else "")
+
+
+def rolled_back_on_request(w) -> bool:
+    """A rollback asked for (r, `tunekit rollback`), as the job records it, not the watch's own."""
+    return w.get("state") == "rolled_back" and w.get("reason") == ROLLED_BACK_ON_REQUEST
+
+
+ROLLED_BACK_ON_REQUEST = "rolled back on request"
+"""The reason the live job writes into its watch for a requested rollback (tunekit/runtime/live.py)."""
 
 
 class ApplyScreen(TunekitScreen):

@@ -12,6 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Label, Static
 
 from tunekit.tui.formatting import ms, number, pct, per_sample_rate, rate, size
+from tunekit.tui.screens.apply import rolled_back_on_request, watch_verdict
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import DeviceView, LiveView
 from tunekit.tui.widgets import ConfigPanel, MetricRow
@@ -43,6 +44,8 @@ def job_line(view: LiveView) -> Text:
     )
     if view.attached:
         text.append("  attached: the job keeps running when you quit", style="dim")
+    else:
+        text.append("  q stops the job; a closed terminal leaves it running", style="dim")
     if view.error:
         text.append(f"\n{view.error}", style="red")
     return text
@@ -60,6 +63,9 @@ def watch_line(watch) -> Text:
         "watching": "yellow",
     }.get(state, "")
     text = Text(f"last apply at step {watch.get('applied_at')}: ")
+    if rolled_back_on_request(watch):
+        text.append(watch_verdict(watch))
+        return text
     text.append(state.replace("_", " "), style=f"bold {style}")
     text.append(
         f" · before {per_sample_rate(watch.get('before_s_per_sample'))}"

@@ -37,21 +37,26 @@ class LayerTable(DataTable):
         self.descending = True
         self._rows: tuple[LayerRow, ...] = ()
 
-    def on_mount(self) -> None:
-        for header, _ in COLUMNS:
-            self.add_column(header, key=header)
-
     def show(self, layers: tuple[LayerRow, ...]) -> None:
         self._rows = layers
         self._fill()
 
+    @property
+    def sorted_by(self) -> str:
+        """``total ▼``: the column the rows are sorted by, and which way."""
+        return f"{COLUMNS[self.sort_column][0]} {'▼' if self.descending else '▲'}"
+
     def _fill(self) -> None:
+        self.clear(columns=True)  # the sorted column's header carries the arrow
+        for i, (header, _) in enumerate(COLUMNS):
+            sorted_here = i == self.sort_column
+            self.add_column(Text(self.sorted_by if sorted_here else header,
+                                 style="bold" if sorted_here else ""), key=header)
         attr = COLUMNS[self.sort_column][1]
         known = [r for r in self._rows if getattr(r, attr) is not None]
         rows = sorted(known, key=lambda r: getattr(r, attr), reverse=self.descending)
         rows += [r for r in self._rows if getattr(r, attr) is None]
         compute = sum(r.total_s for r in self._rows) or 1.0
-        self.clear()
         for r in rows:
             self.add_row(
                 r.name,
@@ -75,6 +80,9 @@ class LayerTable(DataTable):
 
     def action_sort_next(self) -> None:
         self.sort_by((self.sort_column + 1) % len(COLUMNS))
+
+    def on_mount(self) -> None:
+        self._fill()
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
@@ -116,7 +124,7 @@ def numbers_line(view: ProfileView) -> Text:
 class ProfileScreen(TunekitScreen):
     """See the module docstring."""
 
-    BINDINGS = [Binding("p", "app.profile", "Profile now")]
+    BINDINGS = [Binding("p", "app.profile", "Profile")]
     FOLLOWS = (
         ("profile_view", "show_profile"),
         ("live_hotspots", "show_hotspots"),

@@ -9,7 +9,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
-from tunekit.tui.formatting import ms, pct, speedup
+from tunekit.tui.formatting import ms, number, pct, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import StudyView, TrialView
 from tunekit.tui.widgets import PredictedVsMeasured
@@ -34,7 +34,7 @@ class TrialTable(DataTable):
     """One row per trial; ``a`` applies the highlighted trial's config, enter makes it the apply target."""
 
     BINDINGS = [
-        Binding("a", "apply", "Apply this config"),
+        Binding("a", "apply", "Apply…"),
         Binding("enter", "pick", "Pick for apply", show=False),
     ]
 
@@ -50,8 +50,10 @@ class TrialTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
 
     def on_mount(self) -> None:
-        # Per step; error = |prediction - measured| / measured, raw -> corrected by earlier trials.
-        for col in ("#", "role", "config", "predicted", "corrected", "measured", "error", "status", "note"):
+        # Times per step of the trial's own batch; samples/s is what the decision compares.
+        # error = |prediction - measured| / measured, raw -> corrected by earlier trials.
+        for col in ("#", "role", "config", "predicted step", "corrected", "measured step", "samples/s",
+                    "error", "status", "note"):
             self.add_column(col, key=col)
 
     def show(self, trials: tuple[TrialView, ...]) -> None:
@@ -66,6 +68,7 @@ class TrialTable(DataTable):
                 ms(t.predicted_s),
                 ms(t.corrected_s),
                 measured,
+                number(t.samples_per_s),
                 prediction_errors(t),
                 Text(t.status, style=STATUS_STYLE.get(t.status, "red")),
                 (t.error or "")[:60],
@@ -103,7 +106,7 @@ def study_line(study: StudyView) -> Text:
         text.append(f" · study {study.study_id}")
     if study.running and study.current is not None:
         t = study.trial(study.current)
-        text.append(f" · trial {study.index}/{study.total}: {t.role} {t.description}" if t else "")
+        text.append(f" · trial {study.index} of {study.total}: {t.role} {t.description}" if t else "")
         if study.phase:
             text.append(
                 f" · {study.phase} {study.step}/{study.steps} {ms(study.step_s)}", style="dim"
@@ -116,16 +119,20 @@ def study_line(study: StudyView) -> Text:
 
 
 def best_text(study: StudyView) -> Text:
-    base = study.baseline_median_s
+    """The baseline and the best candidate in samples/s, the measure the decision uses
+    (per step would favour a smaller batch; a larger one makes steps longer by design)."""
     best = study.best
-    text = Text("best so far\n", style="bold")
-    text.append(f"baseline {ms(base)}\n")
+    text = Text("best so far (samples/s: higher is better)\n", style="bold")
+    text.append(f"baseline {number(study.baseline_samples_per_s)} samples/s")
+    text.append(f" · {ms(study.baseline_median_s)}/step\n", style="dim")
     if best is None:
         text.append("no candidate measured yet", style="dim")
         return text
-    text.append(f"{best.description}: {ms(best.median_s)}", style="green")
-    if base and best.median_s:
-        text.append(f" ({speedup(base / best.median_s)})")
+    text.append(f"{best.description}: {number(best.samples_per_s)} samples/s", style="green")
+    sp = study.speedup(best)
+    if sp:
+        text.append(f" ({speedup(sp)} the baseline's)")
+    text.append(f" · {ms(best.median_s)}/step", style="dim")
     d = study.decision
     if d:
         text.append(f"\ndecision: {d.get('winner')} — {d.get('reason', '')}", style="bold")
@@ -137,7 +144,7 @@ class TrialsScreen(TunekitScreen):
 
     BINDINGS = [
         Binding("t", "app.tune", "Tune"),
-        Binding("x", "app.cancel_tuning", "Cancel tuning"),
+        Binding("x", "app.cancel_tuning", "Cancel"),
     ]
     FOLLOWS = (("study_view", "show_study"),)
 
@@ -157,6 +164,8 @@ class TrialsScreen(TunekitScreen):
         self.query_one("#study-line", Static).update(study_line(study))
         # Never an indeterminate bar: its animation would make the screen depend on the clock.
         done = study.index - (1 if study.current is not None else 0)
+        if study.state == "finished":
+            done = study.total  # trials skipped at the end (the budget) never started
         self.query_one("#study-progress", ProgressBar).update(total=study.total or 1, progress=done)
         self.query_one("#trial-progress", ProgressBar).update(
             total=study.steps or 1, progress=study.step

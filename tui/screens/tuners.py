@@ -8,9 +8,9 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Label, Static
 
-from tunekit.tui.formatting import ms, pct
+from tunekit.tui.formatting import ms, number, pct, speedup
 from tunekit.tui.screens.base import TunekitScreen
-from tunekit.tui.state import CandidateView, StudyView, TunerView
+from tunekit.tui.state import BaselineView, CandidateView, StudyView, TunerView
 
 
 def applies_cell(t: TunerView) -> Text:
@@ -28,7 +28,7 @@ def applies_cell(t: TunerView) -> Text:
 class TunerTable(DataTable):
     """One row per plugin; space toggles whether the next tuning uses it."""
 
-    BINDINGS = [Binding("space", "toggle", "Enable/disable")]
+    BINDINGS = [Binding("space", "toggle", "On/off")]
 
     class Toggled(Message):
         """The user asked to enable or disable ``plugin``."""
@@ -44,12 +44,12 @@ class TunerTable(DataTable):
         for col in ("use", "tuner", "aspect", "applies", "gain", "best predicted", "diagnosis"):
             self.add_column(col, key=col)
 
-    def show(self, tuners: tuple[TunerView, ...]) -> None:
+    def show(self, tuners: tuple[TunerView, ...], baseline: BaselineView | None = None) -> None:
         row = self.cursor_row
         self.clear()
         for t in tuners:
             mark = Text("[x]", style="bold green") if t.enabled else Text("[ ]", style="dim")
-            top = t.candidates[0] if t.candidates else None  # plans come best predicted first
+            top = t.best(baseline)
             summary = t.summary or (t.error if not t.loaded else "")
             self.add_row(
                 mark,
@@ -57,7 +57,7 @@ class TunerTable(DataTable):
                 t.aspect or "—",
                 applies_cell(t),
                 pct(t.expected_gain),
-                candidate_step(top),
+                predicted_rate(top, baseline),
                 summary[:90] + ("…" if len(summary) > 90 else ""),
                 key=t.name,
             )
@@ -71,28 +71,53 @@ class TunerTable(DataTable):
 
 
 class CandidateTable(DataTable):
-    """The highlighted tuner's planned candidates, best predicted first."""
+    """The highlighted tuner's planned candidates, in the tuner's own order."""
 
     def __init__(self, **kwargs):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
 
     def on_mount(self) -> None:
-        for col in ("#", "config", "predicted step", "why"):
+        for col in ("#", "config", "predicted", "step", "why"):
             self.add_column(col, key=col)
 
-    def show(self, tuner: TunerView | None) -> None:
+    def show(self, tuner: TunerView | None, baseline: BaselineView | None = None) -> None:
         self.clear()
         for i, c in enumerate(tuner.candidates if tuner else (), 1):
-            self.add_row(str(i), c.description, candidate_step(c), c.rationale)
+            self.add_row(str(i), c.description, predicted_rate(c, baseline), candidate_step(c, baseline),
+                         c.rationale)
 
 
-def candidate_step(c: CandidateView | None) -> str:
-    """The predicted step, calibrated on the measured baseline, with its samples when it changes them."""
+def predicted_rate(c: CandidateView | None, baseline: BaselineView | None) -> str:
+    """``306.2 samples/s (1.11x)``: the predicted throughput and, against a measured
+    baseline, the speed-up over the job. Samples/s whatever the batch: one measure."""
     if c is None:
         return "—"
-    if c.predicted_s is None:
+    rate = c.samples_per_s(baseline)
+    if rate is None:
         return "no prediction"
-    return ms(c.predicted_s) + (f" / {c.global_batch} samples" if c.global_batch else "")
+    sp = c.speedup(baseline)
+    return f"{number(rate)} samples/s" + (f" ({speedup(sp)})" if sp else "")
+
+
+def candidate_step(c: CandidateView, baseline: BaselineView | None) -> str:
+    """The predicted step and its samples: ``209.0 ms × 64``."""
+    batch = c.global_batch or (baseline.global_batch if baseline else None)
+    return ms(c.predicted_s) + (f" × {batch}" if batch and c.predicted_s else "")
+
+
+def baseline_text(baseline: BaselineView | None) -> Text:
+    """What the predictions are against."""
+    text = Text("predictions against: ", style="bold")
+    if baseline is None:
+        text.append("not diagnosed yet", style="dim")
+    elif baseline.step_s is None:
+        text.append(baseline.source, style="yellow")
+    else:
+        text.append(
+            f"{number(baseline.samples_per_s)} samples/s ({ms(baseline.step_s)}/step × {baseline.global_batch}),"
+            f" {baseline.source}"
+        )
+    return text
 
 
 def detail_text(t: TunerView | None) -> Text:
@@ -119,9 +144,8 @@ def detail_text(t: TunerView | None) -> Text:
 def tune_line(study: StudyView, settings: str, enabled: int, pauses_job: bool = False) -> Text:
     if study.running:
         text = Text("tuning: ", style="bold")
-        text.append(
-            f"running · trial {study.index}/{study.total} · {study.message}", style="yellow"
-        )
+        trial = f"trial {study.index} of {study.total} · " if study.total else ""
+        text.append(f"running · {trial}{study.message}", style="yellow")
         text.append(" · 4 shows the trials, x cancels", style="dim")
         return text
     text = Text("tuning: ", style="bold")
@@ -140,12 +164,17 @@ class TunersScreen(TunekitScreen):
     BINDINGS = [
         Binding("d", "app.diagnose", "Diagnose"),
         Binding("t", "app.tune", "Tune"),
-        Binding("x", "app.cancel_tuning", "Cancel tuning"),
+        Binding("x", "app.cancel_tuning", "Cancel"),
     ]
-    FOLLOWS = (("tuner_views", "show_tuners"), ("study_view", "show_study"))
+    FOLLOWS = (
+        ("tuner_views", "show_tuners"),
+        ("study_view", "show_study"),
+        ("tuner_baseline", "show_baseline"),
+    )
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="tune-line")
+        yield Static(id="tuner-baseline")
         yield TunerTable(id="tuners")
         yield Static(id="tuner-detail")
         yield Label("planned candidates", classes="section")
@@ -160,9 +189,13 @@ class TunersScreen(TunekitScreen):
         return next((t for t in tuners if t.name == key), None)
 
     def show_tuners(self, tuners: tuple[TunerView, ...]) -> None:
-        self.query_one(TunerTable).show(tuners)
+        self.query_one(TunerTable).show(tuners, self.tk.tuner_baseline)
         self._show_detail()
         self.show_study(self.tk.study_view)
+
+    def show_baseline(self, baseline: BaselineView | None) -> None:
+        self.query_one("#tuner-baseline", Static).update(baseline_text(baseline))
+        self.show_tuners(self.tk.tuner_views)
 
     def show_study(self, study: StudyView) -> None:
         enabled = sum(t.enabled for t in self.tk.tuner_views)
@@ -173,7 +206,7 @@ class TunersScreen(TunekitScreen):
     def _show_detail(self) -> None:
         t = self.highlighted()
         self.query_one("#tuner-detail", Static).update(detail_text(t))
-        self.query_one(CandidateTable).show(t)
+        self.query_one(CandidateTable).show(t, self.tk.tuner_baseline)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.data_table.id == "tuners":

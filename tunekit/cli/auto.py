@@ -9,18 +9,19 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from tunekit.cli.common import (
     DURATION,
     STORE_OPTION,
     Interrupted,
+    Table,
     console,
     ensure_writable,
     split_names,
 )
 from tunekit.config import TuningConfig
 from tunekit.events import (
+    BUDGET_SKIP,
     Decided,
     Diagnosed,
     Notice,
@@ -37,9 +38,8 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.truth import PART_LABELS
-from tunekit.orchestrator import AutoSettings, run_auto
 from tunekit.runtime.rundir import RunDir
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("auto")
@@ -47,7 +47,8 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
 @click.option("--plugins", "plugins", multiple=True, metavar="NAMES", help="Tuners to use (comma-separated; default: all).")
 @click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
-@click.option("--budget", type=DURATION, default=None, help="Time budget instead of a trial count (90s, 5m, 1h).")
+@click.option("--budget", type=DURATION, default=None,
+              help="Time budget instead of a trial count (90s, 5m, 1h); time for confirming the leader is kept back.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
 @STORE_OPTION
 @click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
@@ -68,10 +69,12 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
 @click.option("--keep-running", is_flag=True, help="With --apply: let the run train while the trials measure (they share the machine).")
 @click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
+@click.option("--no-rerank", is_flag=True,
+              help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.")
 @click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s, stall_s,
              min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run, keep_running, no_probe, search_steps):
+             apply_run, keep_running, no_probe, no_rerank, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -88,12 +91,16 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
     ensure_writable(store_dir, "the study store folder (--store)")
     ensure_writable(out_dir, "the report folder (--out)")
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    from tunekit.orchestrator import AutoSettings
+    from tunekit.trials.launcher import LaunchOptions
+
     settings = AutoSettings(
         workload=workload, nproc=nproc, plugins=split_names(plugins),
         trials=3 if trials is None and budget is None else trials, budget_s=budget,
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
         timeout_s=timeout_s, stall_s=stall_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
-        search_steps=search_steps, pause_run=None if keep_running else run_dir,
+        search_steps=search_steps, rerank=not no_rerank, pause_run=None if keep_running else run_dir,
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
@@ -127,7 +134,9 @@ def _quiet_cancellation(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     loop.default_exception_handler(context)
 
 
-async def _drive(settings: AutoSettings, as_json: bool) -> dict | None:
+async def _drive(settings, as_json: bool) -> dict | None:
+    from tunekit.orchestrator import run_auto
+
     asyncio.get_running_loop().set_exception_handler(_quiet_cancellation)
     decision = None
     if as_json:
@@ -172,6 +181,8 @@ class _ProgressView:
             TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console, transient=True,
         )
         self.tasks: dict[int, int] = {}
+        self.budget_skipped: list[int] = []
+        """Trials skipped for time: one line at the end, not one each."""
         self.decision = None
         self.paths = None
         self.finished = None
@@ -215,7 +226,9 @@ class _ProgressView:
             task = self.tasks.pop(ev.trial_id, None)
             if task is not None:
                 self.progress.remove_task(task)
-            if ev.status == "ok":
+            if ev.status == "skipped" and ev.error == BUDGET_SKIP:
+                self.budget_skipped.append(ev.seq)
+            elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
                          + (f" (predicted {pred})" if pred else ""))
@@ -235,6 +248,9 @@ class _ProgressView:
             self.finished = ev
 
     def finish(self) -> None:
+        if self.budget_skipped:
+            console.print(f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
+                          f"(#{', #'.join(map(str, self.budget_skipped))})")
         if self.decision is not None:
             console.print(result_table(self.decision))
             console.print(f"decision: {self.decision.get('reason', '')}")

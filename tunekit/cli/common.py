@@ -1,19 +1,46 @@
-"""Shared CLI pieces: the console, duration and count parsing."""
+"""Shared CLI pieces: the console, tables, duration and name parsing."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 import click
+import rich.table
 from rich.console import Console
-from rich.table import Table
 
 from tunekit.errors import TunekitError
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+PIPE_WIDTH = 240
+"""Columns tables may use when the output is not a terminal (a file, a pipe, a CI log):
+rich would assume 80 and squeeze numbers; a log line may be long."""
+
+
+def _width(stream) -> int | None:
+    """None (rich asks the terminal) on a terminal or with COLUMNS set; otherwise :data:`PIPE_WIDTH`."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+
+
+console = Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
+
+
+class Table(rich.table.Table):
+    """A rich table whose cells wrap instead of ending in "…": a number or a config the
+    user must read or copy is never cut (issue 19)."""
+
+    def add_column(self, *args, **kwargs) -> None:
+        kwargs.setdefault("overflow", "fold")
+        super().add_column(*args, **kwargs)
+
+
 
 class Interrupted(TunekitError):
     """Ctrl-C: said in one line with the command that continues the work."""
@@ -51,8 +78,10 @@ def parse_duration(text: str) -> float:
             break
         total += float(m.group(1)) * _UNIT[m.group(2)]
         pos = m.end()
-    if not text or pos != len(text) or total <= 0:
+    if not text or pos != len(text):
         raise ValueError(f"{text!r} is not a duration like 90s, 5m or 1h30m")
+    if total <= 0:
+        raise ValueError(f"{text!r} is no time at all: give more than 0, like 90s or 5m")
     return total
 
 
@@ -71,10 +100,20 @@ class Duration(click.ParamType):
 DURATION = Duration()
 
 
-def split_names(values: tuple[str, ...]) -> list[str] | None:
-    """``--plugins a,b --plugins c`` -> [a, b, c]; nothing given -> None."""
+def split_names(values: tuple[str, ...], option: str = "--plugins") -> list[str] | None:
+    """``--plugins a,b --plugins c`` -> [a, b, c]; not given -> None (every tuner).
+
+    Given but naming nothing (``--plugins ''``) is an error, not "every tuner".
+    """
+    if not values:
+        return None
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
-    return names or None
+    if not names:
+        raise click.BadParameter(
+            f"{option} {values[0]!r} names no tuner; leave {option} out to use every tuner "
+            "(`tunekit plugins` lists them)"
+        )
+    return names
 
 
 STORE_OPTION = click.option(
@@ -93,16 +132,18 @@ def _pct(x: float | None) -> str:
 
 def trials_table(rows: list[dict], title: str = "trials") -> Table:
     """Every trial: its prediction, raw and corrected by the trials before it, what was
-    measured and the error of each (rows from ``tunekit.report.data.report_data``)."""
+    measured (per step, and samples/s: what the decision compares) and the error of each (rows from ``tunekit.report.data.report_data``)."""
     table = Table(title=title + " (per step; error = |prediction − measured| / measured)", title_justify="left")
-    for col in ("#", "role", "config", "status", "steps", "predicted", "corrected", "measured", "error", "note"):
-        table.add_column(col, overflow="fold")
+    for col in ("#", "role", "config", "status", "steps", "predicted", "corrected", "measured", "samples/s",
+                "error", "note"):
+        table.add_column(col)
     for t in rows:
         med = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
         err = _pct(t.get("prediction_error"))
         if t.get("corrected_prediction_error") is not None:
             err += f" → {_pct(t['corrected_prediction_error'])}"
         table.add_row(str(t["seq"]), t["role"], t["description"], t["status"], t.get("steps_run") or "—",
-                      _ms(t["predicted_s"]), _ms(t.get("corrected_s")), med, err,
+                      _ms(t["predicted_s"]), _ms(t.get("corrected_s")), med,
+                      "—" if not t.get("samples_per_s") else f"{t['samples_per_s']:,.1f}", err,
                       (t.get("note") or t.get("error") or "")[:160])
     return table

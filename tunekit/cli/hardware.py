@@ -6,9 +6,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import STORE_OPTION, console, ensure_writable
+from tunekit.cli.common import STORE_OPTION, Table, console, ensure_writable
 from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 
@@ -99,10 +98,47 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
 
 
 @hardware_group.command("show")
-@click.argument("profile")
-def show_cmd(profile):
-    """Validate and print PROFILE: a TOML file or a shipped profile's name."""
-    print_hardware(load_profile(profile))
+@click.argument("profile", required=False)
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Without PROFILE: ranks this machine is described for.",
+)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@STORE_OPTION
+def show_cmd(profile, nproc, device, store_dir):
+    """Validate and print PROFILE: a TOML file or a shipped profile's name (`tunekit hardware list`).
+
+    Without PROFILE: this machine as tunekit plans for it, with the collective
+    fits `tunekit hardware probe` cached in the store (if any).
+    """
+    print_hardware(load_profile(profile) if profile else local_hardware(nproc, device, store_dir))
+
+
+def local_hardware(nproc: int, device: str, store_dir: Path) -> Hardware:
+    """This machine's model, as ``tunekit auto`` builds it (with cached probe fits)."""
+    import torch
+
+    from tunekit.observe.local import describe_local_machine
+    from tunekit.orchestrator import probe_cache_key
+    from tunekit.store import Store
+
+    device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    hw = describe_local_machine(nproc, device_type)
+    db = Path(store_dir) / "tunekit.db"
+    if db.exists():
+        store = Store(db)
+        try:
+            fits = store.cache_get(probe_cache_key(hw))
+        finally:
+            store.close()
+        if fits:
+            hw = describe_local_machine(nproc, device_type, tuple(CollectiveFit(**f) for f in fits))
+    if not hw.collectives:
+        console.print("[dim]no collective fits cached for this machine: `tunekit hardware probe` measures them[/]")
+    return hw
 
 
 @hardware_group.command("list")

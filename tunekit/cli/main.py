@@ -41,7 +41,7 @@ COMMANDS = {
 """The core's commands: name -> ``module:attribute``."""
 
 SUMMARIES = {
-    "apply": "Apply CONFIG (best_config.json or inline JSON) to the live RUN at its next step boundary.",
+    "apply": "Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary.",
     "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
     "hardware": "Hardware models: measure this machine or validate and print a profile.",
     "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",
@@ -109,11 +109,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("plan", "tui", "profile"):
-        from tunekit.observe.kineto import start_profiler_in_main_thread
-
-        start_profiler_in_main_thread()  # `auto` does it once its workload has loaded
+    # Commands that profile start torch.profiler themselves, once their input is known to be good.
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
     except click.exceptions.Abort:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+from pathlib import Path
+
 import click
 from rich.markdown import Markdown
-from rich.table import Table
 
-from tunekit.cli.common import STORE_OPTION, console, trials_table
+from tunekit.cli.common import STORE_OPTION, Table, console, trials_table
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
-from tunekit.observe.observation import Measurement
-from tunekit.orchestrator import AutoSettings, observe_static, observed_baseline, study_key
 from tunekit.plugin_loading import load_all, select
-from tunekit.report import report_data
 from tunekit.store import Store
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("plan")
@@ -23,15 +23,28 @@ from tunekit.trials.launcher import LaunchOptions
 @click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (devices) to plan for.")
 @click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
 @click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Candidates to show.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"),
+              show_default=True, help="Where configs too long for one command line are written.")
+@click.option("--json", "as_json", is_flag=True, help="Print the diagnosis and candidates as JSON.")
 @STORE_OPTION
-def plan_cmd(plugin, workload, nproc, hardware, limit, store_dir):
+def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. A baseline measured by an earlier `tunekit auto` with the
-    same settings is used when the store has one.
+    same settings is used when the store has one. Each candidate comes with a
+    command that applies it to a live run (`tunekit apply RUN PLUGIN.knob=value …`);
+    a config too long for a command line is written to --out and named by its path.
     """
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
     records = load_all()
     tuner = select(records, [plugin])[plugin]
+    from tunekit.observe.kineto import start_profiler_in_main_thread
+    from tunekit.observe.observation import Measurement
+    from tunekit.orchestrator import observe_static, observed_baseline
+    from tunekit.report import report_data
+    from tunekit.trials.launcher import LaunchOptions
+
+    start_profiler_in_main_thread()  # before a tuner profiles from a worker thread
     store = Store.open_default(store_dir)
     try:
         static = observe_static(workload, nproc, "auto", hardware, store)
@@ -43,31 +56,45 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, store_dir):
         diag = tuner.diagnose(obs)
         candidates = tuner.plan(obs, limit) if diag.applies else []
         tried = []
+        truth = obs.truth
         if study is not None:
             tuners = {r.name: r.tuner for r in records if r.ok}
             rows = report_data(store, study.id, tuners, LaunchOptions(nproc=nproc))["trials"]
             tried = [t for t in rows if t["plugin"] == tuner.name]
     finally:
         store.close()
+    rows = ranked_candidates(tuner, candidates, obs.global_batch)
+    apply_args = [_apply_args(r["config"], tuner.defaults(), out_dir / "plan" / f"{tuner.name}-{i}.json")
+                  for i, r in enumerate(rows, 1)]
+    if as_json:
+        click.echo(json.dumps({
+            "plugin": tuner.name, "workload": static.spec, "nproc": nproc, "hardware": static.hardware.name,
+            "applies": diag.applies, "summary": diag.summary, "expected_gain": diag.expected_gain,
+            "baseline_step_s": truth.step_s if truth is not None else None,
+            "candidates": [{**r, "config": r["config"].to_dict(), "apply": f"tunekit apply RUN {a}"}
+                           for r, a in zip(rows, apply_args, strict=True)],
+        }, indent=2, default=str))
+        return
     console.print(f"[bold]{tuner.name}[/] — {tuner.title} · {static.spec} on {nproc} × {static.hardware.name}")
-    truth = obs.truth
     if truth is None:
         console.print("[dim]no measured baseline in the store for these settings (run `tunekit auto` first); "
                       "predictions use the model alone[/]")
     else:
         console.print(f"measured baseline (study {study.id}): {truth.describe()}")
     console.print(("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary)
-    if not candidates:
+    if not rows:
         return
-    defaults = {tuner.name: tuner.defaults()}
-    table = Table(title="candidates, best predicted first", title_justify="left")
-    for col in ("#", "config", "predicted step", "why"):
+    table = Table(title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)",
+                  title_justify="left")
+    for col in ("#", "config", "predicted step", "samples/s", "why"):
         table.add_column(col)
-    for i, c in enumerate(candidates, 1):
-        cfg = TuningConfig({tuner.name: tuner.validate(c.knobs)})
-        pred = "—" if c.predicted_step_s is None else f"{c.predicted_step_s * 1e3:.1f} ms"
-        table.add_row(str(i), cfg.describe(defaults), pred, c.rationale)
+    for i, r in enumerate(rows, 1):
+        table.add_row(str(i), r["description"], _ms(r["predicted_step_s"]), _rate(r["predicted_samples_per_s"]),
+                      r["rationale"])
     console.print(table)
+    console.print("apply one to a live run (`tunekit run`); `tunekit trial` takes the same arguments:")
+    for i, a in enumerate(apply_args, 1):
+        console.print(f"  #{i}  tunekit apply RUN {a}", soft_wrap=True)
     if tried:
         console.print(trials_table(tried, title=f"{tuner.name}'s trials in study {study.id}"))
     text = tuner.explain(candidates[0])
@@ -75,9 +102,50 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, store_dir):
         console.print(Markdown(f"**Best candidate in detail**\n\n{text}"))
 
 
+LONGEST_COMMAND_ARGS = 160
+"""Past this many characters, a candidate's PLUGIN.knob=value pairs go to a file instead."""
+
+
+def ranked_candidates(tuner, candidates, base_batch: int) -> list[dict]:
+    """Candidates with their full config, fastest predicted per sample first (a tuner's own
+    order is kept among equals, and for candidates without a prediction, which come last)."""
+    defaults = {tuner.name: tuner.defaults()}
+    rows = []
+    for c in candidates:
+        cfg = TuningConfig({tuner.name: tuner.validate(c.knobs)})
+        batch = c.global_batch or base_batch
+        rate = batch / c.predicted_step_s if c.predicted_step_s and batch else None
+        rows.append({"config": cfg, "description": cfg.describe(defaults), "predicted_step_s": c.predicted_step_s,
+                     "global_batch": batch, "predicted_samples_per_s": rate, "rationale": c.rationale})
+    return sorted(rows, key=lambda r: -(r["predicted_samples_per_s"] or 0.0))
+
+
+def _apply_args(config: TuningConfig, defaults: dict, path: Path) -> str:
+    """What follows ``tunekit apply RUN``: the knobs off their defaults as shell-quoted pairs
+    (the job fills in the rest), or the path of a file with the whole config."""
+    changed = TuningConfig({name: {k: v for k, v in knobs.items() if defaults.get(k, object()) != v} or knobs
+                            for name, knobs in config.plugins.items()})
+    pairs = " ".join(shlex.quote(p) for p in changed.to_pairs())
+    if len(pairs) <= LONGEST_COMMAND_ARGS:
+        return pairs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return shlex.quote(str(path))
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _rate(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.1f}"
+
+
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
     """The newest study with the same model, hardware and settings, and its first successful
     baseline trial (None, None when there is none)."""
+    from tunekit.orchestrator import AutoSettings, study_key
+
     settings = AutoSettings(workload=static.spec, nproc=nproc, hardware=hardware).study_settings()
     key = study_key(static.graph_hash, static.hardware.fingerprint(), settings)
     study = store.latest_study(key)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import console
+from tunekit.cli.common import Table, console
 from tunekit.plugin_loading import load_all, slow_imports
 
 

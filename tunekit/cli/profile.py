@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 
-from tunekit.cli.common import console, ensure_writable
+from tunekit.cli.common import Table, console, ensure_writable
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
-from tunekit.observe.profile_job import ProfileOptions, profile_job
+from tunekit.workload_spec import resolve_spec
 
 
 @click.command("profile")
@@ -60,6 +59,11 @@ def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top):
     ranks' Chrome traces (open them in Perfetto) under --out.
     """
     ensure_writable(out_dir, "the profile folder (--out)")  # before the profile, not after it
+    resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    from tunekit.observe.kineto import start_profiler_in_main_thread
+    from tunekit.observe.profile_job import ProfileOptions, profile_job
+
+    start_profiler_in_main_thread()
     opts = ProfileOptions(
         nproc=nproc, steps=steps, warmup=warmup, out_dir=out_dir, device=device, top_layers=top
     )

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import click
-from rich.table import Table
 
 from tunekit.cli.auto import result_table
-from tunekit.cli.common import STORE_OPTION, console, trials_table
+from tunekit.cli.common import STORE_OPTION, Table, console, trials_table
 from tunekit.orchestrator import load_study
 from tunekit.plugin_loading import available_tuners
 from tunekit.report import report_data, write_report

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable
-from tunekit.config import TuningConfig
+from tunekit.config import TuningConfig, check_batch
+from tunekit.errors import ConfigError
 from tunekit.runtime.control import JobNotRunning
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import (
@@ -21,12 +23,28 @@ from tunekit.runtime.supervisor import (
     wait_for,
 )
 
+CONFIG_FORMS = """CONFIG is one of: PLUGIN.knob=value pairs (`tunekit plan` prints them),
+e.g. `overlap_chunking.mode=two_chunk overlap_chunking.k=9`; a config file
+(best_config.json); or inline JSON, e.g.
+'{"overlap_chunking": {"mode": "two_chunk", "k": 9}}'."""
 
-def read_config(text: str) -> TuningConfig:
-    """A config from a file (best_config.json) or inline JSON."""
-    if text.lstrip().startswith("{"):
-        return TuningConfig.from_json(text, where="inline config")
-    return TuningConfig.load(text)
+
+def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
+    """A config from PLUGIN.knob=value pairs, a file (best_config.json) or inline JSON."""
+    args = (args,) if isinstance(args, str) else tuple(args)
+    if not args:
+        raise ConfigError("no CONFIG given. " + CONFIG_FORMS)
+    if len(args) == 1 and args[0].lstrip().startswith("{"):
+        return TuningConfig.from_json(args[0], where="inline config")
+    if all("=" in a and "." in a.partition("=")[0] for a in args):
+        return TuningConfig.from_pairs(args)
+    if len(args) == 1:
+        text = args[0]
+        if "(" in text and text.rstrip().endswith(")"):  # `tunekit plan`'s description, pasted
+            raise ConfigError(f"{text!r} is a description, not a config. " + CONFIG_FORMS)
+        return TuningConfig.load(text)
+    bad = next(a for a in args if not ("=" in a and "." in a.partition("=")[0]))
+    raise ConfigError(f"{bad!r} is not PLUGIN.knob=value. " + CONFIG_FORMS)
 
 
 @click.command("run")
@@ -101,17 +119,19 @@ def _find(run: str, store_dir: Path) -> RunDir:
     return RunDir.find(run, store_dir)
 
 
-@click.command("apply")
+@click.command("apply", epilog=CONFIG_FORMS)
 @click.argument("run")
-@click.argument("config")
+@click.argument("config", nargs=-1, required=True)
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Relaunch with this many ranks.")
 @click.option("--watch", type=click.IntRange(min=2), default=None, help="Steps to watch before keeping it.")
 @click.option("--no-wait", is_flag=True, help="Return once applied, without waiting for the watch verdict.")
 @STORE_OPTION
 def apply_cmd(run, config, nproc, watch, no_wait, store_dir):
-    """Apply CONFIG (best_config.json or inline JSON) to the live RUN at its next step boundary."""
+    """Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary."""
     rd = _find(run, store_dir)
-    result = apply_to_run(rd, read_config(config), nproc=nproc, watch=watch, wait=not no_wait)
+    cfg = read_config(config)
+    check_batch(cfg, rd.read_status())
+    result = apply_to_run(rd, cfg, nproc=nproc, watch=watch, wait=not no_wait)
     console.print(result["message"])
     if result.get("rolled_back"):
         raise SystemExit(1)
@@ -164,22 +184,32 @@ def status_cmd(run, as_json, store_dir):
     console.print(f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)")
     if last:
         console.print(f"  last step {last['step_s'] * 1e3:.1f} ms, loss {last['loss']:.4f}")
+    rate = throughput(read_metrics_tail(rd.metrics_file), st.get("config_id"))
+    if rate:
+        console.print(f"  {rate}")
     console.print(f"  config: {TuningConfig.from_dict(st.get('config') or {}).describe()}")
+    batch = st.get("batch") or {}
+    if batch.get("size"):
+        rng = batch.get("range")
+        console.print(f"  batch {batch['size']} per rank" + (f" (allowed {rng[0]}–{rng[1]})" if rng else
+                                                           " (the workload sets no batch_range)"))
     if st.get("watch"):
         console.print(f"  watch: {st['watch']['state']} {st['watch'].get('reason', '')}")
     if st.get("paused"):
         console.print(f"  paused at step {st['paused']['step']}: {st['paused']['reason'] or 'no reason given'}")
 
 
-@click.command("trial")
+@click.command("trial", epilog=CONFIG_FORMS)
 @click.argument("run")
-@click.argument("config")
+@click.argument("config", nargs=-1, required=True)
 @click.option("--window", type=click.IntRange(min=2), default=10, show_default=True, help="Steps per window.")
 @STORE_OPTION
 def trial_cmd(run, config, window, store_dir):
     """Try CONFIG inside the live RUN (candidate and current in alternating windows); keep the faster."""
     rd = _find(run, store_dir)
-    r = client(rd).request("trial", config=read_config(config).to_dict(), window=window)
+    cfg = read_config(config)
+    check_batch(cfg, rd.read_status())
+    r = client(rd).request("trial", config=cfg.to_dict(), window=window)
     console.print(f"candidate {r['candidate_samples_per_s']:,.0f} vs current {r['current_samples_per_s']:,.0f} "
                   f"samples/s ({r['speedup']:.2f}x, 95% CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f}): kept the {r['kept']}")
 
@@ -203,6 +233,54 @@ def stop_cmd(run, store_dir):
     """Checkpoint RUN and stop it cleanly (resume later with tunekit run --resume RUN)."""
     r = client(_find(run, store_dir)).request("stop")
     console.print(f"stopped at step {r['stopped_at']}")
+
+
+TREND_STEPS = 40
+"""Steps of the current config the status trend covers."""
+
+
+def read_metrics_tail(path: Path, max_bytes: int = 256 * 1024) -> list[dict]:
+    """The last metric lines of ``metrics.jsonl`` (its last ``max_bytes``)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, 2) - max_bytes)
+            f.seek(start)
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    if start:
+        lines = lines[1:]  # cut mid-line
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def throughput(metrics: list[dict], config_id: str | None, steps: int = TREND_STEPS) -> str:
+    """``312.4 samples/s (median of the last 40 steps of this config), trend ▃▄▅▅▆ +4%``;
+    empty when the current config has no steps yet."""
+    mine: list[dict] = []
+    for m in metrics:  # the trailing run of steps under the current config
+        mine = [*mine, m] if m.get("config_id") == config_id else []
+    rates = [m["samples_per_s"] for m in mine[-steps:] if m.get("samples_per_s")]
+    if not rates:
+        return ""
+    median = statistics.median(rates)
+    text = f"{median:,.1f} samples/s (median of the last {len(rates)} step(s) of this config)"
+    if len(rates) < 10:
+        return text
+    chunks = [rates[i * len(rates) // 5:(i + 1) * len(rates) // 5] for i in range(5)]
+    meds = [statistics.median(c) for c in chunks]
+    lo, hi = min(meds), max(meds)
+    bars = "".join(SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in meds)
+    change = meds[-1] / meds[0] - 1
+    return f"{text}, trend {bars} {change:+.0%}"
 
 
 COMMANDS = (run_cmd, apply_cmd, status_cmd, trial_cmd, rollback_cmd, stop_cmd)

@@ -31,7 +31,6 @@ def write_report(
     """Write report.md, report.json, best_config.json, trials.png and best_config.md into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = report_data(store, study_id, tuners, launch or LaunchOptions(nproc=store.study(study_id).nproc))
     paths = {
         "report_md": out_dir / "report.md",
         "report_json": out_dir / "report.json",
@@ -39,12 +38,24 @@ def write_report(
         "snippet": out_dir / "best_config.md",
         "plot": out_dir / "trials.png",
     }
+    data = report_data(store, study_id, tuners, launch or LaunchOptions(nproc=store.study(study_id).nproc),
+                       config_path=from_here(paths["best_config"]))
     plot_trials(data, paths["plot"])
     paths["report_md"].write_text(render_markdown(data, plot_name=paths["plot"].name))
     paths["report_json"].write_text(json.dumps(data, indent=2, default=_json_default))
     paths["best_config"].write_text(json.dumps(data["best_config"], indent=2))
     paths["snippet"].write_text(data["snippet"])
     return paths
+
+
+def from_here(path: Path) -> str:
+    """``path`` as the user should type it where tunekit runs: relative to the working
+    directory when it lies below it, absolute otherwise."""
+    absolute = path.resolve()
+    try:
+        return str(absolute.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(absolute)
 
 
 def _json_default(obj: Any) -> Any:

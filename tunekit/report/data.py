@@ -15,7 +15,9 @@ from tunekit.trials.feedback import relative_error
 from tunekit.trials.launcher import LaunchOptions
 
 
-def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch: LaunchOptions) -> dict[str, Any]:
+def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch: LaunchOptions,
+                config_path: str = "best_config.json") -> dict[str, Any]:
+    """``config_path``: where best_config.json is, as the commands in the snippet should name it."""
     study = store.study(study_id)
     trials = store.trials(study_id)
     defaults = {name: t.defaults() for name, t in tuners.items()}
@@ -78,7 +80,7 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "speedup": decision.get("speedup"),
         },
         "snippet": snippet(study.workload, best, tuners, launch,
-                           (summary.get("batch_size") or 0) or None),
+                           (summary.get("batch_size") or 0) or None, config_path=config_path),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
 
@@ -123,9 +125,10 @@ def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mappin
 
 def snippet(
     workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions,
-    batch_size: int | None = None,
+    batch_size: int | None = None, config_path: str = "best_config.json",
 ) -> str:
-    """Ready-to-use instructions for the winning config, as Markdown."""
+    """Ready-to-use instructions for the winning config, as Markdown; the commands name
+    the config file by ``config_path`` (a path that works from where tunekit ran)."""
     nodes = ["--standalone"] if launch.nnodes == 1 else [
         "--nnodes", str(launch.nnodes), "--node-rank", "$NODE_RANK",
         "--rdzv-backend", launch.rdzv_backend, "--rdzv-endpoint", launch.rdzv_endpoint or "HOST:PORT",
@@ -139,7 +142,13 @@ def snippet(
         "## With tunekit",
         "",
         "```sh",
-        f"tunekit run {shlex.quote(workload)} --nproc {launch.nproc} --config best_config.json",
+        f"tunekit run {shlex.quote(workload)} --nproc {launch.nproc} --config {shlex.quote(config_path)}",
+        "```",
+        "",
+        "or, to a job already running (`tunekit run`), at its next step boundary:",
+        "",
+        "```sh",
+        f"tunekit apply RUN {shlex.quote(config_path)}",
         "```",
         "",
         "## In your own training script",
@@ -163,7 +172,7 @@ def snippet(
             "import tunekit",
             "",
             "model, optimizer, step = tunekit.prepare(",
-            f'    model, optimizer, loss_fn, config="best_config.json", batch_size={batch}',
+            f'    model, optimizer, loss_fn, config="{config_path}", batch_size={batch}',
             ")",
             "for inputs, targets in loader:  # a loader of step.batch_size samples per rank",
             "    loss = step(inputs, targets)",

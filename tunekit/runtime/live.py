@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunekit.config import TuningConfig, resolve
+from tunekit.config import TuningConfig, check_batch, resolve
 from tunekit.errors import TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder
 from tunekit.plugin_loading import load_named, select
@@ -215,6 +215,8 @@ class Controller:
             "trial": self.trial.to_dict() if self.trial else None, "pid": os.getpid(),
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
             "launch": self.job.spec.get("launch"), "warnings": sorted(self.job.warned.values()),
+            "batch": {"size": s.batch_size, "workload": s.workload.batch_size,
+                      "range": list(s.workload.batch_range) if s.workload.batch_range else None},
         }
 
     def validate(self, msg: dict[str, Any]) -> str | None:
@@ -228,6 +230,7 @@ class Controller:
             try:
                 config = TuningConfig.from_dict(msg["config"], where="config")
                 resolve(config, self.job.tuners)
+                check_batch(config, self.status())
             except TunekitError as exc:
                 return str(exc)
             if op == "trial" and self._needs_relaunch(config):

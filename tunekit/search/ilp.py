@@ -10,9 +10,14 @@ incumbent, the proven lower bound and the gap between them).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import os
+import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,13 +170,14 @@ class MilpModel:
         if node_limit is not None:
             options["node_limit"] = int(node_limit)
         start = time.perf_counter()
-        res = milp(
-            c,
-            integrality=np.array(self._integer, dtype=np.uint8),
-            bounds=Bounds(np.array(self._lb), np.array(self._ub)),
-            constraints=constraints,
-            options=options,
-        )
+        with contextlib.nullcontext() if verbose else native_stdout_silenced():
+            res = milp(
+                c,
+                integrality=np.array(self._integer, dtype=np.uint8),
+                bounds=Bounds(np.array(self._lb), np.array(self._ub)),
+                constraints=constraints,
+                options=options,
+            )
         elapsed = time.perf_counter() - start
         status = {0: "optimal", 1: "limit", 2: "infeasible", 3: "unbounded"}.get(
             res.status, "error"
@@ -192,3 +198,43 @@ class MilpModel:
             nodes=getattr(res, "mip_node_count", None),
             message=str(res.message),
         )
+
+
+_SILENCE = threading.Lock()
+
+
+@contextlib.contextmanager
+def native_stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 points at /dev/null for the duration (C code's ``printf`` included).
+
+    HiGHS prints debugging lines ("HighsMipSolverData::transformNewIntegerFeasibleSolution
+    tmpSolver.run();") with ``printf`` whatever ``disp`` says; they would land in
+    tunekit's own output. C's buffered stdout is flushed before the descriptor is
+    restored, so nothing written meanwhile comes out later either.
+    """
+    with _SILENCE:  # two solves in two threads: one saved descriptor at a time
+        try:
+            sys.stdout.flush()
+        except (AttributeError, ValueError, OSError):  # no stdout, or a closed one
+            pass
+        try:
+            saved = os.dup(1)
+        except OSError:  # no descriptor 1 to silence
+            yield
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        try:
+            yield
+        finally:
+            _flush_c_stdout()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _flush_c_stdout() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to flush (not POSIX)
+        pass

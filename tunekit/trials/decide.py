@@ -143,6 +143,19 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     return decision
 
 
+DRIFT_LIMIT = 0.25
+"""Baseline runs whose medians differ by more than this fraction (slowest over fastest)
+mean the machine changed under the study: its comparisons are not to be trusted."""
+
+
+def baseline_drift(trials: list[TrialRow], limit: float = DRIFT_LIMIT) -> dict[str, Any] | None:
+    """The baseline runs' median steps, in order, when they drifted beyond ``limit``; else None."""
+    medians = [t.median_s for t in trials if t.role == BASELINE and t.status == "ok" and t.median_s]
+    if len(medians) < 2 or max(medians) <= min(medians) * (1 + limit):
+        return None
+    return {"medians_s": medians, "ratio": max(medians) / min(medians), "limit": limit}
+
+
 def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, Any] | None:
     """The fastest candidate measured once that looks faster than the baseline: worth a second run."""
     rows = [

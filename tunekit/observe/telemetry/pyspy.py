@@ -16,9 +16,13 @@ Python frame (top functions) and a category per sample:
 Only samples taken inside the training loop count, once a rank has any: a
 frame named like a loop (``train_step``, ``training_step``, ``_train``,
 ``train_one_epoch``) marks them, so process start-up (imports, building the
-model) does not pollute the hot spots. A category above ``flag_fraction`` of
-the samples is flagged (data loading, optimizer step, Python overhead). Without py-spy, or where the kernel forbids
-reading another process (ptrace), the source says so once and samples nothing.
+model) does not pollute the hot spots. Samples inside tunekit's own
+instrumentation (torch.profiler writing a trial's trace) are left out: they are
+the measurement, not the job. A category above ``flag_fraction`` of the samples
+is flagged (data loading, optimizer step, Python overhead), once there are
+:data:`MIN_FLAG_SAMPLES` samples to judge from. Without py-spy, or where the
+kernel forbids reading another process (ptrace), the source says so once and
+samples nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ _DENIED = (
 _DATA_FILES = ("torch/utils/data", "tunekit/runtime/data.py")
 _DATA_FUNCS = ("__getitem__", "__getitems__", "collate", "default_collate", "make_batch")
 _OPTIM_FILES = ("torch/optim/",)
+_OWN_FILES = ("torch/profiler/", "torch/autograd/profiler")
+_OWN_FUNCS = ("export_chrome_trace",)
+MIN_FLAG_SAMPLES = 30
+"""Fewer samples flag nothing: at 6 samples one stray stack is 17%."""
 LOOP_FUNCS = ("train_step", "training_step", "_train", "train_one_epoch")
 """Function names that mark a stack as inside the training loop."""
 
@@ -148,6 +156,13 @@ def classify(thread: Mapping[str, Any]) -> str:
     return "python" if thread["owns_gil"] else "native"
 
 
+def own_instrumentation(thread: Mapping[str, Any]) -> bool:
+    """Whether a thread sample is tunekit measuring (the profiler exporting a trace)."""
+    return any(
+        f["name"] in _OWN_FUNCS or any(o in f["file"] for o in _OWN_FILES) for f in thread["frames"]
+    )
+
+
 def in_training_loop(thread: Mapping[str, Any]) -> bool:
     """Whether a thread sample's stack is inside a training loop (see :data:`LOOP_FUNCS`)."""
     return any(f["name"] in LOOP_FUNCS for f in thread["frames"])
@@ -176,7 +191,7 @@ def summarize_pyspy(
         for rank, r in s["data"].get("ranks", {}).items():
             threads = r["threads"]
             main = next((t for t in threads if t["main"]), threads[0] if threads else None)
-            if main is not None and main["frames"]:
+            if main is not None and main["frames"] and not own_instrumentation(main):
                 mains.setdefault(rank, []).append(main)
     n = 0
     for rank, threads in mains.items():
@@ -192,7 +207,7 @@ def summarize_pyspy(
     flags = [
         f"{label}: {100 * fractions[cat]:.0f}% of stack samples"
         for cat, label in _FLAGS.items()
-        if fractions.get(cat, 0.0) >= flag_fraction
+        if n >= MIN_FLAG_SAMPLES and fractions.get(cat, 0.0) >= flag_fraction
     ]
     return {
         "samples": n,

@@ -1,0 +1,210 @@
+"""Issue 19's rough edges, piece by piece: configs from plan to apply, the budget and what a
+decision says about its limits, durations and names, status throughput, report paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+
+from tunekit.cli.common import parse_duration, split_names
+from tunekit.cli.run import read_config, throughput
+from tunekit.config import TuningConfig, check_batch
+from tunekit.errors import ConfigError
+from tunekit.events import BUDGET_SKIP
+from tunekit.orchestrator import (
+    RESERVED_FOR_CONFIRMATION,
+    AutoSettings,
+    _qualify,
+    _Run,
+    budget_reserve,
+)
+from tunekit.report import from_here
+from tunekit.report.data import snippet
+from tunekit.store import TrialRow
+from tunekit.trials.decide import BASELINE, CANDIDATE, CONFIRM, baseline_drift, decide
+from tunekit.trials.launcher import LaunchOptions
+
+# -- item 8: PLUGIN.knob=value, the form plan prints and apply/trial take ----------------
+
+
+def test_pairs_read_back_as_the_config_they_came_from():
+    config = TuningConfig({
+        "overlap_chunking": {"f": 1, "k": 9, "mode": "two_chunk"},
+        "layer_split": {"plan": {"_0": "w2", "output": "n2"}},
+        "batch_ps_sizing": {"batch_size": 64, "cudnn_benchmark": True, "tag": "7"},
+    })
+    pairs = config.to_pairs()
+    assert "overlap_chunking.mode=two_chunk" in pairs and 'batch_ps_sizing.tag="7"' in pairs
+    assert 'layer_split.plan={"_0":"w2","output":"n2"}' in pairs
+    assert TuningConfig.from_pairs(pairs) == config
+    assert read_config(tuple(pairs)) == config
+
+
+def test_every_config_form_apply_takes(tmp_path):
+    want = TuningConfig({"overlap_chunking": {"k": 9, "mode": "two_chunk"}})
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(want.to_dict()))
+    assert read_config(("overlap_chunking.k=9", "overlap_chunking.mode=two_chunk")) == want
+    assert read_config((str(path),)) == want
+    assert read_config(('{"overlap_chunking": {"k": 9, "mode": "two_chunk"}}',)) == want
+    # What `tunekit plan` printed before issue 19, pasted: not "config file … not found".
+    with pytest.raises(ConfigError, match="is a description, not a config.*PLUGIN.knob=value"):
+        read_config(("overlap_chunking(f=1, k=9, mode=two_chunk)",))
+    with pytest.raises(ConfigError, match="'k9' is not PLUGIN.knob=value"):
+        read_config(("overlap_chunking.mode=two_chunk", "k9"))
+    with pytest.raises(ConfigError, match="is not PLUGIN.knob=value"):
+        TuningConfig.from_pairs(["mode=two_chunk"])
+
+
+# -- item 12: the run's real batch range, checked before sending --------------------------
+
+
+def test_a_batch_outside_the_runs_range_is_refused_in_one_line():
+    status = {"run_id": "r1", "batch": {"size": 32, "workload": 32, "range": [8, 256]}}
+    check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), status)
+    check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 0}}), status)  # keeps its own
+    with pytest.raises(ConfigError, match=r"batch_size=100000 is outside run r1's batch range \(8–256"):
+        check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 100000}}), status)
+    fixed = {"run_id": "r2", "batch": {"size": 32, "workload": 32, "range": None}}
+    with pytest.raises(ConfigError, match="the workload sets no batch_range"):
+        check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), fixed)
+    check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), {})  # an older run: the job checks
+
+
+def test_zero_durations_and_empty_names_are_refused_as_such():
+    with pytest.raises(ValueError, match="'0s' is no time at all"):
+        parse_duration("0s")
+    with pytest.raises(ValueError, match="is not a duration"):
+        parse_duration("soon")
+    assert parse_duration("1m30s") == 90.0
+    with pytest.raises(click.BadParameter, match="--plugins '' names no tuner"):
+        split_names(("",))
+    assert split_names(()) is None and split_names(("a, b", "c")) == ["a", "b", "c"]
+
+
+# -- item 13: status throughput and its trend -----------------------------------------------
+
+
+def test_status_throughput_is_of_the_current_config_with_a_trend():
+    old = [{"config_id": "base", "samples_per_s": 100.0}] * 30
+    now = [{"config_id": "new", "samples_per_s": 200.0 + i} for i in range(40)]
+    text = throughput(old + now, "new")
+    assert text.startswith("219.5 samples/s (median of the last 40 step(s) of this config), trend ▁")
+    assert text.endswith("█ +16%")
+    assert throughput(old, "new") == ""
+    assert throughput(now[:3], "new") == "201.0 samples/s (median of the last 3 step(s) of this config)"
+
+
+# -- item 10: the snippet's paths work from where tunekit ran -------------------------------
+
+
+def test_the_snippet_names_the_config_where_it_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert from_here(Path("tunekit-out") / "best_config.json") == "tunekit-out/best_config.json"
+    assert from_here(tmp_path / "out" / "best_config.json") == "out/best_config.json"
+    elsewhere = tmp_path.parent / "elsewhere.json"
+    assert from_here(elsewhere) == str(elsewhere.resolve())
+    text = snippet("example:cnn", TuningConfig(), {}, LaunchOptions(nproc=2),
+                   config_path="tunekit-out/best_config.json")
+    assert "tunekit run example:cnn --nproc 2 --config tunekit-out/best_config.json" in text
+    assert "tunekit apply RUN tunekit-out/best_config.json" in text
+
+
+# -- items 11, 12, 15: the budget, --trials 0, a drifting baseline ---------------------------
+
+
+def _row(i, role, cfg, step_s, status="ok", error=None, noise=0.005):
+    steps = list(step_s * np.random.default_rng(i).normal(1, noise, 12)) if status == "ok" else []
+    return TrialRow(
+        id=i, study_id=1, seq=i, role=role, plugin=next(iter(cfg), None),
+        config_id=TuningConfig(cfg).config_id, config=TuningConfig(cfg).to_dict(), predicted_s=None,
+        status=status, median_s=float(np.median(steps)) if steps else None, spread_s=0.0,
+        samples_per_s=None,
+        result={"measurement": {"step_s": steps}, "ranks": [{"global_batch": 64}]} if steps else None,
+        error=error, started=None, finished=None,
+    )
+
+
+def test_the_budget_keeps_room_for_a_confirmation():
+    run = _Run(AutoSettings(budget_s=100.0))
+    run.started -= 40  # 40 s spent
+    run.trial_walls = [25.0]
+    assert budget_reserve(CANDIDATE) == RESERVED_FOR_CONFIRMATION == 2
+    assert not run.fits_budget(budget_reserve(CANDIDATE))  # 40 + 25 x 3 > 100: kept for confirming
+    assert run.fits_budget(budget_reserve(CONFIRM))  # 40 + 25 x 2 <= 100
+    assert run.fits_budget(budget_reserve(BASELINE))
+    assert _Run(AutoSettings()).fits_budget(10)  # no budget
+
+
+def test_a_decision_says_what_limited_it():
+    fast = {"p": {"x": 1}}
+    trials = [
+        _row(0, BASELINE, {}, 0.100), _row(1, CANDIDATE, fast, 0.080), _row(2, BASELINE, {}, 0.101),
+        _row(3, CANDIDATE, {"p": {"x": 2}}, 0, status="skipped", error=BUDGET_SKIP),
+    ]
+    decision = decide(trials, 0.01)
+    notices = _qualify(decision, trials, AutoSettings(trials=None, budget_s=90.0))
+    assert decision["winner_config"] == TuningConfig(fast).to_dict() and not notices
+    assert decision["reason"].endswith(
+        "; 1 planned trial(s) did not fit the 90 s budget; not confirmed by a second run (the time budget left no room)"
+    )
+
+    zero = [_row(0, BASELINE, {}, 0.1)]
+    decision = decide(zero, 0.01)
+    _qualify(decision, zero, AutoSettings(trials=0))
+    assert decision["reason"].startswith("--trials 0: the baseline was measured")
+    assert "proposed" not in decision["reason"]
+
+
+def test_a_drifting_baseline_is_said_to_be_too_noisy_to_decide():
+    # Issue 19's study: 862 -> 2122 -> 1181 ms
+    trials = [
+        _row(0, BASELINE, {}, 0.862, noise=0), _row(1, CANDIDATE, {"p": {"x": 1}}, 1.5),
+        _row(2, BASELINE, {}, 2.122, noise=0), _row(3, BASELINE, {}, 1.181, noise=0),
+    ]
+    drift = baseline_drift(trials)
+    assert drift["ratio"] == pytest.approx(2.122 / 0.862, rel=0.02)
+    decision = decide(trials, 0.01)
+    (notice,) = _qualify(decision, trials, AutoSettings())
+    assert notice.level == "warning" and "too noisy to decide" in notice.message
+    assert "862 → 2122 → 1181 ms/step" in notice.message and "run again" in notice.message
+    assert "too noisy to decide" in decision["reason"] and decision["baseline_drift"] == drift
+    steady = [_row(0, BASELINE, {}, 0.100), _row(1, BASELINE, {}, 0.110)]
+    assert baseline_drift(steady) is None
+
+
+def test_budget_skips_are_one_line_not_one_each():
+    from tunekit.cli.auto import _ProgressView
+    from tunekit.cli.common import console
+    from tunekit.events import TrialFinished
+
+    view = _ProgressView()
+    with console.capture() as out:
+        for seq in range(4, 19):
+            view.handle(TrialFinished(seq, seq, CANDIDATE, "p", f"p(x={seq})", "skipped", None, None, 0.1, BUDGET_SKIP))
+        view.finish()
+    lines = [ln for ln in out.get().splitlines() if ln.strip()]
+    assert lines == ["skipped 15 planned trial(s) that did not fit the time budget (#4, #5, #6, #7, #8, #9, #10, "
+                     "#11, #12, #13, #14, #15, #16, #17, #18)"]
+
+
+def test_tables_wrap_numbers_instead_of_cutting_them():
+    """Issue 19: piped output ended numbers in "…" ("154.…", "meas…")."""
+    from rich.console import Console
+
+    from tunekit.cli.common import PIPE_WIDTH, Table, _width
+
+    table = Table(title="t")
+    for col in ("config", "measured", "predicted"):
+        table.add_column(col)
+    table.add_row("overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)", "154.321 ms ± 2.5 ms", "150.0 ms")
+    narrow = Console(width=40, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    narrow.print(table)
+    text = narrow.export_text()
+    assert "…" not in text
+    assert "154.321" in text.replace("\n", "").replace("│", "").replace(" ", "")
+    assert _width(open("/dev/null", "w")) in (PIPE_WIDTH, None)  # noqa: SIM115 (None: COLUMNS is set)
