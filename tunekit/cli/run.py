@@ -103,8 +103,10 @@ def _supervise_with_progress(rd: RunDir) -> int:
         events = rd.read_events()
         for ev in events[seen_events[0]:]:
             if ev["kind"] not in ("started",):
+                # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
+                # read as a closing tag and end the supervisor with a MarkupError.
                 progress.console.print(f"  {ev['kind']}: " + ", ".join(
-                    f"{k}={v}" for k, v in ev.items() if k in ("step", "nproc", "reason", "error")))
+                    f"{k}={v}" for k, v in ev.items() if k in ("step", "nproc", "reason", "error")), markup=False)
         seen_events[0] = len(events)
 
     try:
