@@ -18,7 +18,9 @@ Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
 Requests that change the job are queued and carried out by the training loop
 at the next step boundary; the reply comes when they took effect.
 
-A connection must send its request within ``READ_TIMEOUT_S``; at most
+A connection must send its request within ``READ_TIMEOUT_S`` (``CROWDED_READ_TIMEOUT_S``
+while over half the connections are taken, so that idle ones cannot keep the
+job's owner out for long); at most
 ``MAX_CONNECTIONS`` are served at once and the rest are told the job is busy
 (clients retry), so no client can starve the training rank of threads or files.
 
@@ -54,6 +56,7 @@ MAX_DIGITS = 30  # an integer in a request (no knob needs more)
 MAX_CONNECTIONS = 64  # served at once; more are told the job is busy
 BACKLOG = 256  # connections the kernel queues before the server accepts them
 READ_TIMEOUT_S = 10.0  # for the request line; a client that says nothing is dropped
+CROWDED_READ_TIMEOUT_S = 1.0  # the same while over half the connections are taken
 OPS = ("status", "subscribe", "apply", "rollback", "trial", "stop", "pause")
 RESUME = "resume"  # queued by the server when a pause's connection ends; not a client op
 BUSY = "busy"  # the start of the refusal a client may retry
@@ -196,10 +199,12 @@ class _Server(socketserver.ThreadingUnixStreamServer):
 
     def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]):
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._count_lock = threading.Lock()
+        self.active = 0  # connections holding a slot
         super().__init__(path, handler)
 
     def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self._take_slot():
             with contextlib.suppress(OSError):
                 request.settimeout(0.5)
                 request.sendall(encode({"ok": False, "error": f"{BUSY}: {MAX_CONNECTIONS} connections are open; "
@@ -209,14 +214,31 @@ class _Server(socketserver.ThreadingUnixStreamServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread was started to give the slot back
-            self.slots.release()
+            self._give_slot()
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._give_slot()
+
+    def _take_slot(self) -> bool:
+        if not self.slots.acquire(blocking=False):
+            return False
+        with self._count_lock:
+            self.active += 1
+        return True
+
+    def _give_slot(self) -> None:
+        with self._count_lock:
+            self.active -= 1
+        self.slots.release()
+
+    @property
+    def read_timeout(self) -> float:
+        """How long a new connection may take to send its request."""
+        return CROWDED_READ_TIMEOUT_S if self.active > MAX_CONNECTIONS // 2 else READ_TIMEOUT_S
 
     def handle_error(self, request, client_address) -> None:
         exc = sys.exc_info()[1]
@@ -257,6 +279,10 @@ class ControlServer:
 
         class Handler(socketserver.StreamRequestHandler):
             timeout = READ_TIMEOUT_S
+
+            def setup(self) -> None:
+                self.timeout = self.server.read_timeout  # shorter while crowded
+                super().setup()
 
             def handle(self) -> None:
                 server._handle(self.connection, self.rfile, self.wfile)
@@ -304,7 +330,7 @@ class ControlServer:
         try:
             line = rfile.readline(MAX_MESSAGE + 1)
         except TimeoutError:
-            wfile.write(encode({"ok": False, "error": f"no request within {READ_TIMEOUT_S:.0f} s"}))
+            wfile.write(encode({"ok": False, "error": f"no request within {conn.gettimeout():.0f} s"}))
             return
         try:
             msg = decode(line)
@@ -454,7 +480,10 @@ class ControlClient:
             sock = self._connect(deadline)
             with sock, sock.makefile("rb") as f:
                 try:
-                    sock.sendall(message if message.endswith(b"\n") else message + b"\n")
+                    try:
+                        sock.sendall(message if message.endswith(b"\n") else message + b"\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # a busy job answers and hangs up unread: its reply is still there to read
                     line = f.readline(MAX_MESSAGE + 1)
                 except TimeoutError:
                     raise ControlError(f"the job did not answer within {self.timeout_s:.0f} s") from None
