@@ -1,7 +1,7 @@
 """How good are tunekit's predictions: every tuner's top candidates, predicted vs measured.
 
     .venv/bin/python benchmarks/prediction_error.py [--workloads cnn,alexnet,resnet,lstm,transformer]
-        [--top 3] [--steps 10] [--warmup 2] [--out benchmarks/results/prediction_error]
+        [--plugins cgdp,...] [--top 3] [--steps 10] [--warmup 2] [--out benchmarks/results/prediction_error]
 
 For each workload of the corpus, one study on 2 gloo ranks (``tunekit auto``'s
 pipeline through its Python API): the baseline is measured and profiled, every
@@ -55,7 +55,8 @@ CORPUS = {
 def run_study(name: str, spec: str, args, root: Path) -> dict:
     """One study of ``spec``; its trials as plain rows."""
     settings = AutoSettings(
-        workload=spec, nproc=2, trials=None, plan_limit=args.top, rerank=False, in_job_search=False,
+        workload=spec, nproc=2, plugins=args.plugins, trials=None, plan_limit=args.top, rerank=False,
+        in_job_search=False,
         steps=args.steps, warmup=args.warmup, out_dir=root / name / "out", store_dir=root / name / "store",
     )
 
@@ -158,6 +159,8 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(CORPUS))
+    ap.add_argument("--plugins", type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+                    default=None, help="tuners to measure (comma-separated; default: all)")
     ap.add_argument("--top", type=int, default=3, help="candidates per tuner")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -174,6 +177,7 @@ def main() -> None:
             studies[name] = run_study(name, CORPUS[name], args, Path(tmp))
     summary = summarise(studies)
     command = ("python benchmarks/prediction_error.py --workloads " + ",".join(names)
+               + (f" --plugins {','.join(args.plugins)}" if args.plugins else "")
                + f" --top {args.top} --steps {args.steps} --warmup {args.warmup}")
     text = markdown(summary, studies, command)
     args.out.mkdir(parents=True, exist_ok=True)

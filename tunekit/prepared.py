@@ -92,9 +92,10 @@ class PushedBatches:
         device = self.session.device
         return _map(lambda t: t.to(device), inputs), _map(lambda t: t.to(device), targets)
 
-    def global_batch(self, step: int) -> Batch:
-        """Every rank's pushed batch, in rank order (placements that split the whole batch)."""
-        inputs, targets = self.batch(step * self.session.accumulation)
+    def global_batch(self, index: int) -> Batch:
+        """Micro-batch ``index`` of every rank's pushed batch, in rank order (placements that
+        split the whole batch), as ``BatchSource.global_batch``."""
+        inputs, targets = self.batch(index)
         world = self.session.world_size
         if world == 1:
             return inputs, targets

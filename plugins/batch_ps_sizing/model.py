@@ -12,7 +12,7 @@ everything else in tunekit is in bytes, so the helpers say which they return.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +295,174 @@ class MemoryProfile:
 def _check_margin(margin: float) -> None:
     if not 0 <= margin < 1:
         raise ConfigError(f"memory margin must be in [0, 1), not {margin}")
+
+
+# -- beyond the paper: step time against the batch, measured -----------------------------
+
+LINE_TOLERANCE = 0.03
+"""A straight line is kept when its rms relative residual is within this, or within
+twice the measurement noise of the medians, whichever is larger."""
+MIN_SLOPE_FRACTION = 0.05
+"""Floor of the per-sample cost, as a fraction of the average cost per sample at the
+largest measured batch: every sample costs something, so a bigger batch is never
+predicted to take the same time (a flatter fit is measurement noise)."""
+
+
+@dataclass(frozen=True)
+class StepTimeFit:
+    """Seconds of a batch-proportional part of a training step against the per-rank batch.
+
+    ``t(b) = fixed_s + per_sample_s * b + sum_k extra_per_sample_s[k] * max(0, b - knots[k])``
+
+    The empirical form of the paper's Figure 2 (throughput against batch): a
+    fixed cost per step (kernel launches, Python) plus a cost per sample. On a
+    CPU the per-sample cost can rise past a batch whose activations leave the
+    caches; when a line misses the medians by more than their noise, the fit
+    adds one kink, at the measured batch that fits best, with a non-negative
+    extra slope above it (a convex, increasing curve; more kinks would fit noise). Fitted by least squares on
+    relative residuals (times span decades), with ``fixed_s >= 0``,
+    ``per_sample_s >= floor > 0`` and extras ``>= 0``; the straight line is
+    used whenever it fits within the measurement noise.
+    """
+
+    fixed_s: float
+    per_sample_s: float
+    knots: tuple[int, ...]
+    extra_per_sample_s: tuple[float, ...]
+    measured: tuple[tuple[int, float], ...]
+    """(batch, median seconds) of every measured batch, ascending."""
+    noise: float
+    """Relative standard error of a median, from the spread of the repeats (0: one sample)."""
+    line_residual: float
+    """Rms relative residual of the best straight line (the check of the linear form)."""
+    residual: float
+    """Rms relative residual of this fit."""
+    form: str
+    """``line`` or ``convex`` (kinks were needed)."""
+
+    @classmethod
+    def fit(
+        cls, samples: Mapping[int, Sequence[float]], min_per_sample_s: float | None = None
+    ) -> StepTimeFit:
+        """Fit ``{batch: [seconds of each timed repeat]}`` (two or more batches)."""
+        rows = sorted((int(b), list(ts)) for b, ts in samples.items() if ts)
+        if len(rows) < 2:
+            raise ConfigError("a step-time fit needs times at two or more batch sizes")
+        if any(b < 1 or min(ts) <= 0 for b, ts in rows):
+            raise ConfigError("step times need positive batches and positive seconds")
+        batches = [b for b, _ in rows]
+        medians = [_median(ts) for _, ts in rows]
+        noise = _median([_relative_standard_error(ts) for _, ts in rows])
+        floor = (
+            MIN_SLOPE_FRACTION * medians[-1] / batches[-1]
+            if min_per_sample_s is None
+            else min_per_sample_s
+        )
+        line = _least_squares(batches, medians, (), floor)
+        line_res = _rms_relative(batches, medians, line, ())
+        form, knots, params, res = "line", (), line, line_res
+        if len(batches) >= 3 and line_res > max(LINE_TOLERANCE, 2 * noise):
+            # One kink, at the measured batch that fits best: a line below it, a
+            # steeper one above (more flexibility would fit the noise).
+            hinges = [(k,) for k in batches[1:-1]]
+            fits = [(h, _least_squares(batches, medians, h, floor)) for h in hinges]
+            scored = [(_rms_relative(batches, medians, p, h), h, p) for h, p in fits]
+            best_res, best_knots, best = min(scored)
+            if best[2] > 0 and best_res < line_res:
+                form, knots, params, res = "convex", best_knots, best, best_res
+        return cls(
+            fixed_s=float(params[0]),
+            per_sample_s=float(params[1]),
+            knots=knots,
+            extra_per_sample_s=tuple(float(e) for e in params[2:]),
+            measured=tuple(zip(batches, medians, strict=True)),
+            noise=noise,
+            line_residual=line_res,
+            residual=res,
+            form=form,
+        )
+
+    def seconds(self, batch: float) -> float:
+        return _evaluate((self.fixed_s, self.per_sample_s, *self.extra_per_sample_s), self.knots, batch)
+
+    def marginal_s(self, batch: float) -> float:
+        """Seconds one more sample adds at ``batch`` (the slope there)."""
+        return self.per_sample_s + sum(
+            e for k, e in zip(self.knots, self.extra_per_sample_s, strict=True) if batch > k
+        )
+
+    @property
+    def measured_range(self) -> tuple[int, int]:
+        return self.measured[0][0], self.measured[-1][0]
+
+    def extrapolation(self, batch: int) -> float:
+        """How far ``batch`` lies beyond the largest measured batch (1.0: within the range)."""
+        return max(1.0, batch / self.measured_range[1])
+
+    def describe(self) -> str:
+        lo, hi = self.measured_range
+        text = f"{self.fixed_s * 1e3:.1f} ms + {self.per_sample_s * 1e3:.3g} ms/sample"
+        timed = f"{len(self.measured)} batches {lo}-{hi} timed"
+        if self.form == "convex":
+            kinks = ", ".join(
+                f"+{e * 1e3:.3g} ms/sample past {k}"
+                for k, e in zip(self.knots, self.extra_per_sample_s, strict=True)
+            )
+            return (
+                f"{text}, {kinks} ({timed}; a line missed them by {self.line_residual:.0%}, "
+                f"this fit by {self.residual:.0%})"
+            )
+        return f"{text} ({timed}; a line within {self.residual:.0%})"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["measured"] = [list(m) for m in self.measured]
+        out["knots"], out["extra_per_sample_s"] = list(self.knots), list(self.extra_per_sample_s)
+        return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _relative_standard_error(ts: Sequence[float]) -> float:
+    """Standard error of a median relative to it, from the median absolute deviation."""
+    if len(ts) < 2:
+        return 0.0
+    med = _median(ts)
+    mad = _median([abs(t - med) for t in ts])
+    # 1.4826 MAD estimates a standard deviation; a median's error is ~1.25 sd/sqrt(n).
+    return 1.25 * 1.4826 * mad / math.sqrt(len(ts)) / med
+
+
+def _evaluate(params: Sequence[float], knots: Sequence[int], batch: float) -> float:
+    fixed, slope, *extras = params
+    return fixed + slope * batch + sum(e * max(0.0, batch - k) for k, e in zip(knots, extras, strict=True))
+
+
+def _least_squares(
+    batches: Sequence[int], times: Sequence[float], knots: Sequence[int], floor: float
+) -> tuple[float, ...]:
+    """Bounded least squares on relative residuals: fixed >= 0, slope >= floor, extras >= 0."""
+    import numpy as np
+    from scipy.optimize import lsq_linear  # only when fitting
+
+    rows = [[1.0, float(b), *(max(0.0, b - k) for k in knots)] for b in batches]
+    weights = np.array([1.0 / t for t in times])
+    a = np.array(rows) * weights[:, None]
+    y = np.array(times) * weights
+    lower = [0.0, floor, *([0.0] * len(knots))]
+    res = lsq_linear(a, y, bounds=(lower, [np.inf] * len(lower)))
+    return tuple(float(v) for v in res.x)
+
+
+def _rms_relative(
+    batches: Sequence[int], times: Sequence[float], params: Sequence[float], knots: Sequence[int]
+) -> float:
+    errs = [(_evaluate(params, knots, b) - t) / t for b, t in zip(batches, times, strict=True)]
+    return math.sqrt(sum(e * e for e in errs) / len(errs))
 
 
 # -- Lemma 3.1: how many GPUs -----------------------------------------------------------

@@ -12,17 +12,22 @@ scale (McCandlish et al.) shows how large a batch still trains efficiently.
 from __future__ import annotations
 
 import math
+import os
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import psutil
 import torch
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError, WorkloadError
 from tunekit.observe.observation import Observation
+from tunekit.observe.truth import StepTruth
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import LocalMeasurement, measure_locally
+from tunekit.plugins.batch_ps_sizing.predict import BatchStepModel, per_step_phrase, scaling_phrase
 from tunekit.plugins.batch_ps_sizing.runtime import (
     apply_batch_knobs,
     device_memory_bytes,
@@ -55,22 +60,26 @@ class Analysis:
     local: LocalMeasurement
     largest_fitting: int
     """Largest per-rank batch the measured memory line fits into the smallest device."""
+    steps: BatchStepModel
+    """Step time against the batch, calibrated on the measured baseline."""
+    truth_measured: bool
+    """Whether ``steps`` was calibrated on a measured baseline (else on the model's own step)."""
     overhead_s: float
     """T_O per step: overhead not hidden behind computation (batch-independent)."""
     compute_s: float
     """T_C per step at the current batch."""
     overhead_ratio: float | None
     overhead_source: str
-    predictions: dict[int, dict[str, float]] = field(default_factory=dict)
+    predictions: dict[int, dict[str, Any]] = field(default_factory=dict)
+    unpredicted: dict[int, str] = field(default_factory=dict)
+    """Batches of the ladder with no prediction, and why (too far beyond the timed ones)."""
     knee: int | None = None
     eq5: dict[str, Any] | None = None
     lemma31: dict[str, Any] = field(default_factory=dict)
     lemma32: dict[str, Any] = field(default_factory=dict)
 
     def predicted_step_s(self, batch: int) -> float:
-        a, c = self.local.step_line()
-        base = a + c * self.batch
-        return self.overhead_s + self.compute_s * (a + c * batch) / base
+        return self.steps.step_s(batch)
 
 
 class BatchPsSizing(Tuner):
@@ -84,8 +93,17 @@ class BatchPsSizing(Tuner):
         *,
         target_efficiency: float = 0.8,
         target_speedup: float | None = None,
+        measure_budget_s: float = 45.0,
+        timed_repeats: int = 3,
+        max_timed_repeats: int = 9,
     ):
         self.settings = settings or SweepSettings()
+        self.measure_budget_s = measure_budget_s
+        """Planning: seconds this process may spend timing steps at larger batches."""
+        self.timed_repeats = timed_repeats
+        """Planning: timed steps per batch (rounds over all batches; the median counts)."""
+        self.max_timed_repeats = max_timed_repeats
+        """Planning: more rounds, up to this many, while the measuring budget lasts."""
         self.target_efficiency = target_efficiency
         """Lemma 3.1: recommend the most GPUs that keep at least this efficiency."""
         self.target_speedup = target_speedup
@@ -121,7 +139,15 @@ class BatchPsSizing(Tuner):
     def analyse(self, obs: Observation) -> Analysis:
         """Evaluate the memory model, the step-time line and both lemmas on ``obs`` (cached)."""
         if self._last is None or self._last[0] is not obs:
-            analysis = _analyse(obs, self.settings, self.target_efficiency, self.target_speedup)
+            analysis = _analyse(
+                obs,
+                self.settings,
+                self.target_efficiency,
+                self.target_speedup,
+                _MeasureSettings(
+                    self.measure_budget_s, self.timed_repeats, self.max_timed_repeats
+                ),
+            )
             self._last = (obs, analysis)
         return self._last[1]
 
@@ -129,38 +155,48 @@ class BatchPsSizing(Tuner):
         a = self.analyse(obs)
         details = _details(a)
         scaling = _lemma31_line(a)
+        head = _evidence(obs, a)
         if a.batch_range is None:
             return Diagnosis(
                 False,
-                f"the workload sets no batch_range, so its batch may not change; {scaling}",
+                f"{head}; the workload sets no batch_range, so its batch may not change; {scaling}",
                 details=details,
             )
         if a.largest_fitting < a.batch_range[0]:
             return Diagnosis(
                 False,
-                f"even batch {a.batch_range[0]} is predicted not to fit "
+                f"{head}; even batch {a.batch_range[0]} is predicted not to fit "
                 f"{a.device_memory_bytes / MiB:,.0f} MiB; {scaling}",
                 details=details,
             )
         now = a.predictions[a.batch]["samples_per_s"]
-        best = a.predictions[a.knee]["samples_per_s"]
-        gain = max(0.0, 1 - now / best)
         fit = (
             f"up to {a.largest_fitting:,} fits"
             if a.largest_fitting < MAX_BATCH
             else "memory is no limit"
         )
-        if now >= (1 - self.settings.knee_tolerance) * best:
+        worth = _worth_trying(a, self.settings.knee_tolerance)
+        if not worth:
             gain = 0.0
             verdict = (
-                f"batch {a.batch} is at or past the predicted throughput knee (batch {a.knee})"
+                f"no batch is predicted to beat batch {a.batch} by more than "
+                f"{self.settings.knee_tolerance:.0%} samples/s (knee: batch {a.knee})"
             )
         else:
-            verdict = f"batch {a.knee} should give {best / now - 1:+.0%} samples/s"
+            first = a.predictions[worth[0]]
+            gain = 1 - now / first["samples_per_s"]  # time per sample saved
+            verdict = (
+                f"batch {worth[0]}/rank should give {first['samples_per_s'] / now - 1:+.0%} "
+                f"samples/s over the {_baseline_word(a)} {now:,.0f} (predicted "
+                f"{_ms(first['step_s'])} per step{_extrapolated(a, worth[0])})"
+            )
+        if a.unpredicted:
+            verdict += f"; {_unpredicted_line(a)}"
         summary = (
-            f"batch {a.batch}/rank peaks at ~{a.local.memory.peak_bytes(a.batch) / MiB:,.0f} MiB of "
+            f"{head}; {verdict}; batch {a.batch}/rank peaks at "
+            f"~{a.local.memory.peak_bytes(a.batch) / MiB:,.0f} MiB of "
             f"{a.device_memory_bytes / MiB:,.0f} MiB ({fit}, {self.settings.memory_margin:.0%} margin); "
-            f"{verdict}; {scaling}"
+            f"{scaling}"
         )
         return Diagnosis(gain > 0, summary, expected_gain=gain, details=details)
 
@@ -169,28 +205,24 @@ class BatchPsSizing(Tuner):
         if a.batch_range is None or a.knee is None:
             return []
         base = a.predictions[a.batch]["samples_per_s"]
-        # Only batches the model expects to beat the current one by more than the
-        # knee tolerance are worth a trial; the knee first, then by throughput.
-        worth = [
-            b
-            for b, p in a.predictions.items()
-            if b != a.batch
-            and p["fits"]
-            and p["samples_per_s"] > base * (1 + self.settings.knee_tolerance)
-        ]
-        order = sorted(worth, key=lambda b: (b != a.knee, -a.predictions[b]["samples_per_s"]))
+        order = _worth_trying(a, self.settings.knee_tolerance)
         out = []
         for b in order:
             p = a.predictions[b]
-            knee = " (the knee)" if b == a.knee else ""
+            knee = ", the knee" if b == a.knee else ""
+            low, high = p["range_s"]
             out.append(
                 Candidate(
                     knobs={"batch_size": b},
                     predicted_step_s=p["step_s"],
+                    predicted_range_s=(low, high),
+                    global_batch=_global_batch(obs, b),
                     rationale=(
-                        f"batch {b}/rank{knee}: {p['samples_per_s'] / base - 1:+.0%} samples/s, "
-                        f"~{p['peak_bytes'] / MiB:,.0f} MiB peak, lr {obs.workload.scaled_lr(b):.4g} "
-                        f"({obs.workload.lr_scaling})"
+                        f"batch {b}/rank ({_global_batch(obs, b)} global{knee}): "
+                        f"{p['samples_per_s'] / base - 1:+.0%} samples/s over the {_baseline_word(a)} "
+                        f"baseline, predicted {_ms(p['step_s'])} per step ({_ms(low)}-{_ms(high)})"
+                        f"{_extrapolated(a, b)}; ~{p['peak_bytes'] / MiB:,.0f} MiB peak, "
+                        f"lr {obs.workload.scaled_lr(b):.4g} ({obs.workload.lr_scaling})"
                     ),
                     details={**p, "lr": obs.workload.scaled_lr(b)},
                 )
@@ -296,16 +328,61 @@ def _local_device(obs: Observation) -> torch.device:
     )
 
 
-def _measure(obs: Observation, batch: int) -> LocalMeasurement:
-    small = max(1, batch // 4)
-    big = batch if batch > small else small * 4
+@dataclass(frozen=True)
+class _MeasureSettings:
+    budget_s: float
+    repeats: int
+    max_repeats: int
+
+
+def _rank_threads(obs: Observation) -> int:
+    """Intra-op threads a trial rank gets (the launcher's rule), on no more cores than this machine has."""
+    here = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return max(1, min(int(obs.hardware.host.cores), here) // max(1, obs.nproc))
+
+
+def _timing_batches(b0: int, ladder: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(batches to time, batches that must be timed): every batch of the ladder above b0, two below.
+
+    The fit needs b0 and a neighbour whatever the budget; larger batches are
+    timed while the measuring budget lasts.
+    """
+    below = sorted((b for b in ladder if b < b0), reverse=True)[:2]
+    above = [b for b in ladder if b > b0]
+    if not below and not above:  # no range to move in: a neighbour for the fit only
+        below = [b0 // 2] if b0 > 1 else []
+        above = [] if below else [2 * b0]
+    neighbour = below[0] if below else above[0]
+    return tuple(sorted({*below, b0, *above})), (b0, neighbour)
+
+
+def _measure(
+    obs: Observation, ladder: list[int], threads: int, settings: _MeasureSettings
+) -> LocalMeasurement:
+    b0 = obs.workload.batch_size
+    small = max(1, b0 // 4)
+    memory = (small, b0 if b0 > small else small * 4)
+    timing, required = _timing_batches(b0, ladder)
     device = _local_device(obs)
-    key = f"batch_ps_sizing/local/v1/{obs.workload_spec}/{device.type}/{small}-{big}"
+    key = (
+        f"batch_ps_sizing/local/v2/{obs.workload_spec}/{device.type}/{memory}/{timing}/"
+        f"{threads}t/{settings.repeats}-{settings.max_repeats}x{settings.budget_s:g}s"
+    )
     cached = obs.cache.get(key) if obs.cache is not None else None
     if cached:
         return LocalMeasurement.from_dict(cached)
     try:
-        local = measure_locally(obs.workload, (small, big), device)
+        local = measure_locally(
+            obs.workload,
+            memory,
+            device,
+            settings.repeats,
+            timing_batches=timing,
+            threads=threads,
+            budget_s=settings.budget_s,
+            required=required,
+            max_repeats=settings.max_repeats,
+        )
     except Exception as exc:
         raise WorkloadError(
             f"{obs.workload.name}: could not train a step in-process ({type(exc).__name__}: {exc})"
@@ -316,23 +393,34 @@ def _measure(obs: Observation, batch: int) -> LocalMeasurement:
 
 
 def _analyse(
-    obs: Observation, settings: SweepSettings, target_eff: float, target_speedup: float | None
+    obs: Observation,
+    settings: SweepSettings,
+    target_eff: float,
+    target_speedup: float | None,
+    measuring: _MeasureSettings,
 ) -> Analysis:
     w = obs.workload
     b0 = w.batch_size
     devices = obs.hardware.devices[: max(1, obs.nproc)]
     device_mem = min(d.memory_bytes for d in devices)
-    local = _measure(obs, b0)
+    ladder = batch_ladder(b0, w.batch_range) if w.batch_range is not None else [b0]
+    local = _measure(obs, ladder, _rank_threads(obs), measuring)
     largest = local.memory.largest_batch(device_mem, settings.memory_margin)
-    a_s, c_s = local.step_line()
-    t_local = a_s + c_s * b0
-    overhead, compute, ratio, source = _overhead(obs, t_local)
+    truth = obs.truth
+    measured = truth is not None
+    if truth is None:
+        truth = _model_truth(obs, local)
+    spread = obs.baseline.spread_s if obs.baseline is not None else 0.0
+    steps = BatchStepModel.build(b0, local.timing, truth, spread, measured)
+    overhead, compute, ratio, source = _overhead(obs, local.step_s[b0])
     analysis = Analysis(
         b0,
         w.batch_range,
         device_mem,
         local,
         min(largest, MAX_BATCH),
+        steps,
+        measured,
         overhead,
         compute,
         ratio,
@@ -342,12 +430,21 @@ def _analyse(
     batches = [b0]
     if w.batch_range is not None:
         hi = min(w.batch_range[1], max(largest, w.batch_range[0]))
-        batches = [b for b in batch_ladder(b0, w.batch_range) if b <= hi or b == b0]
+        batches = [b for b in ladder if b <= hi or b == b0]
     for b in batches:
-        step = analysis.predicted_step_s(b)
+        if not steps.predictable(b):
+            analysis.unpredicted[b] = (
+                f"{steps.extrapolation(b):.0f}x beyond the largest timed batch "
+                f"({steps.fits['compute'].measured_range[1]})"
+            )
+            continue
+        step = steps.step_s(b)
         analysis.predictions[b] = {
             "step_s": step,
-            "samples_per_s": b * max(1, obs.nproc) / step,
+            "range_s": list(steps.range_s(b)),
+            "samples_per_s": _global_batch(obs, b) / step,
+            "parts_s": steps.parts_s(b),
+            "extrapolation": steps.extrapolation(b),
             "peak_bytes": local.memory.peak_bytes(b),
             "fits": float(b <= largest),
         }
@@ -361,8 +458,40 @@ def _analyse(
     return analysis
 
 
+def _global_batch(obs: Observation, batch: int) -> int:
+    """Samples per step over all ranks at per-rank ``batch``, counted as the observation counts
+    the baseline's (``obs.global_batch``: ranks, and micro-batches where it counts them), so
+    that candidates and baseline are ranked per sample on one scale."""
+    return obs.global_batch * batch // obs.workload.batch_size
+
+
+def _model_truth(obs: Observation, local: LocalMeasurement) -> StepTruth:
+    """Without a measured baseline (``tunekit plan``): the step as timed here, plus the
+    hardware model's all-reduce of the gradients on several ranks."""
+    b0 = obs.workload.batch_size
+    rows = local.timing.samples[b0]
+    parts = {p: statistics.median(r[p] for r in rows) for p in ("data", "compute", "optimizer")}
+    comm = 0.0
+    if obs.nproc > 1:
+        try:
+            comm = obs.hardware.allreduce_time(obs.model.param_bytes, obs.nproc, obs.backend)
+        except HardwareError:
+            comm = 0.0
+    parts.update(comm_exposed=comm, idle=0.0)
+    return StepTruth(
+        sum(parts.values()),
+        parts,
+        source="model: no measured baseline; steps timed in this process, all-reduce from the hardware model",
+    )
+
+
 def _overhead(obs: Observation, t_local: float) -> tuple[float, float, float | None, str]:
     """(T_O, T_C, R_O, where R_O came from) for one step at the current batch."""
+    truth = obs.truth
+    if truth is not None and truth.profiled and truth.parts_s["compute"] > 0:
+        compute = truth.parts_s["compute"]
+        over = max(0.0, truth.step_s - compute)
+        return over, compute, over / compute, "measured: the step less its compute"
     summary = _breakdown_summary(obs.breakdown)
     if summary is not None:
         compute, total = summary["compute_s"], summary["total_s"]
@@ -504,15 +633,73 @@ def _details(a: Analysis) -> dict[str, Any]:
         "memory_profile": a.local.memory.to_dict(),
         "largest_fitting_batch": a.largest_fitting,
         "step_s_measured_here": {str(b): t for b, t in a.local.step_s.items()},
+        "step_model": a.steps.to_dict(),
+        "calibrated_on": "measured baseline" if a.truth_measured else "model (no measured baseline)",
         "overhead_s": a.overhead_s,
         "compute_s": a.compute_s,
         "overhead_source": a.overhead_source,
         "predictions": {str(b): p for b, p in a.predictions.items()},
+        "unpredicted": {str(b): why for b, why in a.unpredicted.items()},
         "knee": a.knee,
         "eq5": a.eq5,
         "lemma31": a.lemma31,
         "lemma32": a.lemma32,
     }
+
+
+def _worth_trying(a: Analysis, tolerance: float) -> list[int]:
+    """Batches predicted to beat the current one by more than ``tolerance`` in samples/s:
+    the knee first (where more batch stops paying), then by predicted throughput."""
+    base = a.predictions[a.batch]["samples_per_s"]
+    worth = [
+        b
+        for b, p in a.predictions.items()
+        if b != a.batch and p["fits"] and p["samples_per_s"] > base * (1 + tolerance)
+    ]
+    return sorted(worth, key=lambda b: (b != a.knee, -a.predictions[b]["samples_per_s"]))
+
+
+def _evidence(obs: Observation, a: Analysis) -> str:
+    """The diagnosis's first clause: the measured truth, then the model (labelled)."""
+    truth = obs.truth
+    model = a.steps.describe()
+    if truth is None:
+        return f"no measured baseline: the step is the model's ({model})"
+    if not truth.profiled:
+        return (
+            f"{_ms(truth.step_s)} per step (measured, not profiled: the change of a step "
+            f"is taken from the steps timed here, unscaled; {model})"
+        )
+    return f"{per_step_phrase(truth)}; {scaling_phrase(truth)} ({model})"
+
+
+def _baseline_word(a: Analysis) -> str:
+    return "measured" if a.truth_measured else "model's"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def _extrapolated(a: Analysis, batch: int) -> str:
+    x = a.predictions[batch]["extrapolation"]
+    if x <= 1.0:
+        return ""
+    top = a.steps.fits["compute"].measured_range[1]
+    return f"; extrapolated {x:.1f}x beyond the largest timed batch, {top}"
+
+
+def _unpredicted_line(a: Analysis) -> str:
+    top = a.steps.fits["compute"].measured_range[1]
+    names = ", ".join(str(b) for b in sorted(a.unpredicted))
+    skipped = a.steps.skipped
+    first = min(skipped, default=None)
+    why = (
+        f"timing stopped at batch {top}, as batch {first} would take {skipped[first]}"
+        if first is not None
+        else f"the largest timed batch is {top}"
+    )
+    return f"no prediction for batch {names}: {why}, so not proposed"
 
 
 def _agreed_noise_scale(

@@ -14,8 +14,9 @@ fraction of the device's peak.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,18 +50,72 @@ class LayerTimes:
     """Seconds per layer (gap to the previous layer's gradients being ready)."""
     nbytes: list[int]
     """Gradient bytes per layer."""
+    backward_share: float | None = None
+    """Backward's share of forward + backward, measured with the layers (None: unknown).
+    It splits the baseline's measured compute into forward and backward."""
+    samples: list[list[float]] = field(default_factory=list)
+    """``t_bp`` of each timed step (one list per repeat): the run-to-run spread."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"names": self.names, "t_bp": self.t_bp, "nbytes": self.nbytes}
+        return {
+            "names": self.names,
+            "t_bp": self.t_bp,
+            "nbytes": self.nbytes,
+            "backward_share": self.backward_share,
+            "samples": self.samples,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LayerTimes:
-        return cls(list(d["names"]), [float(x) for x in d["t_bp"]], [int(x) for x in d["nbytes"]])
+        return cls(
+            list(d["names"]),
+            [float(x) for x in d["t_bp"]],
+            [int(x) for x in d["nbytes"]],
+            d.get("backward_share"),
+            [[float(x) for x in row] for row in d.get("samples", [])],
+        )
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_profile(samples: list[list[float]]) -> list[float]:
+    """One ``t_bp`` per layer from several timed passes, robust to a pass slowed by load.
+
+    Each pass's times are first turned into shares of that pass's backward,
+    and the per-layer median share is scaled by backward's own cost over the
+    passes (:func:`own_cost`). A pass that a neighbour slowed throughout changes
+    its total, not its shares; a burst inside one layer moves that layer's
+    share in one pass only.
+    """
+    totals = [sum(row) for row in samples]
+    good = [(row, t) for row, t in zip(samples, totals, strict=True) if t > 0]
+    if not good:
+        return [0.0] * (len(samples[0]) if samples else 0)
+    shares = [statistics.median(row[j] / t for row, t in good) for j in range(len(good[0][0]))]
+    norm = sum(shares) or 1.0
+    backward = own_cost([t for _, t in good])
+    return [s / norm * backward for s in shares]
+
+
+def own_cost(samples: list[float]) -> float:
+    """The cost of a piece of work itself: the lower quartile of its timings.
+
+    On a loaded machine a timing is either the work's own cost or that plus
+    waits to be scheduled back (tens of ms each on the shared 2-core machine,
+    in any share of the samples); the lower quartile keeps the first and is
+    not one lucky sample. How much slower the job runs it is the
+    calibration's to say.
+    """
+    if len(samples) < 4:
+        return min(samples)
+    return statistics.quantiles(samples, n=4)[0]
+
+
+BACKWARD_REPEATS = 9
+"""Timed steps behind ``t_bp``: per-layer medians of shares over this many steps."""
 
 
 def time_layer_backward(
@@ -69,28 +124,45 @@ def time_layer_backward(
     targets: torch.Tensor,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     *,
-    repeats: int = 5,
-    warmup: int = 1,
+    repeats: int = BACKWARD_REPEATS,
+    warmup: int = 2,
+    threads: int | None = None,
 ) -> LayerTimes:
-    """Median ``t_bp`` per parameterised layer over ``repeats`` steps (after ``warmup``), in
-    backward order, from the core's gradient-ready timing (:func:`time_groups`)."""
+    """``t_bp`` per parameterised layer, in backward order, from the core's gradient-ready
+    timing (:func:`time_groups`), one step at a time so that every step's times are kept.
+
+    ``threads``: intra-op threads while timing (a rank's own count, so that the
+    shares are those of the job's kernels); None keeps the process's.
+    """
     device = next(model.parameters()).device
     layers = parameterised_layers(model)
+    groups = [(layer.name, [layer.path]) for layer in layers]
     # A zero learning rate: the steps time backward without changing the model.
     optimizer = torch.optim.SGD([p for layer in layers for p in layer.params], lr=0.0)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    samples, shares = [], []
     try:
-        timing = time_groups(
-            model, optimizer, loss_fn, inputs, targets,
-            [(layer.name, [layer.path]) for layer in layers],
-            device=device, warmup=warmup, repeats=repeats,
-        )
+        for i in range(repeats):
+            timing = time_groups(
+                model, optimizer, loss_fn, inputs, targets, groups,
+                device=device, warmup=warmup if i == 0 else 0, repeats=1,
+            )  # fmt: skip
+            samples.append([timing.groups[j].backward_s for j in reversed(range(len(layers)))])
+            both = timing.forward_s + timing.backward_s
+            if both > 0:
+                shares.append(timing.backward_s / both)
     finally:
+        torch.set_num_threads(before)
         model.zero_grad(set_to_none=True)
     order = list(reversed(range(len(layers))))
     return LayerTimes(
         names=[layers[i].name for i in order],
-        t_bp=[timing.groups[i].backward_s for i in order],
+        t_bp=median_profile(samples),
         nbytes=[sum(p.numel() * p.element_size() for p in layers[i].params) for i in order],
+        backward_share=statistics.median(shares) if shares else None,
+        samples=samples,
     )
 
 
@@ -129,34 +201,6 @@ def estimate_backward_times(
             rate.seconds(max(0, flops(total, layer.name) - flops(forward, layer.name)))
             for layer in ordered
         ],
-        nbytes=[sum(p.numel() * p.element_size() for p in layer.params) for layer in ordered],
-    )
-
-
-def backward_times_from_profile(model: nn.Module, graph: Any, profile: Any) -> LayerTimes | None:
-    """Per-layer ``t_bp`` from the observation's layer profile, when it covers every layer.
-
-    ``graph`` is a :class:`tunekit.observe.graph.ModelGraph` and ``profile`` a
-    :class:`tunekit.observe.layer_profile.LayerProfile` of ``model``. A graph
-    layer folds elementwise modules (batch norm) into the op before them; its
-    backward time goes to the module it is anchored on, the last of them in
-    backward, and the folded ones get 0. Layers in reverse registration order.
-    Returns None when a parameterised module has no timed graph layer.
-    """
-    layer_of_module = {n.target: n.layer for n in graph.nodes.values() if n.module_type}
-    anchor_of = {name: lay.nodes[0] for name, lay in graph.layers.items() if lay.nodes}
-    ordered = list(reversed(parameterised_layers(model)))
-    t_bp = []
-    for layer in ordered:
-        glayer = layer_of_module.get(layer.name)
-        timing = profile.layers.get(glayer) if glayer else None
-        if timing is None:
-            return None
-        is_anchor = graph.nodes[anchor_of[glayer]].target == layer.name
-        t_bp.append(timing.backward_s if is_anchor else 0.0)
-    return LayerTimes(
-        names=[layer.name for layer in ordered],
-        t_bp=t_bp,
         nbytes=[sum(p.numel() * p.element_size() for p in layer.params) for layer in ordered],
     )
 
@@ -220,12 +264,13 @@ def fit_gloo_allreduce(
     return fit_samples(times, "gloo", "all_reduce", group.size())
 
 
-def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 6) -> float:
+def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 9) -> float:
     """``t_as`` in practice: seconds the backward thread spends launching one chunk.
 
     Runs CGDP on one rank over a deep model of tiny layers and divides the
-    time spent in chunk launches by the number of chunks. Excludes the
-    collective's own launch, which the reduction latency accounts for.
+    time spent in chunk launches by the number of chunks (its own cost over
+    the steps after the first, :func:`own_cost`). Excludes the collective's
+    own launch, which the reduction latency accounts for.
     """
     from tunekit.plugins.cgdp.runtime import CgdpSync
     from tunekit.runtime.session import Session
@@ -253,7 +298,59 @@ def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 6
             session.train_step()
             per_chunk.append(sync.hook_s / len(sync.chunks))
         session.close()
-    return statistics.median(per_chunk[1:])
+    return own_cost(per_chunk[1:])
+
+
+OFFLOAD_REPEATS = 9
+"""Interleaved optimizer steps behind the offload figure, after one warm-up of each."""
+
+
+def time_offload_step(
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+    device: torch.device,
+    *,
+    repeats: int = OFFLOAD_REPEATS,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """The job's optimizer step as the job runs it and as ``offload_optimizer`` runs it.
+
+    Two copies of the model, one stepped by the job's optimizer on the device,
+    one by :class:`~tunekit.plugins.cgdp.runtime.HostOptimizer` (host masters,
+    host state, then the copy of every parameter back), with the same
+    gradients; the steps alternate so that load falls on both alike. Returns
+    each one's own cost (:func:`own_cost`) and every sample, in seconds (JSON-able).
+    """
+    from tunekit.plugins.cgdp.runtime import HostOptimizer
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            plain_model, host_model = model_fn().to(device), model_fn().to(device)
+        plain = optimizer_fn(plain_model.parameters())
+        params = [p for p in host_model.parameters() if p.requires_grad]
+        grads = [torch.randn(p.shape, dtype=p.dtype) * 1e-3 for p in params]  # host buffers
+        for p, g in zip(plain_model.parameters(), grads, strict=False):
+            p.grad = g.to(device)
+        host = HostOptimizer(optimizer_fn(params), params, grads, pin=device.type == "cuda")
+        samples: dict[str, list[float]] = {"device": [], "offload": []}
+        for i in range(repeats + 1):
+            for name, step in (("device", plain.step), ("offload", host.step)):
+                _sync(device)
+                t0 = time.perf_counter()
+                step()
+                _sync(device)
+                if i:  # the first step of each creates the optimizer state
+                    samples[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "device_s": own_cost(samples["device"]),
+        "offload_s": own_cost(samples["offload"]),
+        "samples": samples,
+    }
 
 
 def measure_host_rates(

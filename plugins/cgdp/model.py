@@ -134,25 +134,207 @@ def ddp_backward_time(
     bucket_bytes: float = 25 * MiB,
     first_bucket_bytes: float = 1 * MiB,
 ) -> float:
-    """Backward under PyTorch DDP: buckets filled in backward order, all-reduced one after another.
+    """Backward under PyTorch DDP: buckets filled in backward order (:func:`ddp_buckets`),
+    each all-reduced when it is full and the previous one has finished."""
+    ready = _cumulative(t_bp)
+    free = 0.0
+    for last, size in ddp_buckets(nbytes, bucket_bytes, first_bucket_bytes):
+        free = max(free, ready[last]) + allreduce_s(size)
+    return max(ready[-1] if ready else 0.0, free)
 
-    A bucket closes when adding the next layer would pass its cap (the
-    first bucket has its own cap); its all-reduce starts when it is closed
-    and the previous one finished. Layer granularity stands in for DDP's
-    parameter granularity.
+
+# -- a timeline of one backward pass with its reductions ------------------------------------
+#
+# The calibrated predictions (``calibrate.py``) run DDP and CGDP through the same
+# timeline: messages (DDP's buckets, CGDP's chunks) are posted by the backward thread
+# when their last layer's gradients are ready, reduced one at a time in order, and
+# each reduction runs at one speed while backward still computes beside it and at
+# another once backward is done: on CPU ranks the two share the cores (on the
+# development machine a 1 MiB gloo all-reduce took 60-80 ms during backward and a
+# 17 MiB one 12-30 ms after it).
+
+
+@dataclass(frozen=True)
+class AllReduceCost:
+    """Seconds of one all-reduce of ``n`` bytes: ``latency + n / bandwidth``."""
+
+    latency: float
+    bandwidth: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+    def scaled(self, factor: float) -> AllReduceCost:
+        """The same shape, ``factor`` times slower."""
+        return AllReduceCost(self.latency * factor, self.bandwidth / factor)
+
+
+@dataclass(frozen=True)
+class ReduceCosts:
+    """All-reduce costs while backward computes beside them, and once it is done."""
+
+    during: AllReduceCost
+    after: AllReduceCost
+
+    @classmethod
+    def uniform(cls, cost: AllReduceCost) -> ReduceCosts:
+        """One speed throughout (the reduction does not share the backward's cores)."""
+        return cls(cost, cost)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One reduction: a DDP bucket or a CGDP chunk."""
+
+    ready_s: float
+    """When the backward thread posts it (seconds after backward began)."""
+    nbytes: float
+    host_after_s: float = 0.0
+    """Host work after the all-reduce on the same pipeline (a chunk's copy back)."""
+
+
+def _finish(start: float, during_s: float, after_s: float, backward_end: float) -> float:
+    """End of a reduction started at ``start``: at the during-backward speed until backward
+    ends, at the after-backward speed for what is left."""
+    if start >= backward_end or during_s <= 0:
+        return start + after_s
+    if start + during_s <= backward_end:
+        return start + during_s
+    left = 1.0 - (backward_end - start) / during_s
+    return backward_end + left * after_s
+
+
+GLOO_THREADS = 2
+"""Collectives a gloo process group runs at once (its worker threads; PyTorch's default 2)."""
+
+
+def drain(
+    messages: Sequence[Message], backward_end: float, costs: ReduceCosts, lanes: int = GLOO_THREADS
+) -> float:
+    """When the last of ``messages`` is done: started in order, each on the first of
+    ``lanes`` free workers (a gloo group's threads), its host work after it on the same one."""
+    free = [0.0] * max(1, lanes)
+    for m in messages:
+        lane = min(range(len(free)), key=free.__getitem__)
+        start = max(free[lane], m.ready_s)
+        end = _finish(start, costs.during(m.nbytes), costs.after(m.nbytes), backward_end)
+        free[lane] = end + m.host_after_s
+    return max(free)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One modelled backward pass with its reductions, in seconds."""
+
+    backward_s: float
+    """Backward, including the host work the backward thread does (posting chunks)."""
+    exposed_s: float
+    """Reduction left after backward: the exposed communication."""
+    messages: int
+
+
+def ddp_buckets(
+    nbytes: Sequence[float], bucket_bytes: float = 25 * MiB, first_bucket_bytes: float = 1 * MiB
+) -> list[tuple[int, float]]:
+    """DDP's buckets in backward order as (index of its last layer, bytes).
+
+    As DDP assigns them: layers are added in backward order and a bucket
+    closes once it holds at least its cap (the first bucket has its own
+    cap). Layer granularity stands in for DDP's parameters: a layer's bias
+    comes before its weight in backward order, so it is the weight that
+    fills a bucket and the layer stays whole.
     """
-    ready = free = 0.0
-    size, cap, open_ready = 0.0, first_bucket_bytes, None
-    for bp, b in zip(t_bp, nbytes, strict=True):
-        if open_ready is not None and size + b > cap:
-            free = max(free, open_ready) + allreduce_s(size)
-            size, cap = 0.0, bucket_bytes
-        ready += bp
+    out: list[tuple[int, float]] = []
+    size, cap = 0.0, first_bucket_bytes
+    for i, b in enumerate(nbytes):
         size += b
-        open_ready = ready
-    if open_ready is not None:
-        free = max(free, open_ready) + allreduce_s(size)
-    return max(ready, free)
+        if size >= cap:
+            out.append((i, size))
+            size, cap = 0.0, bucket_bytes
+    if size > 0 or not out and nbytes:
+        out.append((len(nbytes) - 1, size))
+    return out
+
+
+def ddp_timeline(
+    t_bp: Sequence[float],
+    nbytes: Sequence[float],
+    costs: ReduceCosts,
+    bucket_bytes: float = 25 * MiB,
+    first_bucket_bytes: float = 1 * MiB,
+) -> Timeline:
+    """DDP: buckets posted as backward fills them, all-reduced in order.
+
+    DDP's own host work (copies into its buckets) is part of the measured
+    backward it is calibrated on, so it is not added here.
+    """
+    ready = list(_cumulative(t_bp))
+    end = ready[-1] if ready else 0.0
+    msgs = [Message(ready[i], b) for i, b in ddp_buckets(nbytes, bucket_bytes, first_bucket_bytes)]
+    return Timeline(end, max(0.0, drain(msgs, end, costs) - end), len(msgs))
+
+
+def cgdp_timeline(
+    t_bp: Sequence[float],
+    nbytes: Sequence[float],
+    k: int,
+    costs: ReduceCosts,
+    post_s: float = 0.0,
+    copy_back_s_per_byte: float = 0.0,
+) -> Timeline:
+    """CGDP with chunks of ``k`` layers: each chunk is posted by the backward thread
+    (``post_s`` of hook and Python work, which delays the layers after it), then
+    all-reduced in layout order and copied back on the host pipeline."""
+    n = len(t_bp)
+    msgs, clock, done = [], 0.0, 0
+    for chunk in chunk_layout(n, k):
+        idx = [n - layer for layer in chunk]  # paper layer l is index 0
+        for i in range(done, max(idx) + 1):
+            clock += t_bp[i]
+        done = max(idx) + 1
+        clock += post_s
+        size = sum(nbytes[i] for i in idx)
+        msgs.append(Message(clock, size, size * copy_back_s_per_byte))
+    return Timeline(clock, max(0.0, drain(msgs, clock, costs) - clock), len(msgs))
+
+
+def _cumulative(values: Sequence[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def fit_after_latency(
+    t_bp: Sequence[float],
+    nbytes: Sequence[float],
+    during: AllReduceCost,
+    bandwidth: float,
+    exposed_s: float,
+    tolerance_s: float = 1e-5,
+) -> float | None:
+    """The latency of an all-reduce after backward (at ``bandwidth``) that makes DDP's
+    modelled exposed communication ``exposed_s``; None when none can (the reductions
+    during backward alone already leave more exposed than that).
+
+    Under load a message's cost after backward is mostly waiting to be scheduled,
+    so it is the latency that is fitted; exposed communication grows with it.
+    """
+
+    def exposed(latency: float) -> float:
+        costs = ReduceCosts(during, AllReduceCost(latency, bandwidth))
+        return ddp_timeline(t_bp, nbytes, costs).exposed_s
+
+    if exposed(0.0) > exposed_s + tolerance_s:
+        return None
+    lo, hi = 0.0, max(exposed_s, 1e-6)
+    while exposed(hi) < exposed_s:
+        lo, hi = hi, hi * 2
+    while hi - lo > tolerance_s / 10:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if exposed(mid) < exposed_s else (lo, mid)
+    return (lo + hi) / 2
 
 
 # -- per-layer costs from rates -----------------------------------------------------------

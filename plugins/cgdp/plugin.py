@@ -1,21 +1,29 @@
 """cgdp: CPU-GPU data parallel training (Le et al., ICPE '18).
 
 Gradients are reduced on the host, chunk by chunk of layers, while backward
-runs on; the chunk size is searched inside the job (Algorithm 1). The
-diagnosis runs the paper's cost model with this job's per-layer backward
-times and gradient sizes, and the hardware's host links against its peer
-links, to say whether the host path should beat DDP here. Measured rates
-carry 95 % intervals; a verdict that the intervals could turn says so
-("too close to call") and lets the trials decide, instead of flipping from
-run to run.
+runs on; the chunk size is searched inside the job (Algorithm 1).
+
+On this machine the diagnosis starts from the measured baseline
+(``obs.truth``): CGDP can only hide the communication DDP leaves exposed, and
+adds its own host work. The paper's cost model, calibrated so that it
+reproduces the measured DDP step (``calibrate.py``), then predicts every
+chunk size and the optimizer offload as a change to that step; a prediction
+carries the range its inputs' spread gives (the per-layer backward times of
+each timed pass, the quartiles of the trace's all-reduce times, the probe's
+intervals), and a verdict that range could turn says so ("too close to call")
+and lets the trials decide, instead of flipping from run to run. For a
+hardware profile (a machine one does not have) the model runs uncalibrated,
+with the profile's links and backward times from FLOPs.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 from itertools import product
 from typing import Any
 
+import psutil
 import torch
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
@@ -23,16 +31,21 @@ from tunekit.errors import HardwareError
 from tunekit.hardware import GB, Hardware
 from tunekit.observe.observation import Observation
 from tunekit.observe.timing import Estimate, bandwidth_estimate
+from tunekit.observe.truth import StepTruth
+from tunekit.plugins.cgdp.calibrate import CalibratedCgdp, HostWork, calibrate
 from tunekit.plugins.cgdp.model import (
+    AllReduceCost,
     HostRates,
     MiB,
     Prediction,
+    ReduceCosts,
+    candidate_chunk_sizes,
     host_sum_bandwidth,
     memory_estimates,
     predict,
 )
 from tunekit.plugins.cgdp.runtime import CgdpSync, search_in_job
-from tunekit.plugins.cgdp.search import Algorithm1, NoiseAwareChunkSearch
+from tunekit.plugins.cgdp.search import Algorithm1, NoiseAwareChunkSearch, chunk_layout
 from tunekit.runtime.session import Session
 
 MEASURED_SOURCES = ("local", "probe")
@@ -41,6 +54,8 @@ FLOP_EFFICIENCY = 0.4
 """Fraction of peak FLOP/s assumed when backward times are estimated for another machine."""
 MIN_GAIN = 0.01
 """Predicted gains below this fraction of a step are within the model's noise."""
+CACHE_VERSION = "v3"
+"""Bumped when what is cached changes shape (v3: per-pass backward samples, offload step)."""
 
 
 def _cached(obs: Observation, key: str, compute):
@@ -55,38 +70,42 @@ def _cached(obs: Observation, key: str, compute):
     return value
 
 
-def _profiled_backward(obs: Observation, model, device: torch.device):
-    """``t_bp`` per layer from ``obs.layer_profile`` when it was taken at the job's batch and device."""
-    from tunekit.plugins.cgdp.measure import backward_times_from_profile
+def rank_threads(nproc: int) -> int:
+    """Intra-op threads of one rank, as the trial launcher gives them (cores shared out)."""
+    return max(1, (psutil.cpu_count(logical=False) or 1) // max(nproc, 1))
 
-    profile, graph = obs.layer_profile, obs.graph
-    if profile is None or graph is None:
-        return None
-    if getattr(profile, "batch_size", None) != obs.workload.batch_size:
-        return None
-    if torch.device(getattr(profile, "device", "cpu")).type != device.type:
-        return None
-    return backward_times_from_profile(model, graph, profile)
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """A batch part (tensor, tuple/list or dict of tensors) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to(v, device) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
 
 
 def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str, Any]:
     """Per-layer ``t_bp`` and gradient bytes, and the optimizer's state bytes (JSON-able).
 
-    On this machine: the observation's layer profile if it fits, else measured
-    from gradient readiness; for a hardware profile: estimated from FLOPs.
+    On this machine: timed from gradient readiness over several passes with a
+    rank's threads (the whole model's backward, so time in layers without
+    parameters falls between the readiness points where it belongs); for a
+    hardware profile: estimated from FLOPs. Where the model is calibrated on a
+    measured baseline only the layers' shares of backward matter.
     """
     from tunekit.plugins.cgdp.measure import estimate_backward_times, time_layer_backward
 
     work, target = obs.workload, obs.hardware.devices[0]
     model = work.model().to(device)
     inputs, targets = work.example_batch(work.batch_size)
-    inputs, targets = inputs.to(device), targets.to(device)
-    profiled = _profiled_backward(obs, model, device) if local else None
-    if profiled is not None:
-        times, source = profiled, "the observation's layer profile"
-    elif local:
-        times = time_layer_backward(model, inputs, targets, work.loss, repeats=3)
-        source = "measured from gradient readiness"
+    inputs, targets = _to(inputs, device), _to(targets, device)  # inputs may be a dict (HF)
+    if local:
+        times = time_layer_backward(
+            model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)
+        )
+        source = f"measured from gradient readiness ({len(times.samples)} passes, median shares)"
     else:
         times = estimate_backward_times(
             model, inputs, targets, work.loss, target.peak_flops, FLOP_EFFICIENCY
@@ -124,6 +143,17 @@ def _measure_host(device: torch.device, local: bool) -> dict[str, Any]:
         d2h, h2d = copy_bandwidths(device)
         out.update(d2h=d2h.to_dict(), h2d=h2d.to_dict())
     return out
+
+
+def _measure_offload(obs: Observation, device: torch.device) -> dict[str, Any]:
+    """The job's optimizer step on the device and under offload, timed here (JSON-able)."""
+    from tunekit.plugins.cgdp.measure import time_offload_step
+
+    work = obs.workload
+    return time_offload_step(
+        work.model, lambda params: work.optimizer(params, work.lr), device,
+        threads=rank_threads(obs.nproc),
+    )  # fmt: skip
 
 
 def _profile_host_link(hw: Hardware) -> dict[str, Any]:
@@ -184,6 +214,15 @@ def _peer(hw: Hardware, nproc: int, backend: str) -> Callable[[float], float]:
     return lambda nbytes: hw.allreduce_time(nbytes, nproc, backend)
 
 
+def _peer_cost(hw: Hardware, nproc: int, backend: str) -> AllReduceCost:
+    """The peer all-reduce as ``latency + bytes / bandwidth`` (from the fit or the links)."""
+    big = 64 * MiB
+    latency = hw.allreduce_time(0, nproc, backend)
+    return AllReduceCost(
+        latency, big / max(hw.allreduce_time(big, nproc, backend) - latency, 1e-12)
+    )
+
+
 def _peer_bus(hw: Hardware, nproc: int, backend: str) -> float:
     """Bus bandwidth of a large peer all-reduce: bytes each rank sends and receives per second."""
     big = 256 * MiB
@@ -194,6 +233,171 @@ def _interval_text(est: Estimate) -> str:
     """``3.1 GB/s (1.2–9.8)`` for bytes/s, or ``3.1 GB/s`` when the interval rounds to the value."""
     value, low, high = (f"{x / GB:.1f}" for x in (est.value, est.low, est.high))
     return f"{value} GB/s" if low == high else f"{value} GB/s ({low}–{high})"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _truth_lead(truth: StepTruth | None) -> str:
+    """What the diagnosis starts from: the measured exposed communication, all CGDP can hide."""
+    if truth is None:
+        return "no measured baseline: model figures only"
+    if not truth.profiled:
+        return (
+            f"measured step {_ms(truth.step_s)}, not profiled: how much communication DDP "
+            "leaves exposed is unknown"
+        )
+    return (
+        f"{truth.phrase('comm_exposed')}: all that CGDP can hide, and its own host work "
+        "comes on top"
+    )
+
+
+def _model_truth(times, hw: Hardware, nproc: int, backend: str, work: HostWork) -> StepTruth:
+    """A stand-in for the baseline when none was measured: the model's own DDP step."""
+    from tunekit.plugins.cgdp.model import ddp_timeline
+
+    backward = sum(times.t_bp)
+    share = times.backward_share or 2 / 3
+    ddp = ddp_timeline(
+        times.t_bp, times.nbytes, ReduceCosts.uniform(_peer_cost(hw, nproc, backend))
+    )
+    step = backward / share + ddp.exposed_s + (work.optimizer_s or 0.0)
+    return StepTruth(step_s=step, source="model: no measured baseline")
+
+
+def _gpu_host_path(obs: Observation, host: dict[str, Any], hw: Hardware) -> ReduceCosts:
+    """A GPU's host path: copy to the host and the host all-reduce, one pipeline (not DDP's NCCL)."""
+    rates = _host_rates(obs, host, hw)
+    per_byte = 1.0 / rates.d2h_bw + 1.0 / rates.reduce_bw
+    return ReduceCosts.uniform(AllReduceCost(rates.reduce_latency, 1.0 / per_byte))
+
+
+def _model_text(f: _Fit, best: _Row) -> str:
+    """The model's figures for the diagnosis, labelled as the model's and consistent with the truth."""
+    m, ddp, layout = f.model, f.model.ddp(), best.timeline
+    if f.obs.truth is not None:
+        how = (
+            f"model, calibrated on the measured {_ms(f.truth.step_s)} step (backward "
+            f"{_ms(m.inputs['backward_s'])}; the layers timed alone here: "
+            f"{_ms(m.inputs['layers_backward_s'])})"
+        )
+    else:
+        how = f"model, uncalibrated (backward {_ms(m.inputs['backward_s'])} as timed here)"
+    text = f"{how}: DDP's {ddp.messages} bucket(s) leave {_ms(ddp.exposed_s)} exposed"
+    if m.waiting_s > 0:
+        text += f" and {_ms(m.waiting_s)} is one rank waiting for the other (no scheme hides that)"
+    work = best.host_work_s
+    text += (
+        f"; {best.label} ({layout.messages} chunk(s)) would leave {_ms(layout.exposed_s)} and "
+        f"{'add' if work >= 0 else 'save'} {_ms(abs(work))} of host work"
+    )
+    if f.device.type == "cpu":
+        during = m.costs.during
+        text += (
+            "; on CPU ranks CGDP's host reduction is the same gloo all-reduce as DDP's "
+            f"({_ms(during.latency)} + {during.bandwidth / GB:.2f} GB/s during backward, from "
+            f"{m.inputs['during']['source']}), so CGDP can only move it, not speed it up"
+        )
+    return text
+
+
+def _verdict(gain: float, low: float, high: float) -> str:
+    """``gain``, ``no_gain`` or ``too_close`` (the range holds the threshold: a trial decides)."""
+    if Estimate(gain, low, high).straddles(MIN_GAIN):
+        return "too_close"
+    return "gain" if gain > MIN_GAIN else "no_gain"
+
+
+class _Row:
+    """One candidate as the calibrated model sees it."""
+
+    def __init__(self, fit: _Fit, k: int, offload: bool):
+        self.k, self.offload = k, offload
+        self.label = f"chunks of {k}" + (" with the optimizer on the host" if offload else "")
+        model = fit.model
+        self.timeline = model.cgdp(k)
+        self.parts = model.cgdp_parts(k, offload)
+        self.predicted = model.predict(k, offload)
+        ddp = model.ddp_parts()
+        self.host_work_s = (self.parts["compute"] - ddp["compute"]) + (
+            self.parts["optimizer"] - ddp["optimizer"]
+        )
+        variants = [m.predict(k, offload) for m in fit.ends]
+        passes = sorted(m.predict(k, offload) for m in fit.passes)
+        if len(passes) >= 4:
+            q = statistics.quantiles(passes, n=4)
+            variants += [q[0], q[2]]
+        else:
+            variants += passes
+        self.model_low = min([self.predicted, *variants])
+        self.model_high = max([self.predicted, *variants])
+
+
+class _Fit:
+    """The calibrated model of one observation, with the variants that give its ranges."""
+
+    def __init__(self, obs, truth, times, model, ends, passes, measured, device):
+        self.obs, self.truth, self.times = obs, truth, times
+        self.model: CalibratedCgdp = model
+        self.ends: list[CalibratedCgdp] = ends
+        """Calibrated at the ends of the probe's intervals and the trace's quartiles."""
+        self.passes: list[CalibratedCgdp] = passes
+        """Calibrated on each timed backward pass's layer times."""
+        self.measured, self.device = measured, device
+
+    def rows(self) -> list[_Row]:
+        """Every distinct chunk layout, and offload at the best one; fastest first."""
+        n = len(self.times.t_bp)
+        seen, rows = set(), []
+        for k in candidate_chunk_sizes(n):
+            layout = tuple(map(tuple, chunk_layout(n, k)))
+            if layout not in seen:
+                seen.add(layout)
+                rows.append(_Row(self, k, False))
+        best = min(rows, key=lambda r: (r.predicted, r.k))
+        rows.append(_Row(self, best.k, True))
+        return sorted(rows, key=lambda r: (r.predicted, r.offload, r.k))
+
+    def predicted_range(self, row: _Row) -> tuple[float, float]:
+        """A candidate's (low, high) step: the model's range widened by the baseline's spread."""
+        spread = self.obs.baseline.spread_s if self.obs.baseline is not None else 0.0
+        low = self.model.calibration.predicted_range(row.model_low, spread)[0]
+        high = self.model.calibration.predicted_range(row.model_high, spread)[1]
+        return low, high
+
+    def details(self) -> dict[str, Any]:
+        m, times = self.model, self.times
+        ddp = m.ddp()
+        return {
+            "calibrated": self.obs.truth is not None,
+            "truth": self.truth.describe(),
+            "layers": times.names,
+            "num_layers": len(times.names),
+            "gradient_bytes": float(sum(times.nbytes)),
+            "t_bp_source": self.measured["layers"]["source"],
+            "t_bp_s": m.t_bp,
+            "layers_backward_s": m.inputs["layers_backward_s"],
+            "backward_s": m.inputs["backward_s"],
+            "backward_source": m.inputs["backward_source"],
+            "contention": m.contention,
+            "allreduce_during": m.inputs["during"],
+            "allreduce_after": {**m.inputs["after"], "source": m.inputs["after_source"]},
+            "ddp_buckets": ddp.messages,
+            "ddp_exposed_s": ddp.exposed_s,
+            "reproduces_baseline_s": m.reproduces_baseline(),
+            "calibration": {
+                "scales": dict(m.calibration.scales),
+                "notes": list(m.calibration.notes),
+            },
+            "post_s": m.host.post_s,
+            "copy_gbs": 1.0 / m.host.copy_s_per_byte / GB,
+            "optimizer_s": m.host.optimizer_s,
+            "offload_optimizer_s": m.host.offload_optimizer_s,
+            "state_bytes": self.measured["layers"]["state_bytes"],
+            "predicted_s": {r.label: r.predicted for r in self.rows()},
+        }
 
 
 class Cgdp(Tuner):
@@ -228,26 +432,199 @@ class Cgdp(Tuner):
 
     # -- diagnose / plan ---------------------------------------------------------------------
 
+    def diagnose(self, obs: Observation) -> Diagnosis:
+        if obs.nproc < 2:
+            return Diagnosis(
+                False,
+                "one rank: no gradient reduction to move to the host "
+                "(offload_optimizer still saves device memory)",
+            )
+        try:
+            if obs.hardware.source in MEASURED_SOURCES:
+                return self._diagnose_here(obs)
+            return self._diagnose_profile(obs)
+        except HardwareError as exc:
+            return Diagnosis(False, f"cannot model this hardware: {exc}")
+
+    def plan(self, obs: Observation, limit: int) -> list[Candidate]:
+        if obs.nproc < 2:
+            return []
+        try:
+            if obs.hardware.source in MEASURED_SOURCES:
+                return self._plan_here(obs)[:limit]
+            return self._plan_profile(obs, limit)
+        except HardwareError:
+            return []
+
+    # -- this machine: the model calibrated on the measured baseline ---------------------------
+
+    def _device(self, obs: Observation) -> torch.device:
+        cuda = obs.device_type == "cuda" and torch.cuda.is_available()
+        return torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+    def _measured_inputs(self, obs: Observation, device: torch.device) -> dict[str, Any]:
+        """Layer times, host rates and the optimizer steps of this job here (cached)."""
+        hw, target = obs.hardware, obs.hardware.devices[0]
+        spec = f"{obs.workload_spec}:{device}:{obs.nproc}"
+        return {
+            "layers": _cached(
+                obs, f"cgdp:layers:{CACHE_VERSION}:{spec}:{target.model}",
+                lambda: _layer_times(obs, device, True),
+            ),
+            "host": _cached(
+                obs, f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True",
+                lambda: _measure_host(device, True),
+            ),
+            "offload": _cached(
+                obs, f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: _measure_offload(obs, device)
+            ),
+        }  # fmt: skip
+
+    def _fit(self, obs: Observation) -> _Fit:
+        """The calibrated model, its variants for ranges, and the figures they came from."""
+        from tunekit.plugins.cgdp.measure import LayerTimes
+
+        hw, nproc = obs.hardware, obs.nproc
+        device = self._device(obs)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        hw.allreduce_time(1.0, nproc, backend)  # fails fast if the hardware cannot hold the job
+        measured = self._measured_inputs(obs, device)
+        times = LayerTimes.from_dict(measured["layers"])
+        host = measured["host"]
+        copy = Estimate.from_dict(host["d2h"]).value
+        work = HostWork(
+            post_s=host["sync"],
+            copy_s_per_byte=1.0 / copy,
+            optimizer_s=measured["offload"]["device_s"],
+            offload_optimizer_s=measured["offload"]["offload_s"],
+            chunk_costs=None if device.type == "cpu" else _gpu_host_path(obs, host, hw),
+        )
+        truth = obs.truth or _model_truth(times, hw, nproc, backend, work)
+
+        def fit(t_bp, peer_hw: Hardware = hw, during_end: str | None = None) -> CalibratedCgdp:
+            return calibrate(
+                truth, t_bp, times.nbytes, times.backward_share, _peer_cost(peer_hw, nproc, backend),
+                work, obs.breakdown, during_end,
+            )  # fmt: skip
+
+        base = fit(times.t_bp)
+        ends = [fit(times.t_bp, hw.at_end(e)) for e in ("slow", "fast")]
+        ends += [fit(times.t_bp, during_end=e) for e in ("slow", "fast")]
+        passes = [fit(row) for row in times.samples if sum(row) > 0]
+        return _Fit(obs, truth, times, base, ends, passes, measured, device)
+
+    def _diagnose_here(self, obs: Observation) -> Diagnosis:
+        f = self._fit(obs)
+        rows = f.rows()
+        best = rows[0]
+        step = f.truth.step_s
+        gain = (step - best.predicted) / step
+        # The gain's range is the best candidate's predicted range: the model's inputs' spread
+        # and the baseline's own, which a trial's measurement of the gain carries too.
+        fast, slow = f.predicted_range(best)
+        low, high = (step - slow) / step, (step - fast) / step
+        verdict = _verdict(gain, low, high)
+        lead = _truth_lead(obs.truth)
+        model_text = _model_text(f, best)
+        if verdict == "too_close":
+            verdict_text = (
+                f"too close to call here: within the model's range {best.label} gains {low:+.0%} to "
+                f"{high:+.0%} of the step over DDP (it must gain more than {MIN_GAIN:.0%}), so CGDP is "
+                "tried and its trials decide"
+            )
+        elif verdict == "gain":
+            verdict_text = (
+                f"{best.label} should save ~{gain:.0%} of the step over DDP "
+                f"(model range {low:+.0%} to {high:+.0%})"
+            )
+        elif gain >= -MIN_GAIN:
+            verdict_text = (
+                f"CGDP would be on par with DDP at best ({best.label}: {gain:+.0%} of the step)"
+            )
+        else:
+            verdict_text = (
+                f"CGDP is no faster than DDP here: its best layout ({best.label}) would cost "
+                f"{-gain:.0%} of the step more (model range {-high:.0%} to {-low:.0%})"
+            )
+        mem = memory_estimates(float(sum(f.times.nbytes)), f.measured["layers"]["state_bytes"])
+        saved = (mem["ddp"].device_bytes - mem["cgdp"].device_bytes) / MiB
+        memory_text = (
+            "" if f.device.type == "cpu" else f"; it would save {saved:.0f} MiB of device memory"
+        )
+        summary = f"{lead}; {model_text}; {verdict_text}{memory_text}"
+        details = {
+            **f.details(),
+            "step_s": step,
+            "gain_vs_ddp": gain,
+            "gain_vs_ddp_interval": [low, high],
+            "verdict": verdict,
+            "best_chunk": best.k,
+            "best_offload": best.offload,
+            "memory_bytes": {
+                k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()
+            },
+        }
+        return Diagnosis(
+            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+        )
+
+    def _plan_here(self, obs: Observation) -> list[Candidate]:
+        f = self._fit(obs)
+        source = (
+            f"calibrated on the measured {_ms(f.truth.step_s)} baseline"
+            if obs.truth is not None
+            else "uncalibrated: no measured baseline"
+        )
+        mem = memory_estimates(float(sum(f.times.nbytes)), f.measured["layers"]["state_bytes"])
+        freed = mem["cgdp"].device_bytes - mem["cgdp+offload"].device_bytes
+        out = []
+        for row in f.rows():
+            low, high = f.predicted_range(row)
+            t = row.timeline
+            out.append(
+                Candidate(
+                    knobs={
+                        "chunk_size": row.k,
+                        **({"offload_optimizer": True} if row.offload else {}),
+                    },
+                    predicted_step_s=row.predicted,
+                    predicted_range_s=(low, high),
+                    rationale=(
+                        f"{row.label}: model {t.messages} chunk(s), {_ms(t.exposed_s)} exposed "
+                        f"(DDP {_ms(f.model.ddp().exposed_s)}), {_ms(row.host_work_s)} of host work; "
+                        f"{source}"
+                    ),
+                    details={
+                        "parts_s": row.parts,
+                        "exposed_s": t.exposed_s,
+                        "chunks": t.messages,
+                        "host_work_s": row.host_work_s,
+                        "model_range_s": [row.model_low, row.model_high],
+                        **({"device_bytes_saved": freed} if row.offload else {}),
+                    },
+                )
+            )
+        return out
+
+    # -- a hardware profile: the paper's model, uncalibrated ------------------------------------
+
     def _prediction(self, obs: Observation) -> tuple[Prediction, dict[str, Any]]:
         from tunekit.plugins.cgdp.measure import LayerTimes
 
         hw, nproc = obs.hardware, obs.nproc
-        local = hw.source in MEASURED_SOURCES
-        cuda = obs.device_type == "cuda" and torch.cuda.is_available()
-        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        device = self._device(obs)
         target = hw.devices[0]
         backend = "nccl" if target.kind == "gpu" else obs.backend
         hw.allreduce_time(1.0, nproc, backend)  # fails fast if the hardware cannot hold the job
-        key = f"cgdp:layers:{obs.workload_spec}:{device}:{local}:{target.model}"
-        lt = _cached(obs, key, lambda: _layer_times(obs, device, local))
+        key = f"cgdp:layers:{obs.workload_spec}:{device}:False:{target.model}"
+        lt = _cached(obs, key, lambda: _layer_times(obs, device, False))
         times = LayerTimes.from_dict(lt)
         measured = _cached(
             obs,
-            f"cgdp:rates:v2:{hw.fingerprint()}:{device}:{local}",
-            lambda: _measure_host(device, local),
+            f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:False",
+            lambda: _measure_host(device, False),
         )
-        if not local:
-            measured = {**measured, **_profile_host_link(hw)}
+        measured = {**measured, **_profile_host_link(hw)}
 
         def predict_at(host_end: str | None, peer_end: str | None) -> Prediction:
             """The model with the host rates and the peer fits at the given ends of their intervals."""
@@ -288,32 +665,19 @@ class Cgdp(Tuner):
             gains.append((p.ddp_s - p.best_cgdp_s) / step)
         return min(gains), max(gains)
 
-    def _step_s(self, obs: Observation, pred: Prediction) -> float:
-        if obs.baseline is not None:
-            return obs.baseline.median_s
-        return pred.ddp_s + pred.backprop_s / 2  # forward ~ half of backward when unmeasured
+    def _profile_step_s(self, pred: Prediction) -> float:
+        # The profile's step is unmeasured: forward ~ half of backward, plus DDP's backward.
+        return pred.ddp_s + pred.backprop_s / 2
 
-    def diagnose(self, obs: Observation) -> Diagnosis:
-        if obs.nproc < 2:
-            return Diagnosis(
-                False,
-                "one rank: no gradient reduction to move to the host "
-                "(offload_optimizer still saves device memory)",
-            )
-        try:
-            pred, facts = self._prediction(obs)
-        except HardwareError as exc:
-            return Diagnosis(False, f"cannot model this hardware: {exc}")
-        step = self._step_s(obs, pred)
+    def _diagnose_profile(self, obs: Observation) -> Diagnosis:
+        pred, facts = self._prediction(obs)
+        step = self._profile_step_s(pred)
         gain = (pred.ddp_s - pred.best_cgdp_s) / step
         low, high = self._gain_range(facts, step)
         vs_typical = (pred.typical_s - pred.best_cgdp_s) / step
         mem = memory_estimates(pred.gradient_bytes, facts["state_bytes"])
         host, peer = facts["host_bw"], facts["peer_bus"]
-        if Estimate(gain, low, high).straddles(MIN_GAIN):
-            verdict = "too_close"
-        else:
-            verdict = "gain" if gain > MIN_GAIN else "no_gain"
+        verdict = _verdict(gain, low, high)
         details = {
             **pred.to_dict(),
             **{
@@ -328,14 +692,15 @@ class Cgdp(Tuner):
             "gain_vs_ddp_interval": [low, high],
             "verdict": verdict,
             "gain_vs_typical_dp": vs_typical,
+            "calibrated": False,
             "memory_bytes": {
                 k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()
             },
         }
         links = (
-            f"host link {_interval_text(host)} vs peer all-reduce {_interval_text(peer)}; "
-            f"{pred.gradient_bytes / MiB:.1f} MiB of gradients over {pred.num_layers} layers, "
-            f"{pred.backprop_s * 1e3:.1f} ms backward"
+            f"model (uncalibrated, {obs.hardware.name}): host link {_interval_text(host)} vs peer "
+            f"all-reduce {_interval_text(peer)}; {pred.gradient_bytes / MiB:.1f} MiB of gradients "
+            f"over {pred.num_layers} layers, {pred.backprop_s * 1e3:.1f} ms backward"
         )
         saved = (mem["ddp"].device_bytes - mem["cgdp"].device_bytes) / MiB
         if verdict == "too_close":
@@ -369,25 +734,31 @@ class Cgdp(Tuner):
                 f"{-gain:.0%} of the step more than DDP: the host path is slower than the "
                 f"peer links here; it would still save {saved:.0f} MiB of device memory"
             )
+        if obs.truth is not None:
+            summary = f"{_truth_lead(obs.truth)} on this machine, not the profile's; {summary}"
+        # -- training features (issue 17) --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        if why := declines({"offload_optimizer": True}, obs.workload.features()):
+            summary += f"; offload_optimizer {why}"
+        # --
         return Diagnosis(
             verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
         )
 
-    def plan(self, obs: Observation, limit: int) -> list[Candidate]:
-        if obs.nproc < 2:
-            return []
-        try:
-            pred, facts = self._prediction(obs)
-        except HardwareError:
-            return []
-        step = self._step_s(obs, pred)
+    def _plan_profile(self, obs: Observation, limit: int) -> list[Candidate]:
+        pred, facts = self._prediction(obs)
+        step = self._profile_step_s(pred)
         base = step - pred.ddp_s  # forward, update and the rest, as DDP runs them
         rows = sorted(pred.cgdp_s.items(), key=lambda kv: (kv[1], kv[0]))
         out = [
             Candidate(
                 knobs={"chunk_size": k},
                 predicted_step_s=base + t,
-                rationale=f"chunks of {k}: backward {t * 1e3:.1f} ms (DDP {pred.ddp_s * 1e3:.1f} ms)",
+                rationale=(
+                    f"chunks of {k}: model (uncalibrated, {obs.hardware.name}) backward "
+                    f"{t * 1e3:.1f} ms (DDP {pred.ddp_s * 1e3:.1f} ms)"
+                ),
                 details={
                     "backward_s": t,
                     "backward_paper_s": pred.cgdp_paper_s[k],
@@ -398,8 +769,8 @@ class Cgdp(Tuner):
         ]
         # Offload: gradients stay on the host, the host runs the optimizer (memory-bound: about
         # five passes over the parameters for momentum SGD, at the host copy rate) and the
-        # parameters are copied back after it, exposed. The gradient copy-back it saves was
-        # mostly hidden behind backward and is not credited.
+        # parameters are copied back after it, exposed. An assumption: the profile's host
+        # cannot be timed from here.
         rates: HostRates = facts["rates"]
         k = pred.best_chunk
         params = pred.gradient_bytes
@@ -414,6 +785,11 @@ class Cgdp(Tuner):
                 details={"device_bytes_saved": freed * MiB},
             )
         )
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.cgdp.runtime import declines
+
+        out = [c for c in out if not declines(c.knobs, obs.workload.features())]
+        # --
         out.sort(key=lambda c: c.predicted_step_s)
         return out[:limit]
 

@@ -22,6 +22,7 @@ style); only the updated parameters are copied to the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -39,7 +40,7 @@ from tunekit.contract import SearchResult
 from tunekit.errors import PluginError
 from tunekit.plugins.cgdp.search import chunk_layout
 from tunekit.runtime.dist import broadcast_object
-from tunekit.runtime.sync import CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
 
 if TYPE_CHECKING:
     from tunekit.runtime.session import Session
@@ -276,6 +277,11 @@ class CgdpSync(GradSync):
             raise PluginError(f"cgdp: chunk_size must be at least 1, not {chunk_size}")
         self.chunk_size = int(chunk_size)
         self.offload_optimizer = offload_optimizer
+        # Every chunk is reduced before the one update (Session.optimizer_step: unscale,
+        # clip by the global norm, step, schedule). With offload the update runs on the
+        # host's copy, where fp16's GradScaler (tied to the device optimizer) cannot see it.
+        self.handles = ALL_FEATURES - {"grad_scaler"} if offload_optimizer else ALL_FEATURES
+        self._accumulating = False
         self._records: list[CommRecord] = []
         self._handles: list[Any] = []
         self._offload: HostOptimizer | None = None
@@ -436,11 +442,23 @@ class CgdpSync(GradSync):
         # DDP's default broadcast_buffers: every rank runs with rank 0's buffers.
         self._broadcast(self._buffers_to_sync)
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """A micro-batch before the step's last: gradients only accumulate in ``.grad``;
+        the last micro-batch's hooks post the chunks of the accumulated sum."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if self._accumulating:
+            return
         if self._arrived[i]:
             raise RuntimeError(
                 "cgdp: a gradient was accumulated twice before the optimizer step "
-                "(gradient accumulation over several backward passes is not supported)"
+                "(accumulate micro-batches inside Session's accumulating() context)"
             )
         self._arrived[i] = True
         li = self.layer_of[i]
@@ -605,12 +623,22 @@ class CgdpSync(GradSync):
         self.hook_s = self._hook_s
         self._wait_all(records=True)
         if self._offload is not None:
-            self._offload.step()
+            self._offload_step()
         else:
-            optimizer.step()
+            self.session.optimizer_step(optimizer)
         if not self._order_checked:
             self._adopt_observed_order()
         self._new_iteration()
+
+    def _offload_step(self) -> None:
+        """The host update with the workload's clipping (over every reduced host gradient)
+        and its scheduler, as ``Session.optimizer_step`` does on the device."""
+        clip = self.session.workload.clip_grad_norm
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self._offload.masters, clip, foreach=None)
+        self._offload.step()
+        if self.session.scheduler is not None:
+            self.session.scheduler.step()
 
     def _adopt_observed_order(self) -> None:
         """After the first iteration, order layers as backward really finished them (rank 0's order).
@@ -668,6 +696,20 @@ class CgdpSync(GradSync):
         if self.cuda:
             report["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+
+def declines(knobs: dict[str, Any], features: frozenset[str]) -> str | None:
+    """Why a config cannot train a job using ``features`` ("does not apply: ..."), or None."""
+    from tunekit.runtime.sync import declined_features
+
+    if not knobs.get("offload_optimizer"):
+        return None
+    return declined_features(
+        features,
+        ALL_FEATURES - {"grad_scaler"},
+        {"grad_scaler": "the device optimizer's GradScaler to see the gradients, which "
+         "offload_optimizer keeps on the host"},
+    )  # fmt: skip
 
 
 # -- the in-job search -----------------------------------------------------------------------------------

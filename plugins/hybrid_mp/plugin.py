@@ -36,6 +36,11 @@ import torch
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError
 from tunekit.observe.observation import Observation
+from tunekit.plugins.hybrid_mp.calibrated import (
+    ExecutorOverheads,
+    HybridPrediction,
+    HybridStepModel,
+)
 from tunekit.plugins.hybrid_mp.convergence import (
     allreduce_model,
     estimate_noise_scale,
@@ -44,10 +49,10 @@ from tunekit.plugins.hybrid_mp.convergence import (
 )
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import (
-    Decision,
     EpochTable,
     OpGraph,
     decide,
+    eq6_threshold,
     modelled_scaling_efficiency,
     op_graph_from_model,
     optimizer_state_factor,
@@ -59,8 +64,13 @@ from tunekit.plugins.hybrid_mp.render import (
     format_placement_table,
     format_summary,
 )
-from tunekit.plugins.hybrid_mp.runtime import install_hybrid
-from tunekit.plugins.hybrid_mp.schedule import Placement, device_order_key, list_schedule
+from tunekit.plugins.hybrid_mp.runtime import SplitProgram, build_program, install_hybrid
+from tunekit.plugins.hybrid_mp.schedule import (
+    Placement,
+    device_order_key,
+    improve,
+    list_schedule,
+)
 from tunekit.plugins.hybrid_mp.search import (
     PlacerOptions,
     pipeline_placement,
@@ -127,8 +137,9 @@ class HybridOptions:
 # -- inputs ---------------------------------------------------------------------------------
 
 
-def model_graph(obs: Observation):
-    """The observation's traced graph at the per-rank batch, tracing the model if needed."""
+def model_graph(obs: Observation, strict: bool = True):
+    """The observation's traced graph at the per-rank batch, tracing the model if needed
+    (``strict``: refusing any graph but a torch.fx one)."""
     from tunekit.observe.graph import trace_model
 
     b = obs.workload.batch_size
@@ -136,7 +147,7 @@ def model_graph(obs: Observation):
     if graph is None:
         x, _ = obs.workload.example_batch(min(b, 2))
         graph = trace_model(obs.workload.model(), x, batch_size=b)
-    if graph.method != "fx":
+    if strict and graph.method != "fx":
         raise ConfigError(
             f"hybrid_mp needs a torch.fx-traceable model to see its branches ({graph.notice})"
         )
@@ -144,18 +155,15 @@ def model_graph(obs: Observation):
 
 
 def op_graph(obs: Observation, opts: HybridOptions) -> tuple[OpGraph, str]:
-    """DLPlacer's op graph of the job, and where Δ(k) came from (``measured``/``analytic``)."""
+    """DLPlacer's op graph of the job, and where Δ(k) came from (``measured``,
+    ``measured (CPU time)`` or ``analytic``)."""
     graph = model_graph(obs)
     b = obs.workload.batch_size
     state = optimizer_state_factor(
         type(obs.workload.optimizer([torch.zeros(1, requires_grad=True)], 1.0)).__name__
     )
-    prof = obs.layer_profile
-    usable = prof is not None and getattr(prof, "hardware_fingerprint", "") in (
-        "",
-        obs.hardware.fingerprint(),
-    )
-    if usable:
+    prof = usable_profile(obs)
+    if prof is not None:
         # measured at the profile's batch; op_graph_from_model scales from the graph's batch
         rescale = graph.batch_size / prof.batch_size
         measured = {
@@ -164,7 +172,7 @@ def op_graph(obs: Observation, opts: HybridOptions) -> tuple[OpGraph, str]:
         og = op_graph_from_model(
             graph, measured=measured, peak_flops=_peak(obs), batch_size=b, state_factor=state
         )
-        return og, "measured"
+        return og, profile_source(prof)
     og = op_graph_from_model(
         graph,
         peak_flops=_peak(obs),
@@ -173,6 +181,27 @@ def op_graph(obs: Observation, opts: HybridOptions) -> tuple[OpGraph, str]:
         state_factor=state,
     )
     return og, "analytic"
+
+
+def usable_profile(obs: Observation):
+    """The observation's layer profile when it was measured on this machine, else None."""
+    prof = obs.layer_profile
+    if prof is None or getattr(prof, "hardware_fingerprint", "") not in (
+        "",
+        obs.hardware.fingerprint(),
+    ):
+        return None
+    return prof
+
+
+def profile_source(prof) -> str:
+    """Where Δ(k) came from: ``measured`` (wall clock) or ``measured (CPU time)``.
+
+    The core times layers of CPU ranks on the thread's CPU clock where it can (the
+    profile's ``clock``), so a shared machine's preemption does not skew them layer by
+    layer; the calibration then scales that work to the measured compute.
+    """
+    return "measured" if getattr(prof, "clock", "wall") == "wall" else "measured (CPU time)"
 
 
 def _peak(obs: Observation) -> float:
@@ -229,6 +258,170 @@ def solve_placement(og: OpGraph, obs: Observation, m: int, opts: HybridOptions) 
     if key is not None:
         obs.cache.put(key, p.to_dict())
     return p
+
+
+# -- the calibrated prediction ------------------------------------------------------------------
+
+PLACER_NAMES = {
+    "ilp": "DLPlacer's ILP",
+    "ilp+blocks": "DLPlacer's ILP",
+    "list": "list schedule",
+    "pipeline": "contiguous stages",
+    "single": "one device",
+}
+OVERHEADS_KEY = "hybrid_mp:executor_overheads"
+
+
+def seconds(t: float) -> str:
+    """A duration in the unit that shows it: 3.2 s, 41 ms, 270 us."""
+    if t >= 1.0:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.0f} ms"
+    return f"{t * 1e6:.0f} us"
+
+
+def measured_evidence(obs: Observation) -> str:
+    """The measured truth the diagnosis starts from, in the words every tuner uses."""
+    truth = obs.truth
+    if truth is None:
+        return "no measured baseline"
+    if not truth.profiled:
+        return f"measured: {truth.describe()}"
+    return (
+        f"measured: {truth.step_s * 1e3:.0f} ms per step of {obs.global_batch} samples, "
+        f"{truth.phrase('compute')}, {truth.phrase('comm_exposed')}"
+    )
+
+
+def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | str:
+    """The calibrated step model of this job, or why there is none."""
+    why = HybridStepModel.missing(obs.truth, obs.hardware)
+    if why is not None:
+        return why
+    overheads = None
+    if obs.cache is not None:  # diagnose and plan quote the same measurement
+        hit = obs.cache.get(OVERHEADS_KEY)
+        overheads = ExecutorOverheads(**hit) if hit else None
+    if overheads is None:
+        overheads = ExecutorOverheads.measure()
+        if obs.cache is not None:
+            obs.cache.put(OVERHEADS_KEY, overheads.to_dict())
+    return HybridStepModel.build(
+        truth=obs.truth,
+        graph=model_graph(obs),
+        og=og,
+        times_source=source,
+        hardware=obs.hardware,
+        world=obs.nproc,
+        batch_size=obs.workload.batch_size,
+        spread_s=obs.baseline.spread_s if obs.baseline is not None else 0.0,
+        allreduce=allreduce_model(obs.hardware),
+        overheads=overheads,
+        threads_per_rank=threads_per_rank(obs),
+    )
+
+
+def threads_per_rank(obs: Observation) -> int:
+    """Intra-op threads of each rank: as the layers were timed, else the host's share."""
+    prof = obs.layer_profile
+    if prof is not None and getattr(prof, "torch_threads", 0):
+        return int(prof.torch_threads)
+    return max(1, obs.hardware.host.cores // max(obs.nproc, 1))
+
+
+def executor_program(
+    obs: Observation, model: torch.nn.Module, placement: Placement
+) -> SplitProgram:
+    """The segments the executor will run for ``placement`` (as a trial builds them)."""
+    plan = nodes_of(model_graph(obs), placement)
+    return build_program(model, plan["node_device"], plan["order"], len(placement.devices))
+
+
+def param_bytes_of(model: torch.nn.Module) -> dict[int, float]:
+    return {id(p): float(p.numel() * p.element_size()) for p in model.parameters()}
+
+
+def predict_placement(
+    obs: Observation, model: HybridStepModel, placement: Placement
+) -> HybridPrediction:
+    net = obs.workload.model()
+    return model.predict(executor_program(obs, net, placement), param_bytes_of(net))
+
+
+def calibrated_su(model: HybridStepModel, pred: HybridPrediction) -> float:
+    """SU^M as measured units give it: one device's step of B samples (the baseline without
+    its exposed exchange) over the M-device worker's step (without the replicas' exchange)."""
+    truth = model.truth
+    one_device = truth.step_s - truth.parts_s["comm_exposed"]
+    worker = pred.step_s - pred.grad_sync_s
+    return one_device / worker if worker > 0 else 1.0
+
+
+def expectation(obs: Observation, pred: HybridPrediction, m: int) -> str:
+    """What the calibrated model expects, per step and per sample."""
+    n = obs.nproc // m
+    ratio = pred.per_sample_ratio
+    verdict = (
+        f"{ratio:.2f}x slower per sample" if ratio > 1 else f"{1 - ratio:.0%} faster per sample"
+    )
+    ex = pred.mp_step
+    return (
+        f"calibrated on it: a {n} x {m} hybrid step ~{pred.step_s * 1e3:.0f} ms for "
+        f"{pred.global_batch} samples (a hybrid trains {pred.global_batch} samples per step, not "
+        f"{obs.global_batch}), {pred.per_sample_s * 1e3:.1f} ms per sample against "
+        f"{pred.baseline_per_sample_s * 1e3:.1f} ms measured: {verdict} "
+        f"(the executor: {ex.segments} segments, {ex.transfers} messages of "
+        f"{ex.transfer_bytes / 1e6:.0f} MB, {max(ex.wait_s.values(), default=0.0) * 1e3:.0f} ms "
+        "waiting on the slower device)"
+    )
+
+
+def quick_placement(og: OpGraph, obs: Observation, m: int) -> Placement:
+    """A fast placement for the diagnosis: list scheduling (DLPlacer's starting point)."""
+    hw = HardwareGraph.from_hardware(obs.hardware, m)
+    quick = list_schedule(og, hw)
+    return quick if quick is not None else solve_placement(og, obs, m, HybridOptions.of(obs))
+
+
+def alternatives(og: OpGraph, obs: Observation, m: int, best: Placement) -> list[Placement]:
+    """DLPlacer's placement, then the list schedule it starts from and contiguous stages
+    (the paper's comparison with a placement by hand), where they differ from it."""
+    hw = HardwareGraph.from_hardware(obs.hardware, m)
+    found = [best]
+    start = list_schedule(og, hw)
+    if start is not None:
+        found.append(improve(og, hw, start))
+    try:
+        found.append(pipeline_placement(og, hw))
+    except ConfigError:
+        pass  # the stages do not fit: DLPlacer's placement is the only one
+    out: list[Placement] = []
+    for p in found:
+        if p.devices_used > 1 and all(p.assignment != q.assignment for q in out):
+            out.append(p)
+    return out
+
+
+def paper_step_1(obs: Observation, opts: HybridOptions, og: OpGraph, grad_bytes: float) -> float:
+    """T_1, one device's step as the paper's decision takes it: the measured G-rank baseline
+    less its modelled gradient exchange (T_G = T_1 + all-reduce), or Σ Δ(k)."""
+    if obs.baseline is None:
+        return og.serial_time()
+    step_1 = obs.baseline.median_s
+    if opts.scaling_efficiency == "model":
+        exchange = allreduce_model(obs.hardware)(grad_bytes, obs.nproc)
+        step_1 = max(step_1 - exchange, 0.05 * step_1)
+    return step_1
+
+
+def candidate_order(c: Candidate, batch: int) -> tuple:
+    """Time to converge when E_N is known, else predicted time per sample (unpredicted last)."""
+    if "time_to_converge_vs_best_dp" in c.details:
+        return (0, -c.details["time_to_converge_vs_best_dp"])
+    if c.predicted_step_s is None:
+        return (2, -c.details["su_m"])
+    return (1, c.predicted_step_s / (c.global_batch or batch))
 
 
 # -- the placement as a knob value ----------------------------------------------------------------
@@ -339,104 +532,155 @@ class HybridMp(Tuner):
     def diagnose(self, obs: Observation) -> Diagnosis:
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return Diagnosis(False, "one device: no model-parallel worker can be formed")
+        # -- training features (issue 17) --
+        from tunekit.plugins.hybrid_mp.runtime import HYBRID_HANDLES, HYBRID_NEEDS
+        from tunekit.runtime.sync import declined_features
+
+        if why := declined_features(obs.workload.features(), HYBRID_HANDLES, HYBRID_NEEDS):
+            return Diagnosis(False, why)
+        # --
+        evidence = measured_evidence(obs)
         opts = HybridOptions.of(obs)
-        og, source = op_graph(obs, opts)
+        graph = model_graph(obs, strict=False)
+        if graph.method != "fx":  # torch.export/hooks graphs: no fx nodes to place
+            return Diagnosis(False, f"{evidence}; needs the model as a torch.fx graph ({graph.notice})")
+        try:
+            og, source = op_graph(obs, opts)
+        except ConfigError as exc:
+            return Diagnosis(False, f"{evidence}; {exc}")
         bound = speedup_bound(og)
-        details = {"su_bound": bound, "ops": len(og.ops), "times": source}
+        details: dict[str, Any] = {"su_bound": bound, "ops": len(og.ops), "times": source}
         if bound < MIN_USEFUL_SPEEDUP:
             return Diagnosis(
                 False,
-                f"the model's layers form a chain (critical path = {1 / bound:.0%} of the step): "
-                "no branch parallelism for model-parallel workers",
+                f"{evidence}; the model's layers form a chain (model: critical path = "
+                f"{1 / bound:.0%} of the layers' time): no branch parallelism for "
+                "model-parallel workers",
                 details=details,
             )
-        hw = HardwareGraph.from_hardware(obs.hardware, 2)
-        quick = list_schedule(og, hw)
-        su2 = quick.speedup if quick is not None else 1.0
-        details["su2_list_schedule"] = su2
+        m = next(iter(mp_degrees(obs, opts)), 2)
+        quick = quick_placement(og, obs, m)
+        details[f"su{m}_list_schedule"] = quick.speedup
+        text = (
+            f"{evidence}; model: branches allow SU^M up to {bound:.2f}, DLPlacer's list schedule "
+            f"gives SU^{m} = {quick.speedup:.2f} on {m} devices (layer time "
+            f"{seconds(og.serial_time())} -> {seconds(quick.makespan)})"
+        )
+        gain: float | None = None
+        model = step_model(obs, og, source)
+        if isinstance(model, str):
+            text += f"; no calibrated prediction: {model}"
+        else:
+            pred = predict_placement(obs, model, quick)
+            details["calibrated"] = {**model.to_dict(), "prediction": pred.to_dict()}
+            text += "; " + expectation(obs, pred, m)
+            gain = max(0.0, 1.0 - pred.per_sample_ratio)
         epochs = opts.epochs and EpochTable(opts.epochs)
         g = obs.nproc
-        if epochs and g % 2 == 0 and epochs.covers(g // 2) and epochs.covers(g):
-            from tunekit.plugins.hybrid_mp.model import eq6_threshold
-
-            thr = eq6_threshold(g // 2, 2, epochs)
-            wins = su2 > thr
-            summary = (
-                f"branch parallelism allows SU^M up to {bound:.2f}; a 2-device placement gives "
-                f"~{su2:.2f} per step; Eq. 6 needs > {thr:.3f} on {g} devices: "
+        if epochs and g % m == 0 and epochs.covers(g // m) and epochs.covers(g):
+            thr = eq6_threshold(g // m, m, epochs)
+            su = quick.speedup if isinstance(model, str) else calibrated_su(model, pred)
+            wins = su > thr
+            text += (
+                f"; Eq. 6 needs SU^{m} > {thr:.3f} on {g} devices, "
+                f"{'calibrated' if not isinstance(model, str) else 'model'} SU^{m} = {su:.2f}: "
                 + ("hybrid should win" if wins else "data parallelism stays ahead")
             )
-            gain = (su2 / thr - 1.0) if wins else 0.0
-            return Diagnosis(True, summary, expected_gain=gain, details=details)
-        return Diagnosis(
-            True,
-            f"branch parallelism allows SU^M up to {bound:.2f} (~{su2:.2f} on 2 devices by list "
-            f"scheduling); whether {g} devices are better spent on model parallelism depends on "
-            f'E_N: give extra["{OPTIONS_KEY}"]["epochs"] or epochs_from',
-            details=details,
-        )
+            gain = (su / thr - 1.0) if wins else 0.0
+        elif gain is None or gain == 0.0:
+            text += (
+                f"; whether {g} devices are better spent on model parallelism depends on "
+                f'E_N (epochs at each global batch): give extra["{OPTIONS_KEY}"]["epochs"] or '
+                "epochs_from for Eq. 6"
+            )
+        return Diagnosis(True, text, expected_gain=gain, details=details)
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return []
         opts = HybridOptions.of(obs)
-        og, source = op_graph(obs, opts)
+        if model_graph(obs, strict=False).method != "fx":
+            return []  # diagnose said why: no fx nodes to place
+        try:
+            og, source = op_graph(obs, opts)
+        except ConfigError:
+            return []  # diagnose said why
         if speedup_bound(og) < MIN_USEFUL_SPEEDUP:
             return []
         g, b = obs.nproc, obs.workload.batch_size
-        placements = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
-        if not placements:
-            return []
+        best = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
+        best = {m: p for m, p in best.items() if p.speedup >= MIN_USEFUL_SPEEDUP}
+        if not best:
+            return []  # the best placements barely split: M devices would do one's work
+        model = step_model(obs, og, source)
         graph = model_graph(obs)
         grad_bytes = sum(lay.param_bytes for lay in graph.layers.values())
-        # T_1, one device's step: the measured G-rank baseline less its modelled gradient
-        # exchange (T_G = T_1 + all-reduce), or the op graph's analytic sum.
-        step_1 = og.serial_time()
-        if obs.baseline is not None:
-            step_1 = obs.baseline.median_s
-            if opts.scaling_efficiency == "model":
-                exchange = allreduce_model(obs.hardware)(grad_bytes, g)
-                step_1 = max(step_1 - exchange, 0.05 * step_1)
+        step_1 = paper_step_1(obs, opts, og, grad_bytes)
         se = scaling(obs, opts, step_1, grad_bytes)
-        widths = sorted({g // m for m in [1, *placements]} | set(opts.extra_widths) | {1})
+        widths = sorted({g // m for m in [1, *best]} | set(opts.extra_widths) | {1})
         epochs = epoch_table(obs, opts, widths)
-        decision: Decision | None = None
+        out: list[Candidate] = []
+        for m, ilp in best.items():
+            for p in alternatives(og, obs, m, ilp):
+                out.append(self._candidate(obs, m, p, model, step_1, se, source))
         if epochs is not None:
-            su = {1: 1.0, **{m: p.speedup for m, p in placements.items()}}
+            su = {1: 1.0}
+            for c in out:  # the best SU^M of each M (calibrated where the model has one)
+                m = c.details["mp_degree"]
+                su[m] = max(su.get(m, 0.0), c.details.get("su_m_calibrated", c.details["su_m"]))
             decision = decide(g, su, epochs, se)
-        out = []
-        for m, p in placements.items():
-            if p.speedup < MIN_USEFUL_SPEEDUP:
-                continue  # the best placement barely splits: M devices would do one's work
-            n = g // m
-            step_s = step_1 / p.speedup / se(n)
-            details: dict[str, Any] = {
-                "mp_degree": m,
-                "dp_degree": n,
-                "global_batch": n * b,
-                "su_m": p.speedup,
-                "times": source,
-                "placement": p.to_dict(),
-                "summary": format_summary(p),
-                "gantt": format_gantt(p),
-            }
-            rationale = f"{n} x {m}: " + format_summary(p)
-            if decision is not None:
-                row = next(r for r in decision.rows if r.mp == m)
-                details["decision"] = decision.to_dict()
-                details["epochs_source"] = epochs.source
-                details["time_to_converge_vs_best_dp"] = row.speedup / decision.best_dp.speedup
-                rationale += (
-                    f"; time to converge {row.speedup / decision.best_dp.speedup:.3f}x the best "
-                    f"DP scale ({decision.best_dp.dp} devices)"
+            for c in out:
+                row = next(r for r in decision.rows if r.mp == c.details["mp_degree"])
+                ttc = row.speedup / decision.best_dp.speedup
+                c.details.update(
+                    decision=decision.to_dict(),
+                    epochs_source=epochs.source,
+                    time_to_converge_vs_best_dp=ttc,
                 )
-            knobs = {"mp_degree": m, "placement": encode_placement(p)}
-            out.append(Candidate(knobs, step_s, rationale, details))
-        if decision is not None:
-            out.sort(key=lambda c: -c.details["time_to_converge_vs_best_dp"])
-        else:
-            out.sort(key=lambda c: -c.details["su_m"])
+                c.rationale += f"; time to converge {ttc:.3f}x the best DP scale ({decision.best_dp.dp} devices)"
+        out.sort(key=lambda c: candidate_order(c, b))
         return out[:limit]
+
+    def _candidate(self, obs, m, p, model, step_1, se, source) -> Candidate:
+        """One N × M placement with the calibrated prediction (or why there is none)."""
+        g, b = obs.nproc, obs.workload.batch_size
+        n = g // m
+        details: dict[str, Any] = {
+            "mp_degree": m,
+            "dp_degree": n,
+            "global_batch": n * b,
+            "su_m": p.speedup,
+            "paper_step_s": step_1 / p.speedup / se(n),
+            "placer": p.method,
+            "times": source,
+            "placement": p.to_dict(),
+            "summary": format_summary(p),
+            "gantt": format_gantt(p),
+        }
+        head = f"{n} x {m}, {PLACER_NAMES.get(p.method, p.method)}: model: " + format_summary(p)
+        knobs = {"mp_degree": m, "placement": encode_placement(p)}
+        if isinstance(model, str):
+            return Candidate(
+                knobs, None, f"{head}; no prediction: {model}", details, global_batch=n * b
+            )
+        pred = predict_placement(obs, model, p)
+        details["calibrated"] = pred.to_dict()
+        details["su_m_calibrated"] = calibrated_su(model, pred)
+        ex = pred.mp_step
+        rationale = (
+            f"{head}; calibrated: {pred.step_s * 1e3:.0f} ms per step of {n * b} samples "
+            f"({pred.per_sample_ratio:.2f}x the baseline's time per sample): executor "
+            f"{ex.makespan_s * 1e3:.0f} ms over {ex.segments} segments, {ex.transfers} messages "
+            f"({ex.transfer_bytes / 1e6:.1f} MB, {ex.transfer_s * 1e3:.0f} ms on the link)"
+        )
+        return Candidate(
+            knobs,
+            pred.step_s,
+            rationale,
+            details,
+            predicted_range_s=pred.range_s,
+            global_batch=n * b,
+        )
 
     # -- runtime ---------------------------------------------------------------------------------
 
@@ -467,7 +711,8 @@ class HybridMp(Tuner):
             return None
         parts = [
             f"**{d['dp_degree']} x {d['mp_degree']}** (data x model), global batch "
-            f"{d['global_batch']}. {d['summary']}",
+            f"{d['global_batch']}. Model: {d['summary']}",
+            calibrated_text(d.get("calibrated"), candidate.rationale),
             "Schedule (one line per device; upper case forward, lower case backward):",
             "```\n" + d["gantt"] + "\n```",
             "Placement (first 20 ops, times in ms):",
@@ -479,6 +724,25 @@ class HybridMp(Tuner):
                 "```\n" + format_decision_table(d["decision"]) + "\n```",
             ]
         return "\n\n".join(parts)
+
+
+def calibrated_text(calibrated: Mapping[str, Any] | None, rationale: str) -> str:
+    """The calibrated prediction of a candidate, part by part (or why there is none)."""
+    if not calibrated:
+        why = rationale.split("no prediction: ", 1)
+        return "No calibrated prediction" + (f": {why[1]}." if len(why) > 1 else ".")
+    ex = calibrated["mp_step"]
+    busy = ", ".join(f"device {k} {v * 1e3:.0f} ms" for k, v in ex["busy_s"].items())
+    return (
+        f"Calibrated on the measured baseline: **{calibrated['step_s'] * 1e3:.0f} ms** per step "
+        f"({calibrated['range_s'][0] * 1e3:.0f}-{calibrated['range_s'][1] * 1e3:.0f} ms) for "
+        f"{calibrated['global_batch']} samples, {calibrated['per_sample_ratio']:.2f}x the "
+        f"baseline's time per sample. The executor's forward and backward take "
+        f"{ex['makespan_s'] * 1e3:.0f} ms ({busy} of work; {ex['segments']} segments, "
+        f"{ex['transfers']} messages of {ex['transfer_bytes'] / 1e6:.1f} MB, its own costs "
+        f"{ex['overhead_s'] * 1e3:.0f} ms); gradient exchange {calibrated['grad_sync_s'] * 1e3:.1f} ms, "
+        f"optimizer {calibrated['optimizer_s'] * 1e3:.1f} ms."
+    )
 
 
 def _trace(session: Session):

@@ -51,7 +51,7 @@ from tunekit.errors import ConfigError, PluginError
 from tunekit.runtime.data import BatchSource
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.session import Session
-from tunekit.runtime.sync import CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
 
 __all__ = [
     "HybridSync",
@@ -409,7 +409,58 @@ class HybridSync(GradSync):
             waited = time.perf_counter() - start
             nbytes = sum(p.numel() * p.element_size() for p in self.owned)
             self._records.append(CommRecord("gradients", nbytes, waited, waited))
-        optimizer.step()
+        scaler = self.session.scaler
+        if scaler is not None:
+            # A rank without the loss never scaled anything: this starts its scale, equal
+            # to every rank's (they all back off and grow on the same agreed inf flags).
+            scaler.scale(torch.zeros((), device=self.session.device))
+            scaler.unscale_(optimizer)
+            self._agree_on_inf(scaler, optimizer)
+        clip = self.session.workload.clip_grad_norm
+        if clip is not None:
+            self._clip(clip)
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped on every rank alike when any gradient had an inf
+            scaler.update()
+        else:
+            optimizer.step()
+        if self.session.scheduler is not None:
+            self.session.scheduler.step()  # once per optimizer step, on every rank
+
+    def _agree_on_inf(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the GradScaler's inf check over the whole model. Each rank's optimizer sees
+        only its own devices' gradients, so an inf found by any rank of the model group
+        counts on all of them (they then skip the step, and back the scale off, together)."""
+        if self.mp <= 1:
+            return  # every rank holds the whole (data-parallel averaged) gradient
+        # The scaler's per-device inf flags of this optimizer (no public API exposes them).
+        found = scaler._found_inf_per_device(optimizer)
+        device = str(self.session.device)
+        if not found:
+            found[device] = torch.zeros((), dtype=torch.float32, device=self.session.device)
+        flag = torch.stack([v.reshape(()).to(torch.float32) for v in found.values()]).amax()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
+        for v in found.values():
+            v.fill_(flag.item())
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip by the norm of the whole model's gradient, as ``clip_grad_norm_`` on one
+        process: each rank holds only its devices' parameters, so the squared norms of the
+        parameters it owns (a shared one counted on its first owner only) are summed over
+        the model group first; every rank then scales by the same factor."""
+        devs = self.program.param_devices
+        squares = torch.zeros((), dtype=torch.float64, device=self.session.device)
+        for p in self.params:
+            owners = devs.get(id(p), set())
+            if p.grad is not None and owners and min(owners) == self.mp_index:
+                squares += torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+        if self.mp > 1:
+            dist.all_reduce(squares, group=self.mp_group)
+        total = squares.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
 
     def flush(self) -> None:
         """Give every rank of the model group the owners' parameters, buffers and optimizer state."""
@@ -445,15 +496,26 @@ class HybridSync(GradSync):
         if self.source.batch_size != session.batch_size:
             self.source.set_batch_size(session.batch_size)
         self.source.set_options(session.data.options)
-        inputs, targets = self.source.batch(step)
+        acc = session.accumulation
         self._dirty = True
-        loss = self._forward_backward(inputs, targets)
-        self.channel.wait_all()
+        total: torch.Tensor | None = None
+        for micro in range(acc):
+            # Micro-batches only accumulate gradients in .grad (their activations still
+            # cross devices: model parallelism needs them); the gradient reductions run
+            # once, in step(), on the accumulated sum.
+            inputs, targets = self.source.batch(step * acc + micro)
+            loss = self._forward_backward(inputs, targets, acc)
+            self.channel.wait_all()
+            if loss is not None:
+                loss = loss.detach() / acc
+                total = loss if total is None else total + loss
         self.step(session.optimizer)
         session.optimizer.zero_grad(set_to_none=True)
-        return self._global_loss(loss)
+        return self._global_loss(total)
 
-    def _forward_backward(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
+    def _forward_backward(
+        self, inputs: Any, targets: torch.Tensor, micro_batches: int = 1
+    ) -> torch.Tensor | None:
         prog, me = self.program, self.mp_index
         self.channel.start_step()
         args = inputs if isinstance(inputs, tuple | list) else (inputs,)
@@ -494,11 +556,13 @@ class HybridSync(GradSync):
                 leaves[(v, seg.index)] = leaf
                 env[nodes[v]] = leaf
             for n in seg.nodes:
-                if n is prog.output_node:
-                    out = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-                    loss = self.session.workload.loss(out, targets)
-                else:
-                    env[n] = self.runner.run_node(n)
+                # The workload's autocast, as around DDP's forward and loss (a no-op in fp32).
+                with self.session.autocast():
+                    if n is prog.output_node:
+                        out = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+                        loss = self.session.workload.loss(out, targets)
+                    else:
+                        env[n] = self.runner.run_node(n)
             for v in seg.outputs:
                 values[v] = env[nodes[v]]
                 for dev in sorted({prog.segments[c].device for c in prog.consumers[v]} - {me}):
@@ -508,7 +572,9 @@ class HybridSync(GradSync):
             roots: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
             if seg.has_loss and loss is not None:
-                roots.append(loss)
+                root = loss / micro_batches if micro_batches > 1 else loss
+                scaler = self.session.scaler
+                roots.append(scaler.scale(root) if scaler is not None else root)
                 grads.append(None)
             for v in seg.outputs:
                 value = values[v]
@@ -561,6 +627,15 @@ class HybridSync(GradSync):
             dist.all_reduce(value)
             value /= self.dp
         return value
+
+
+HYBRID_HANDLES = ALL_FEATURES
+"""Training features the hybrid honours: all (fp16's inf check is agreed over the model
+group, clipping's norm summed over it)."""
+HYBRID_NEEDS: dict[str, str] = {}
+"""Why each feature the hybrid does not honour does not apply (its diagnosis says so)."""
+HybridSync.handles = HYBRID_HANDLES
+HybridSync.train_step.handles = HYBRID_HANDLES
 
 
 def _floating(value: Any) -> bool:
@@ -704,7 +779,7 @@ def install_hybrid(
     dp_group, mp_group, _mesh = make_groups(session.world_size, mp)
     sync = HybridSync(program, dp, mp, (dp_group, mp_group))
     session.set_grad_sync(sync)
-    session.step_fn = sync.train_step
+    session.step_fn = sync.train_step  # its handles: HybridSync.train_step.handles
     # Global batch N x B instead of W x B; the session rescales the lr by the workload's
     # rule and keeps composing it with a batch tuner's changes.
     session.set_data_parallel(dp)

@@ -14,15 +14,20 @@ behaviour), ``owt`` (Krizhevsky's one weird trick), or a per-layer plan as JSON
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError, PluginError
 from tunekit.observe.observation import Observation
+from tunekit.plugins.layer_split.calibrated import (
+    CalibratedModel,
+    ExecutorOverhead,
+    exact_tables,
+    gradient_bytes,
+    measure_executor_overhead,
+)
 from tunekit.plugins.layer_split.model import (
     CostOptions,
     SplitConfig,
@@ -38,12 +43,18 @@ from tunekit.plugins.layer_split.search import (
     allowed,
     compare,
     decode_plan,
+    encode_plan,
+    evaluate,
     plan_details,
     render_markdown,
 )
 from tunekit.runtime.session import Session
 
 NAMED_PLANS = ("image", "owt")
+
+CALIBRATED_LABEL = "model (this executor, calibrated on the measured baseline)"
+"""How the calibrated model's figures are introduced in a diagnosis and a rationale: a
+model's figure, never to be read as a measurement (Eq. 1's are "model (Eq. 1, paper)")."""
 
 
 def check_plan(text: str) -> None:
@@ -66,7 +77,7 @@ class LayerSplit(Tuner):
 
     def __init__(self, options: CostOptions | None = None):
         self.options = options or CostOptions()
-        self._memo: dict[int, tuple[Observation, Tables, dict[str, Plan]]] = {}
+        self._memo: dict[int, tuple[Observation, Analysis]] = {}
         self.unsupported: list[str] = []
         """Why the executor cannot run some layers of the last analysed model (empty: it can)."""
 
@@ -93,17 +104,19 @@ class LayerSplit(Tuner):
 
     def tables(self, obs: Observation) -> Tables:
         """Eq. 1's tables for the observed job (memoised per observation)."""
-        return self._analyse(obs)[0]
+        return self.analyse(obs).tables
 
-    def _analyse(self, obs: Observation) -> tuple[Tables, dict[str, Plan]]:
+    def analyse(self, obs: Observation) -> Analysis:
+        """Eq. 1's tables and plans, and the calibrated model when this machine was measured."""
         memo = self._memo.get(id(obs))
         if memo is not None and memo[0] is obs:
-            return memo[1], memo[2]
+            return memo[1]
         graph = self._graph(obs)
         specs = specs_from_graph(graph, obs.global_batch)
         hw, ndev = obs.hardware, obs.nproc
         spaces, self.unsupported = runnable_spaces(obs.workload.model(), graph, specs, ndev)
-        if hw.source in ("local", "probe"):
+        local = hw.source in ("local", "probe")
+        if local:
             compute, spaces, source = measured_compute(obs, graph, specs, spaces)
         else:
             compute, source = (
@@ -114,75 +127,137 @@ class LayerSplit(Tuner):
             )
         tables = build_tables(specs, hw, ndev, self.options, compute, source, spaces)
         plans = compare(tables)
-        self._memo = {id(obs): (obs, tables, plans)}
-        return tables, plans
+        calibrated, why = None, ""
+        if not local:
+            why = f"planning for the {hw.name} profile, not this machine: Eq. 1 uncalibrated"
+        elif obs.truth is None:
+            why = "no measured baseline to calibrate on"
+        elif not self.unsupported:
+            calibrated = calibrated_model(obs, graph, tables)
+        analysis = Analysis(tables, plans, calibrated, why)
+        self._memo = {id(obs): (obs, analysis)}
+        return analysis
 
     # -- diagnose / plan ---------------------------------------------------------------
 
     def diagnose(self, obs: Observation) -> Diagnosis:
         if obs.nproc < 2:
             return Diagnosis(False, "one device: there is nothing to split")
+        # -- training features (issue 17) --
+        from tunekit.plugins.layer_split.runtime import LAYER_SPLIT_DECLINES, LAYER_SPLIT_HANDLES
+        from tunekit.runtime.sync import declined_features
+
+        if why := declined_features(
+            obs.workload.features(), LAYER_SPLIT_HANDLES, LAYER_SPLIT_DECLINES
+        ):
+            return Diagnosis(False, why)
+        # --
         graph = self._graph(obs)
         if graph.method != "fx":
             return Diagnosis(False, f"needs the model as a torch.fx graph: {graph.notice}")
         if not any(lay.kind in ("conv", "linear") for lay in graph.layers.values()):
             return Diagnosis(False, "no conv or linear layers to split")
-        tables, plans = self._analyse(obs)
+        analysis = self.analyse(obs)
         if self.unsupported:
             return Diagnosis(
                 False,
                 f"cannot execute this model: {self.unsupported[0]}",
                 details={"unsupported": self.unsupported},
             )
-        best, image = plans["best"], plans["image"]
-        gain = max(0.0, 1.0 - best.cost_s / image.cost_s) if image.cost_s > 0 else 0.0
-        t = image.totals()
-        share = t["update_s"] / t["total_s"] if t["total_s"] else 0.0
-        changed = [
-            r
-            for r in best.rows
-            if r.config != image.configs[r.layer] and r.kind not in ("input", "output")
-        ]
+        paper = paper_summary(analysis.plans)
+        details = plan_details(analysis.plans, analysis.tables)
+        cal = analysis.calibrated
+        if cal is None:
+            best, image = analysis.plans["best"], analysis.plans["image"]
+            gain = max(0.0, 1.0 - best.cost_s / image.cost_s) if image.cost_s > 0 else 0.0
+            return Diagnosis(
+                applies=gain > 0.0,
+                summary=f"{paper}; {analysis.uncalibrated_why}",
+                expected_gain=gain,
+                details=details,
+            )
+        truth = obs.truth
+        ranked = analysis.ranked()
+        top_label, top_configs = ranked[0]
+        predicted = cal.predict(top_configs)
+        gain = 1.0 - predicted / truth.step_s
+        changes = cal.changes(top_configs)
+        overhead = cal.executor_work_s()
+        allreduce = cal.model.allreduce_s
+        verdict = (
+            f"{gain:.0%} faster" if gain > 0 else f"{-gain:.0%} slower"
+        )
+        # The measured figures come first, quoted from obs.truth; every figure after them is a
+        # model's and says which (Eq. 1 as the paper prices DeePa; the calibrated model of this
+        # executor, whose baseline is the measured step by construction).
+        summary = (
+            f"measured: {truth.step_s * 1e3:.1f} ms per step, {truth.phrase('compute')}, "
+            f"{truth.phrase('comm_exposed')}; {paper}; {CALIBRATED_LABEL}: the best plan "
+            f"({SPACE_TITLES.get(top_label, top_label)}) {predicted * 1e3:.1f} ms per step, "
+            f"{verdict} than the measured step (compute {_signed_ms(changes['compute'])}, "
+            f"communication {_signed_ms(changes['comm_exposed'])}, data {_signed_ms(changes['data'])}): "
+            f"the executor's own per-layer work costs {overhead * 1e3:.1f} ms and its gradient "
+            f"all-reduce, which DDP overlaps with backward, {allreduce * 1e3:.1f} ms, exposed"
+        )
+        details["calibrated"] = cal.describe(top_configs)
+        details["calibrated"]["plan"] = top_label
         return Diagnosis(
             applies=gain > 0.0,
-            summary=(
-                f"image parallelism: {image.cost_s * 1e3:.1f} ms/step predicted, "
-                f"{share:.0%} of it gradient sync; a per-layer plan re-splits {len(changed)} "
-                f"of {len(best.rows) - 2} layers for {best.cost_s * 1e3:.1f} ms "
-                f"({image.cost_s / best.cost_s:.2f}x)"
-            ),
-            expected_gain=gain,
-            details=plan_details(plans, tables),
+            summary=summary,
+            expected_gain=max(0.0, gain),
+            details=details,
         )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
         if obs.nproc < 2:
             return []
-        tables, plans = self._analyse(obs)
+        analysis = self.analyse(obs)
         if self.unsupported:
             return []
+        plans, cal = analysis.plans, analysis.calibrated
         image_cost = plans["image"].cost_s
         out: list[Candidate] = []
-        seen: set[str] = set()
-        for space in ("best", "image_search", "owt"):
-            p = plans[space]
-            knob = "owt" if space == "owt" else p.encode()
-            key = json.dumps({k: c.label() for k, c in p.configs.items()}, sort_keys=True)
-            if key in seen or p.configs == plans["image"].configs:
-                continue
-            seen.add(key)
+        for label, configs in analysis.ranked():
+            paper = evaluate(analysis.tables, configs, label)
+            knob = "owt" if label == "owt" else encode_plan(
+                configs, skip={v for v, s in analysis.tables.specs.items() if s.replicated}
+            )
+            details = plan_details({label: paper, **plans}, analysis.tables, focus=label)
+            details["paper_cost_s"] = paper.cost_s
+            if cal is None:
+                predicted = paper.cost_s if analysis.profile_planning else None
+                rationale = (
+                    f"{SPACE_TITLES.get(label, label)}: model (Eq. 1, paper): {paper.cost_s * 1e3:.1f} "
+                    f"ms/step ({image_cost / paper.cost_s:.2f}x over image parallelism); "
+                    + (
+                        "uncalibrated: planned for a hardware profile"
+                        if predicted is not None
+                        else f"no prediction: {analysis.uncalibrated_why}"
+                    )
+                )
+                range_s = None
+            else:
+                predicted = cal.predict(configs)
+                range_s = cal.calibration.predicted_range(predicted, obs.baseline.spread_s)
+                changes = cal.changes(configs)
+                details["calibrated"] = cal.describe(configs)
+                rationale = (
+                    f"{SPACE_TITLES.get(label, label)}: {CALIBRATED_LABEL}: "
+                    f"{predicted * 1e3:.1f} ms/step against the measured "
+                    f"{obs.truth.step_s * 1e3:.1f} ms (compute {_signed_ms(changes['compute'])}, "
+                    f"communication {_signed_ms(changes['comm_exposed'])}, "
+                    f"data {_signed_ms(changes['data'])}); "
+                    f"model (Eq. 1, paper): {paper.cost_s * 1e3:.1f} ms"
+                )
             out.append(
                 Candidate(
                     knobs={"plan": knob},
-                    predicted_step_s=p.cost_s,
-                    rationale=(
-                        f"{SPACE_TITLES[space]}: {p.cost_s * 1e3:.1f} ms/step by Eq. 1 "
-                        f"({image_cost / p.cost_s:.2f}x over image parallelism)"
-                    ),
-                    details=plan_details(plans, tables, focus=space),
+                    predicted_step_s=predicted,
+                    rationale=rationale,
+                    details=details,
+                    predicted_range_s=range_s,
                 )
             )
-        out.sort(key=lambda c: c.predicted_step_s)
         return out[:limit]
 
     def explain(self, candidate: Candidate) -> str | None:
@@ -228,20 +303,27 @@ def runnable_spaces(
     return out, problems
 
 
+def rank_threads(obs: Observation) -> int | None:
+    """Intra-op threads one training rank gets on this host (the launcher's rule); None on a GPU."""
+    if obs.device_type != "cpu":
+        return None
+    return max(1, (obs.hardware.host.cores or 1) // max(obs.nproc, 1))
+
+
 def measured_compute(obs: Observation, graph, specs, spaces):
-    """compute(v, c) timed on this machine (``time_layer_split``), cached in the study store.
+    """compute(v, c) timed on this machine (``SplitTimer``), cached in the study store.
 
-    Each slice runs with the threads one rank gets on this host. Configs the
-    timer cannot run are dropped from the layer's space.
+    Each slice runs with the threads one rank gets on this host, on the clock
+    that makes layer times add up to the step (the thread's CPU time with one
+    thread). Configs the timer cannot run are dropped from the layer's space.
     """
-    from tunekit.observe.layer_profile import SplitTimer
+    from tunekit.observe.layer_profile import SplitTimer, timing_clock
 
-    threads = (
-        max(1, (obs.hardware.host.cores or 1) // max(obs.nproc, 1))
-        if obs.device_type == "cpu"
-        else None
+    threads = rank_threads(obs)
+    device = "cuda" if obs.device_type == "cuda" else "cpu"
+    key = (
+        f"layer_split:compute:v2:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
     )
-    key = f"layer_split:compute:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
     cached = obs.cache.get(key) if obs.cache is not None else None
     table: dict[str, dict[str, float | None]] = cached or {}
     missing = [
@@ -251,24 +333,21 @@ def measured_compute(obs: Observation, graph, specs, spaces):
         if specs[v].kind not in ("input", "output") and c.label() not in table.get(v, {})
     ]
     if missing:
-        old_threads = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            timer = SplitTimer(
-                obs.workload.model(),
-                graph,
-                batch_size=obs.global_batch,
-                device="cuda" if obs.device_type == "cuda" else "cpu",
-            )
-            for v, cfg in missing:
-                try:
-                    seconds: float | None = timer.time(v, cfg.degrees).total_s
-                except ValueError:
-                    seconds = None
-                table.setdefault(v, {})[cfg.label()] = seconds
-        finally:
-            torch.set_num_threads(old_threads)
+        timer = SplitTimer(
+            obs.workload.model(),
+            graph,
+            batch_size=obs.global_batch,
+            device=device,
+            threads=threads,
+        )
+        for v, cfg in missing:
+            try:
+                seconds: float | None = timer.time(v, cfg.degrees).total_s
+            except ValueError:  # a split the timer refuses
+                seconds = None
+            except RuntimeError:  # a slice torch cannot run: a 3x3 kernel on a 1-row slice
+                seconds = None  # of a 2x2 map (the timer slices without padding)
+            table.setdefault(v, {})[cfg.label()] = seconds
         if obs.cache is not None:
             obs.cache.put(key, table)
     kept = {
@@ -285,8 +364,109 @@ def measured_compute(obs: Observation, graph, specs, spaces):
             return 0.0
         return float(table[spec.name][cfg.label()])
 
+    with _threads(threads):
+        clock = timing_clock(device)[1]
     where = "measured on this machine" + (f", {threads} thread(s) per rank" if threads else "")
+    where += ", CPU clock" if clock == "thread_cpu" else ""
     return compute, kept, where
+
+
+def _threads(n: int | None):
+    from tunekit.observe.layer_profile import _Threads
+
+    return _Threads(n)
+
+
+def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
+    """The executor's own per-step work on one rank (:func:`measure_executor_overhead`), cached."""
+    threads = rank_threads(obs)
+    batch = obs.workload.batch_size
+    key = f"layer_split:executor:v3:{graph.graph_hash()}:{batch}:{threads}"
+    cached = obs.cache.get(key) if obs.cache is not None else None
+    if cached:
+        return ExecutorOverhead.from_dict(cached)
+    found = measure_executor_overhead(
+        obs.workload,
+        graph,
+        batch,
+        threads=threads,
+        device="cuda" if obs.device_type == "cuda" else "cpu",
+    )
+    if obs.cache is not None:
+        obs.cache.put(key, found.to_dict())
+    return found
+
+
+def calibrated_model(obs: Observation, graph, tables: Tables) -> CalibratedModel:
+    """The executor's model of this job (:mod:`~tunekit.plugins.layer_split.calibrated`),
+    fitted to the measured baseline."""
+    return CalibratedModel.fit(
+        obs.truth,
+        tables,
+        exact_tables(tables, obs.hardware),
+        executor_overhead(obs, graph),
+        obs.hardware.allreduce_time(gradient_bytes(obs.workload.model()), obs.nproc),
+        obs.nproc,
+    )
+
+
+def paper_summary(plans: Mapping[str, Plan]) -> str:
+    """The paper's Eq. 1 figures in one clause, labelled as the model's."""
+    best, image = plans["best"], plans["image"]
+    t = image.totals()
+    share = t["update_s"] / t["total_s"] if t["total_s"] else 0.0
+    changed = [
+        r
+        for r in best.rows
+        if r.config != image.configs[r.layer] and r.kind not in ("input", "output")
+    ]
+    return (
+        f"model (Eq. 1, paper): image parallelism {image.cost_s * 1e3:.1f} ms/step, "
+        f"{share:.0%} of it gradient sync; a per-layer plan re-splitting {len(changed)} of "
+        f"{len(best.rows) - 2} layers {best.cost_s * 1e3:.1f} ms "
+        f"({image.cost_s / best.cost_s:.2f}x)"
+    )
+
+
+def _signed_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:+.1f} ms"
+
+
+@dataclass
+class Analysis:
+    """Everything the tuner derives from one observation."""
+
+    tables: Tables
+    plans: dict[str, Plan]
+    """Eq. 1's optimum in each space (``best``, ``image_search``, ``image``, ``owt``)."""
+    calibrated: CalibratedModel | None
+    uncalibrated_why: str = ""
+    """Why there is no calibrated model (empty when there is one)."""
+
+    @property
+    def profile_planning(self) -> bool:
+        """Planning for a hardware profile: Eq. 1 is the only model there is."""
+        return self.calibrated is None and self.uncalibrated_why.startswith("planning for")
+
+    def ranked(self) -> list[tuple[str, dict[str, SplitConfig]]]:
+        """Distinct plans other than image parallelism, best predicted first: the calibrated
+        model's optimum (when there is a calibrated model) and Eq. 1's in each space."""
+        found: list[tuple[str, dict[str, SplitConfig]]] = []
+        if self.calibrated is not None:
+            found.append(("calibrated", self.calibrated.best().configs))
+        found += [(s, self.plans[s].configs) for s in ("best", "image_search", "owt")]
+        image = self.plans["image"].configs
+        out, seen = [], []
+        for label, configs in found:
+            if configs == image or configs in seen:
+                continue
+            seen.append(configs)
+            out.append((label, configs))
+        if self.calibrated is not None:
+            out.sort(key=lambda lc: self.calibrated.predict(lc[1]))
+        else:
+            out.sort(key=lambda lc: evaluate(self.tables, lc[1]).cost_s)
+        return out
 
 
 __all__ = ["LayerSplit", "allowed", "check_plan"]

@@ -117,6 +117,8 @@ class PlanExecutor:
         }
         self.norms = self._norm_owners()
         self._tag = 0
+        self._pending_loss: torch.Tensor | None = None
+        """The local loss of micro-batches not yet reduced (gradient accumulation)."""
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -283,9 +285,15 @@ class PlanExecutor:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, reduce: bool = True
+    ) -> torch.Tensor | None:
         """Forward and backward of one global batch; leaves full gradients in ``.grad`` on every
-        rank and returns the global loss (the same value on every rank)."""
+        rank and returns the global loss (the same value on every rank).
+
+        ``reduce=False`` (a micro-batch before the step's last): no all-reduce; this rank's
+        partial gradients and batch-norm statistics accumulate in place and its loss is
+        kept, until a step with ``reduce=True`` reduces them all at once (returns None)."""
         if not isinstance(inputs, torch.Tensor):
             raise PluginError("layer_split: the executor needs a single input tensor")
         self._dtype, self._device = inputs.dtype, inputs.device
@@ -329,6 +337,19 @@ class PlanExecutor:
                 y.reshape(canonical(y.shape)) if y.dim() <= 4 else y.reshape(y.shape[0], -1, 1, 1)
             )
         self._backward(outs, leaves, loss_local)
+        if loss_local is not None:
+            loss_local = loss_local.detach()
+            if self._pending_loss is not None:
+                loss_local = loss_local + self._pending_loss
+        elif self._pending_loss is not None:
+            loss_local = self._pending_loss
+        if not reduce:
+            self._pending_loss = loss_local
+            for bn, _ in self.norms:
+                if bn.training:
+                    bn.num_batches_tracked.add_(1)
+            return None
+        self._pending_loss = None
         return self._all_reduce_grads(loss_local)
 
     def _consumer_view(self, leaf: torch.Tensor, use: Use, box) -> torch.Tensor:
@@ -448,10 +469,35 @@ def apply_plan(session, plan: Mapping[str, SplitConfig], trace_batch: int = 2) -
     session.set_grad_sync(LocalSync())
 
     def step_fn(sess, step: int) -> torch.Tensor:
-        inputs, targets = sess.data.global_batch(step)
-        loss = executor_for(sess).step(inputs, targets, sess.workload.loss)
-        sess.optimizer.step()
+        acc = sess.accumulation
+        loss_fn = sess.workload.loss
+        if acc > 1:  # each micro-batch's loss weighs 1/acc of the step's, as under DDP
+
+            def loss_fn(out, target, loss=sess.workload.loss):
+                return loss(out, target) / acc
+
+        executor = executor_for(sess)
+        for micro in range(acc):
+            # Only the last micro-batch reduces (the activations' exchanges are the split's own).
+            inputs, targets = sess.data.global_batch(step * acc + micro)
+            loss = executor.step(inputs, targets, loss_fn, reduce=micro == acc - 1)
+        # Every rank holds the whole reduced gradient: clip by its global norm, step,
+        # schedule (Session.optimizer_step, as under DDP).
+        sess.optimizer_step(sess.optimizer)
         sess.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    step_fn.handles = LAYER_SPLIT_HANDLES
     session.step_fn = step_fn
+
+
+LAYER_SPLIT_HANDLES = frozenset({"accumulation", "scheduler", "clipping"})
+"""Training features the executor honours (``StepFn.handles``)."""
+
+LAYER_SPLIT_DECLINES = {
+    "amp": "the executor's exchanges and per-region ops to run under autocast; they run in "
+    "the model's dtype",
+    "grad_scaler": "a scaled loss through the executor's layer-by-layer backward; it "
+    "backpropagates the unscaled loss",
+}
+"""Why each feature it does not honour does not apply (its diagnosis says so)."""

@@ -28,6 +28,7 @@ SPACE_TITLES = {
     "image_search": "image-only search",
     "image": "image parallelism",
     "owt": "OWT",
+    "calibrated": "calibrated optimum (this executor)",
 }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tunekit.errors import ConfigError
-from tunekit.observe.observation import ModelSummary
+from tunekit.observe.observation import LayerInfo, ModelSummary
 
 FC_TYPE = "Linear"
 
@@ -45,18 +45,49 @@ class PaperLayer:
         return self.type == FC_TYPE
 
 
+def _contains(outer: str, inner: str) -> bool:
+    """Whether module path ``inner`` lies inside module ``outer`` ('' is the model itself)."""
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def _in_forward_order(summary: ModelSummary) -> list[LayerInfo]:
+    """The summary's modules with each container moved to where its forward starts.
+
+    The summary lists a module when its forward *ends*, so a container that
+    owns parameters of its own (a transformer's position embedding on the
+    model itself) comes after everything it contains: at the output end, as if
+    its gradients were ready first. Its forward starts before its first
+    contained module's, and backprop passes it after all of them.
+    """
+    names = [info.name for info in summary.layers]
+    ordered = [info for info in summary.layers if not any(_contains(info.name, n) for n in names)]
+    for info in summary.layers:
+        if info in ordered:
+            continue
+        first = next(i for i, other in enumerate(ordered) if _contains(info.name, other.name))
+        ordered.insert(first, info)
+    return ordered
+
+
 def paper_layers(summary: ModelSummary) -> list[PaperLayer]:
-    """The model's layers as Lee et al. count them, in forward order (output end last)."""
+    """The model's layers as Lee et al. count them, in forward order (output end last).
+
+    A container owning parameters of its own counts as a layer where its
+    forward starts (see :func:`_in_forward_order`); its output shape is not a
+    layer's and does not decide whether a pooling layer changes a shape.
+    """
+    names = {info.name for info in summary.layers}
     out: list[PaperLayer] = []
     prev_shape = None
-    for info in summary.layers:
+    for info in _in_forward_order(summary):
+        container = any(_contains(info.name, n) for n in names)
         shape = tuple(info.output_shape) if info.output_shape is not None else None
         shape_changed = shape is None or prev_shape is None or shape != prev_shape
         if info.param_numel > 0 or (is_pool(info.type) and shape_changed):
             out.append(
                 PaperLayer(info.name, info.type, tuple(info.param_names), info.param_numel, shape)
             )
-        if shape is not None:
+        if shape is not None and not container:
             prev_shape = shape
     return out
 

@@ -12,8 +12,10 @@ Exploiting the Overlapping of Computation and Communication" (see
 
 The planner prices every setting with a simulation of one rank's step
 (:mod:`.model`) fed by per-layer times (the observation's layer profile, or
-measured here) and the hardware's fitted collective times, calibrated to the
-measured baseline.
+measured here) and the hardware's fitted collective times, calibrated so that
+it reproduces the measured baseline's step, exposed and hidden communication
+(:mod:`.calibration`). The diagnosis starts from the measured truth
+(:mod:`.explain`).
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ import torch
 import torch.fx
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
+from tunekit.costmodel import BACKWARD_FLOPS_RATIO
 from tunekit.observe.observation import Observation
+from tunekit.plugins.overlap_chunking import calibration
+from tunekit.plugins.overlap_chunking.explain import (
+    candidate_rationale,
+    diagnosis_text,
+    expected_gain,
+    exposure_is_measured,
+    measured_exposed,
+)
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers, paper_layers
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
     LayerCost,
     Prediction,
     StepCosts,
-    calibrate,
     predict_ddp,
 )
 from tunekit.plugins.overlap_chunking.runtime import apply_overlap_chunking
@@ -48,15 +58,15 @@ from tunekit.plugins.overlap_chunking.search import (
 )
 from tunekit.plugins.overlap_chunking.timing import (
     StepProfile,
+    fc_shape,
     layer_times_from_profile,
-    measure_fc_costs,
     measure_layer_times,
     measure_update_and_batch,
 )
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 3
 MAX_F = 4
 """Fully-connected layers priced for replication (the paper tries f = 0..3)."""
 
@@ -67,15 +77,33 @@ def threads_per_rank(nproc: int) -> int:
 
 
 def comm_cpu_share(obs: Observation) -> float:
-    """How much of a hidden communication's time it takes from compute on this job.
+    """How much of a hidden communication's CPU work it takes from compute on this job.
 
     On a GPU, NCCL has its own engine: 0. On CPU ranks the trial launcher gives
     each rank ``cores // ranks`` threads, so the cores are saturated and a
-    collective's progress thread takes one thread's share: ``1 / threads``.
+    collective's progress thread takes one thread's share: ``1 / threads``
+    (less where the calibrated collectives show more competition than this
+    rank's own threads: ``StepCosts.displaced_share``).
     """
     if obs.device_type == "cuda":
         return 0.0
     return 1.0 / threads_per_rank(obs.nproc)
+
+
+def fc_cost(layer: PaperLayer, backward_s: float, batch: int, world: int, first: bool) -> FcCost:
+    """What replicating a fully-connected layer's gradient saves and costs, from its backward time.
+
+    A Linear layer's backward is two matmuls of its forward's FLOPs each
+    (``BACKWARD_FLOPS_RATIO``): the input's gradient and the weight's. So the
+    local weight gradient is ``1 / BACKWARD_FLOPS_RATIO`` of the layer's
+    measured backward (all of it for the model's first layer, whose input
+    needs no gradient), and the full-batch one, over ``world`` times the rows,
+    ``world`` times that. Timing the two matmuls apart was tried: on a loaded
+    2-core host their medians swung 10x between runs.
+    """
+    in_features, out_features, rows = fc_shape(layer)
+    local = backward_s if first else backward_s / BACKWARD_FLOPS_RATIO
+    return FcCost(in_features, out_features, rows * batch, local, world * local)
 
 
 def default_prediction(costs: StepCosts) -> Prediction:
@@ -168,9 +196,6 @@ class OverlapChunking(Tuner):
         if cached:
             profile = StepProfile.from_dict(cached)
         else:
-            fcs = measure_fc_costs(
-                layers, batch=batch, world=world, device=device, threads=threads, max_fc=MAX_F
-            )
             times = None
             if obs.layer_profile is not None:
                 times = layer_times_from_profile(obs.layer_profile, layers, obs.graph, batch)
@@ -184,9 +209,7 @@ class OverlapChunking(Tuner):
                     obs.workload, layers, batch=batch, device=device, threads=threads
                 )
                 source = "measured"
-            profile = StepProfile(
-                batch, world, times, fcs, update, data, source, {"threads": threads}
-            )
+            profile = StepProfile(batch, world, times, update, data, source, {"threads": threads})
             if obs.cache is not None:
                 obs.cache.put(cache_key, profile.to_dict())
         self._profiles[key] = profile
@@ -199,7 +222,7 @@ class OverlapChunking(Tuner):
         meta = _meta_model(obs)
         self._static_graph = static_graph_safe(meta)
         tensor_bytes = _param_tensor_bytes(meta, layers)
-        fc_timing = {t.name: t for t in profile.fcs}
+        replicable = {layer.name for layer in fc_layers(layers)[:MAX_F]}
         hw, world, backend = obs.hardware, obs.nproc, obs.backend
 
         def allreduce(nbytes: float) -> float:
@@ -211,17 +234,10 @@ class OverlapChunking(Tuner):
             return fit.time(nbytes) if fit is not None else allreduce(nbytes) / 2
 
         costs = []
-        for layer, times in zip(layers, profile.layers, strict=True):
-            timing = fc_timing.get(layer.name)
+        for index, (layer, times) in enumerate(zip(layers, profile.layers, strict=True)):
             fc = None
-            if timing is not None:
-                fc = FcCost(
-                    timing.in_features,
-                    timing.out_features,
-                    timing.rows_per_sample * profile.batch,
-                    timing.local_wgrad_s,
-                    timing.full_wgrad_s,
-                )
+            if layer.name in replicable:
+                fc = fc_cost(layer, times.backward_s, profile.batch, world, first=index == 0)
             costs.append(
                 LayerCost(
                     layer.name, times.forward_s, times.backward_s, tensor_bytes[layer.name], fc
@@ -240,17 +256,14 @@ class OverlapChunking(Tuner):
 
     def _priced(self, obs: Observation) -> dict[str, Any]:
         costs, profile, layers = self.step_costs(obs)
-        scale = None
-        if obs.baseline is not None:
-            scale = calibrate(costs, obs.baseline.median_s, default_prediction)
-        calibrated = costs.scaled(scale) if scale else costs
+        fitted = calibration.fit(costs, obs.truth, default_prediction)
         return {
-            "costs": calibrated,
-            "scale": scale,
+            "fit": fitted,
+            "costs": fitted.costs,
             "profile": profile,
             "layers": layers,
-            "baseline": default_prediction(calibrated),
-            "ranked": rank_settings(calibrated, ddp_supports_bucket_list()),
+            "baseline": fitted.baseline,
+            "ranked": rank_settings(fitted.costs, ddp_supports_bucket_list()),
         }
 
     # -- diagnose / plan ---------------------------------------------------------------
@@ -259,37 +272,36 @@ class OverlapChunking(Tuner):
         if obs.nproc < 2:
             return Diagnosis(False, "one rank: there is no gradient communication to overlap")
         priced = self._priced(obs)
+        fitted: calibration.Fit = priced["fit"]
+        # -- training features (issue 17): configs that cannot honour them are left out --
+        from tunekit.plugins.overlap_chunking.runtime import declines
+
+        features = obs.workload.features()
+        declined = [d for s in priced["ranked"] if (d := declines(s.knobs, features))]
+        priced["ranked"] = [s for s in priced["ranked"] if not declines(s.knobs, features)]
+        # --
         base: Prediction = priced["baseline"]
-        step = obs.baseline.median_s if priced["scale"] else base.step_s
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
-        gain = max(0.0, (step - best.prediction.step_s) / step)
         grad_mib = sum(c.nbytes for c in priced["costs"].layers) / MB
-        r = f"R~{base.overlap_R:.0f}" if base.overlap_R is not None else "no communication"
-        if priced["scale"]:
-            calibration = ""
-        elif obs.baseline is None:
-            calibration = " (uncalibrated: no baseline measured)"
-        else:
-            calibration = (
-                " (uncalibrated: the measured baseline is shorter than the modelled "
-                "communication alone; check the hardware's all-reduce fit)"
-            )
+        gain, bound = expected_gain(fitted, best.prediction)
         return Diagnosis(
             applies=True,
-            summary=(
-                f"exposed communication ~{base.blocked_s / step:.0%} of the step "
-                f"({grad_mib:.1f} MiB of gradients, {r} under DDP defaults); "
-                f"{best.label} should recover ~{gain:.0%}{calibration}"
-            ),
+            summary=diagnosis_text(fitted, best, gain, bound, grad_mib)
+            + (f"; two_chunk with f > 0 {declined[0]}" if declined else ""),
             expected_gain=gain,
             details={
-                "exposed_s": base.blocked_s,
+                "exposed_s": measured_exposed(fitted),
+                "exposed_source": "measured" if exposure_is_measured(fitted) else "model",
+                "model_exposed_s": base.blocked_s,
+                "raw_model_exposed_s": fitted.raw.blocked_s,
+                "gain_bound": bound,
                 "predicted_default": base.to_dict(),
                 "best": {"knobs": best.knobs, **best.prediction.to_dict()},
                 "gradient_mib": grad_mib,
                 "layers": len(priced["layers"]),
                 "fc_layers": len(fc_layers(priced["layers"])),
-                "compute_scale": priced["scale"],
+                "calibration": fitted.to_dict(),
+                "compute_scale": fitted.compute_scale,
                 "profile_source": priced["profile"].source,
             },
         )
@@ -300,10 +312,18 @@ class OverlapChunking(Tuner):
         priced = self._priced(obs)
         # The baseline trial already measures PyTorch's defaults.
         ranked = [s for s in priced["ranked"] if not is_default_ddp(s.knobs)]
-        chosen = shortlist(ranked, limit)
-        return [self._candidate(s, priced) for s in chosen]
+        # -- training features (issue 17): no config that cannot honour them --
+        from tunekit.plugins.overlap_chunking.runtime import declines
 
-    def _candidate(self, setting: Setting, priced: dict[str, Any]) -> Candidate:
+        ranked = [s for s in ranked if not declines(s.knobs, obs.workload.features())]
+        # --
+        chosen = shortlist(ranked, limit)
+        spread = obs.baseline.spread_s if obs.baseline is not None else None
+        return [self._candidate(s, priced, spread) for s in chosen]
+
+    def _candidate(
+        self, setting: Setting, priced: dict[str, Any], spread_s: float | None
+    ) -> Candidate:
         knobs = dict(setting.knobs)
         if knobs["mode"] == "ddp_buckets":
             # Gradients as views of the buckets save a copy per step; the model
@@ -311,19 +331,17 @@ class OverlapChunking(Tuner):
             # where the graph provably never changes.
             knobs["gradient_as_bucket_view"] = True
             knobs["static_graph"] = self._static_graph
+        fitted: calibration.Fit = priced["fit"]
         pred = setting.prediction
         return Candidate(
             knobs=knobs,
             predicted_step_s=pred.step_s,
-            rationale=(
-                f"{setting.label}: {pred.blocked_s * 1e3:.1f} ms exposed, "
-                f"R~{pred.overlap_R:.0f}, {len(pred.comms)} communications per step"
-                if pred.overlap_R is not None
-                else setting.label
-            ),
+            predicted_range_s=fitted.predicted_range(pred, spread_s),
+            rationale=candidate_rationale(setting, fitted),
             details={
                 **pred.to_dict(),
-                "compute_scale": priced["scale"],
+                "calibration": fitted.to_dict(),
+                "compute_scale": fitted.compute_scale,
                 "profile_source": priced["profile"].source,
             },
         )

@@ -76,6 +76,31 @@ def apply_two_chunk(session: Session, k: int, f: int, piece_bytes: int = PIECE_B
     session.set_grad_sync(sync)
 
 
+TWO_CHUNK_NEEDS = {
+    "accumulation": "every micro-batch in a replicated layer's gradient (f > 0 gathers one "
+    "micro-batch's activations and errors)",
+    "amp": "a replicated layer's deferred gradient under autocast (f > 0 computes it from "
+    "gathered activations outside the forward)",
+    "grad_scaler": "the loss scale's inf check over the whole gradient before any update (f > 0 "
+    "updates replicated layers at their next forward)",
+    "scheduler": "the step's learning rate for every update (f > 0 updates replicated layers "
+    "after the scheduler has stepped)",
+    "clipping": "the whole gradient's norm before any update (f > 0 updates replicated layers "
+    "from gathered data at their next forward)",
+}
+"""What two_chunk with replicated layers (f > 0) would need to honour each feature;
+f = 0 and the ddp_buckets mode honour them all."""
+
+
+def declines(knobs: Mapping[str, Any], features: frozenset[str]) -> str | None:
+    """Why a config cannot train a job using ``features`` ("does not apply: ..."), or None."""
+    from tunekit.runtime.sync import declined_features
+
+    if knobs.get("mode") != "two_chunk" or not int(knobs.get("f", 0)):
+        return None
+    return declined_features(features, frozenset(), TWO_CHUNK_NEEDS)
+
+
 def apply_overlap_chunking(session: Session, knobs: Mapping[str, Any]) -> None:
     """Install the grad-sync strategy ``knobs`` describe (nothing to do on one rank)."""
     if session.world_size == 1:

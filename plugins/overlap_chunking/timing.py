@@ -4,8 +4,9 @@
   passed this layer" (the core's gradient-ready timing,
   :func:`tunekit.observe.grad_timing.time_groups`);
 * the optimizer step per parameter byte, and the time to get a batch;
-* per fully-connected layer: the local and the full-batch weight-gradient
-  matmuls (what replicating its gradient saves and costs).
+* per fully-connected layer: its shape (what replicating its gradient
+  gathers; the plugin derives the weight-gradient times from the layer's
+  backward time).
 
 Layer times come from the observation's layer profile when it has one
 (:func:`layer_times_from_profile`), else from :func:`measure_layer_times`,
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from tunekit.observe.grad_timing import Clock, time_groups
-from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers
+from tunekit.plugins.overlap_chunking.layers import PaperLayer
 from tunekit.workload import Workload
 
 
@@ -35,23 +36,12 @@ class LayerTime:
 
 
 @dataclass
-class FcTiming:
-    name: str
-    in_features: int
-    out_features: int
-    rows_per_sample: int
-    local_wgrad_s: float
-    full_wgrad_s: float
-
-
-@dataclass
 class StepProfile:
     """Measured times of one rank's step (see the module docstring)."""
 
     batch: int
     world: int
     layers: list[LayerTime]
-    fcs: list[FcTiming]
     update_s_per_byte: float
     data_s: float
     source: str
@@ -67,7 +57,6 @@ class StepProfile:
             **{
                 **data,
                 "layers": [LayerTime(**x) for x in data["layers"]],
-                "fcs": [FcTiming(**x) for x in data["fcs"]],
             }
         )
 
@@ -258,30 +247,3 @@ def fc_shape(layer: PaperLayer) -> tuple[int, int, int]:
     in_features = (layer.param_numel - (out_features if has_bias else 0)) // out_features
     rows = math.prod(shape[1:-1]) if len(shape) > 2 else 1
     return in_features, out_features, int(rows)
-
-
-def measure_fc_costs(
-    layers: list[PaperLayer],
-    *,
-    batch: int,
-    world: int,
-    device: torch.device,
-    threads: int | None = None,
-    max_fc: int = 4,
-    repeats: int = 3,
-) -> list[FcTiming]:
-    """Local and full-batch weight-gradient times of the first ``max_fc`` FC layers."""
-    out = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    with _Threads(threads if device.type == "cpu" else None):
-        for layer in fc_layers(layers)[:max_fc]:
-            k_b, k_c, rows = fc_shape(layer)
-            local = rows * batch
-
-            def wgrad(n: int, k_b=k_b, k_c=k_c):
-                errors = torch.randn(n, k_c, generator=gen).to(device)
-                acts = torch.randn(n, k_b, generator=gen).to(device)
-                return _timed(lambda: errors.t() @ acts, device, repeats)
-
-            out.append(FcTiming(layer.name, k_b, k_c, rows, wgrad(local), wgrad(local * world)))
-    return out

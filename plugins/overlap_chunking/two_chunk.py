@@ -26,6 +26,7 @@ On NCCL the completion callback is a host-side approximation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tunekit.errors import ConfigError
 from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
-from tunekit.runtime.sync import CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
 
 if TYPE_CHECKING:
     from tunekit.runtime.session import Session
@@ -154,6 +155,12 @@ class TwoChunkSync(GradSync):
         self._fcs: list[_Replicated] = []
         self._next_post = 0
         self._optimizer: torch.optim.Optimizer | None = None
+        self._accumulating = False
+        # Without replicated layers every chunk is reduced before the step ends, so each
+        # training feature holds (see step()). A replicated layer's update is deferred to
+        # its next forward, from one micro-batch's gathered data: it would miss the other
+        # micro-batches, the global norm, the loss scale's inf check and this step's lr.
+        self.handles = ALL_FEATURES if not self.replicated_names else frozenset()
 
     # -- install -------------------------------------------------------------------------
 
@@ -167,8 +174,10 @@ class TwoChunkSync(GradSync):
         self.group = session.group
         self.world = dist.get_world_size(self.group)
         model = session.model
+        # Every name of a tied parameter (a GPT head sharing the embedding's weight) resolves.
+        named_all = dict(model.named_parameters(remove_duplicate=False))
         named = dict(model.named_parameters())
-        missing = [n for n in self.chunk1_names if n not in named]
+        missing = [n for n in self.chunk1_names if n not in named_all]
         if missing:
             raise ConfigError(
                 f"overlap_chunking two_chunk: the model has no parameter {missing[0]!r}"
@@ -182,11 +191,11 @@ class TwoChunkSync(GradSync):
                 )
         self._fcs = [self._replicate(name, modules[name]) for name in self.replicated_names]
         replicated = {id(p) for fc in self._fcs for p in fc.params}
-        first = set(self.chunk1_names)
-        trained = [(n, p) for n, p in named.items() if p.requires_grad and id(p) not in replicated]
+        first = {id(named_all[n]) for n in self.chunk1_names}
+        trained = [p for p in named.values() if p.requires_grad and id(p) not in replicated]
         chunks = [
-            _Chunk("chunk1", [p for n, p in trained if n in first]),
-            _Chunk("chunk2", [p for n, p in trained if n not in first]),
+            _Chunk("chunk1", [p for p in trained if id(p) in first]),
+            _Chunk("chunk2", [p for p in trained if id(p) not in first]),
         ]
         self._chunks = [c for c in chunks if c.params]
         for index, chunk in enumerate(self._chunks):
@@ -258,7 +267,19 @@ class TwoChunkSync(GradSync):
 
     # -- backward ------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """A micro-batch before the step's last: gradients only accumulate, nothing is posted;
+        the last micro-batch's hooks post the chunks of the accumulated sum."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _grad_ready(self, index: int, _param) -> None:
+        if self._accumulating:
+            return
         self._chunks[index].ready += 1
         self._post_complete_chunks()
 
@@ -281,11 +302,18 @@ class TwoChunkSync(GradSync):
 
     # -- update --------------------------------------------------------------------------
 
+    def whole_update(self) -> bool:
+        """Whether this step must see every chunk before updating any: clipping by the
+        global norm and fp16's loss-scale inf check need the whole gradient."""
+        session = self.session
+        return session.workload.clip_grad_norm is not None or session.scaler is not None
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         for chunk in self._chunks:
             chunk.ready = len(chunk.params)  # a parameter without a gradient reduces zeros
         self._post_complete_chunks()
+        whole = self.whole_update()
         for index, chunk in enumerate(self._chunks):
             chunk.comm.wait()
             chunk.flat.div_(self.world)
@@ -295,13 +323,20 @@ class TwoChunkSync(GradSync):
                 offset += p.numel()
             if index == len(self._chunks) - 1:
                 self._post_error_gathers()
-            # Chunk 1's layers are updated while chunk 2 is still in flight.
-            step_subset(optimizer, chunk.params)
+            if not whole:
+                # Chunk 1's layers are updated while chunk 2 is still in flight.
+                step_subset(optimizer, chunk.params)
             self._records.append(chunk.comm.record())
             chunk.ready, chunk.comm, chunk.flat = 0, None, None
         if not self._chunks:
             self._post_error_gathers()
         self._next_post = 0
+        if whole:
+            # One update once every chunk is in: unscale, clip by the global norm, skip on
+            # inf, step, schedule (the overlap of chunk 1's update with chunk 2 is lost).
+            self.session.optimizer_step(optimizer)
+        elif self.session.scheduler is not None:
+            self.session.scheduler.step()  # once per optimizer step, after every chunk's
 
     def _post_error_gathers(self) -> None:
         for fc in self._fcs:

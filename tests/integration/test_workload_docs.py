@@ -20,14 +20,16 @@ def examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_the_doc_has_its_three_examples():
+def test_the_doc_has_its_four_examples():
     blocks = [b for b in examples() if "def workload" in b]
-    assert len(blocks) == 3
+    assert len(blocks) == 4
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_each_example_loads_and_trains(tmp_path, index):
     code = [b for b in examples() if "def workload" in b][index]
+    if "transformers" in code:
+        pytest.importorskip("transformers", reason="the Hugging Face example needs tunekit[hf]")
     path = tmp_path / f"example{index}.py"
     path.write_text(code)
     w = load_workload(f"{path}:workload")

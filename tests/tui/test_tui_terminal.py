@@ -100,11 +100,14 @@ def fills(term: Terminal) -> bool:
     the footer (with Help and Quit) is on the last, and the live screen is drawn between."""
     lines = term.lines
     top, bottom = lines[0], lines[-1]
-    centre = top.find("tunekit")
+    # The header centres "tunekit — <workload> · run <id>" (the part after the title
+    # appears once the job is read), right of the header's icon.
+    start = top.find("tunekit")
+    end = len(top.rstrip())
     width = term.screen.columns
     return (
-        centre >= 0
-        and abs(centre + len("tunekit") / 2 - width / 2) <= 2
+        start >= 0
+        and abs((start + end) / 2 - width / 2) <= 2
         and "? Help" in bottom
         and "q Quit" in bottom
         and any("samples/s" in line for line in lines[1:-1])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
 from torch import nn
 
 from tunekit.examples import cnn
+from tunekit.observe import layer_profile
 from tunekit.observe.graph import trace_model
 from tunekit.observe.layer_profile import (
     LayerProfile,
@@ -16,6 +18,7 @@ from tunekit.observe.layer_profile import (
     parse_split,
     profile_layers,
     time_layer_split,
+    timing_clock,
 )
 
 B = 8
@@ -140,3 +143,68 @@ def test_impossible_splits_are_refused(cnn_model_and_graph):
         parse_split((0, 1, 1, 1))
     with pytest.raises(ValueError, match="no layer"):
         timer.time("nope", (1, 1, 1, 1))
+
+
+# -- per-layer times add up to the whole model ---------------------------------------------
+
+ADD_UP_TOLERANCE = 0.20
+"""Per-layer forward + backward times sum to the whole model's within 20%: the median of
+three comparisons, each of which varies by up to ~20% on a CPU shared with other processes
+(medians measured: 0.96-1.16). Before the fix the sum came to 2-6x the model's."""
+
+
+def _whole_model_s(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
+    """Median forward + backward of the whole model, on the clock layer timings use."""
+    clock, _ = timing_clock("cpu")
+    times = []
+    for _ in range(repeats + 1):
+        t0 = clock()
+        out = model(x)
+        out.backward(torch.ones_like(out))
+        times.append(clock() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def _small_resnet() -> nn.Module:
+    torchvision = pytest.importorskip("torchvision")
+    return torchvision.models.resnet18(num_classes=10)
+
+
+@pytest.mark.parametrize(
+    ("build", "shape"),
+    [(cnn.build_model, (32, 3, 32, 32)), (_small_resnet, (8, 3, 64, 64))],
+    ids=["example_cnn", "resnet18"],
+)
+def test_layer_times_add_up_to_the_whole_models_forward_and_backward(build, shape):
+    """At the threads a rank gets (one, on this 2-core machine with 2 ranks), the layers' times
+    add up to the model's. Before, layers were timed on the wall clock (a shared machine
+    charges each a random share of others' work) and, by ``tunekit profile``, at every core's
+    threads: their sum then came to several times the step."""
+    torch.manual_seed(0)
+    model = build().train()
+    x = torch.randn(shape)
+    graph = trace_model(model, x)
+    ratios, shown = [], []
+    for _ in range(3):
+        prof = profile_layers(model, x, graph, warmup=1, repeats=5, threads=1)
+        assert prof.clock == "thread_cpu" and prof.torch_threads == 1
+        with layer_profile._Threads(1):
+            whole = _whole_model_s(model, x)
+        summed = prof.forward_s + prof.backward_s
+        ratios.append(summed / whole)
+        shown.append(f"{summed * 1e3:.1f} vs {whole * 1e3:.1f} ms")
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=ADD_UP_TOLERANCE), (
+        f"layers vs whole model: {'; '.join(shown)}"
+    )
+
+
+def test_threads_are_set_for_the_timing_and_restored(cnn_model_and_graph):
+    model, _, graph = cnn_model_and_graph
+    before = torch.get_num_threads()
+    timer = SplitTimer(model, graph, warmup=0, repeats=1, threads=1)
+    t = timer.time("_3", {"n": 2})
+    assert t.clock == "thread_cpu" and t.forward_s > 0
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        SplitTimer(model, graph, threads=0)

@@ -139,6 +139,7 @@ CLI_SURFACE = {
         "--apply",
         "--keep-running",
         "--no-probe",
+        "--no-rerank",
         "--search-steps",
     ],
     "hardware": [],

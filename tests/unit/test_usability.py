@@ -147,7 +147,7 @@ def test_a_decision_says_what_limited_it():
         _row(3, CANDIDATE, {"p": {"x": 2}}, 0, status="skipped", error=BUDGET_SKIP),
     ]
     decision = decide(trials, 0.01)
-    notices = _qualify(decision, trials, AutoSettings(trials=None, budget_s=90.0))
+    notices = _qualify(decision, trials, AutoSettings(trials=None, budget_s=90.0), {})
     assert decision["winner_config"] == TuningConfig(fast).to_dict() and not notices
     assert decision["reason"].endswith(
         "; 1 planned trial(s) did not fit the 90 s budget; not confirmed by a second run (the time budget left no room)"
@@ -155,7 +155,7 @@ def test_a_decision_says_what_limited_it():
 
     zero = [_row(0, BASELINE, {}, 0.1)]
     decision = decide(zero, 0.01)
-    _qualify(decision, zero, AutoSettings(trials=0))
+    _qualify(decision, zero, AutoSettings(trials=0), {})
     assert decision["reason"].startswith("--trials 0: the baseline was measured")
     assert "proposed" not in decision["reason"]
 
@@ -169,7 +169,7 @@ def test_a_drifting_baseline_is_said_to_be_too_noisy_to_decide():
     drift = baseline_drift(trials)
     assert drift["ratio"] == pytest.approx(2.122 / 0.862, rel=0.02)
     decision = decide(trials, 0.01)
-    (notice,) = _qualify(decision, trials, AutoSettings())
+    (notice,) = _qualify(decision, trials, AutoSettings(), {})
     assert notice.level == "warning" and "too noisy to decide" in notice.message
     assert "862 → 2122 → 1181 ms/step" in notice.message and "run again" in notice.message
     assert "too noisy to decide" in decision["reason"] and decision["baseline_drift"] == drift

@@ -75,7 +75,7 @@ def test_lr_scaling_rules():
 
 def test_every_listed_example_is_registered():
     assert set(EXAMPLES) == {"cnn", "alexnet", "vgg16", "inception_v3", "googlenet", "resnet152", "lstm",
-                             "gpt", "vit"}
+                             "gpt", "vit", "hf-gpt2"}
 
 
 @pytest.mark.parametrize("name", ["lstm", "googlenet", "gpt", "vit"])

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except TunekitError as exc:
+        # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
         err_console.print(f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
                           highlight=False)
         return exc.exit_code

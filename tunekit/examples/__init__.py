@@ -25,6 +25,7 @@ EXAMPLES: dict[str, tuple[str, str, str]] = {
     "lstm": ("tunekit.examples.lstm", "workload", "BigLSTM-shaped language model, small"),
     "gpt": ("tunekit.examples.transformers", "gpt", "decoder-only transformer LM, ~14M parameters"),
     "vit": ("tunekit.examples.transformers", "vit", "vision transformer encoder, 32x32 images"),
+    "hf-gpt2": ("tunekit.examples.hf", "gpt2", "Hugging Face GPT-2 from a small config (tunekit[hf])"),
 }
 
 

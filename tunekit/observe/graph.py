@@ -11,9 +11,16 @@ folded in. Branches stay branches: Inception's towers come out as parallel
 layers feeding a ``concat`` layer.
 
 Models ``torch.fx`` cannot trace (data-dependent control flow, unsupported
-Python) fall back to forward hooks on leaf modules: a chain of layers in the
-order the forward pass first calls them, with :attr:`ModelGraph.notice`
-saying why. A model that cannot even run on the example batch raises
+Python; every Hugging Face ``transformers`` model) are captured with
+``torch.export`` next (:mod:`tunekit.observe.graph_export`): ATen-level nodes
+named after their modules, attention written out as its matmuls, branches
+kept. Only when that fails too does capture fall back to forward hooks on leaf
+modules: a chain of layers in the order the forward pass first calls them.
+:attr:`ModelGraph.method` says which was used and :attr:`ModelGraph.notice` why.
+
+Capture runs the model in training mode, as it trains (dropout in the graph,
+no inference fast path such as native multi-head attention hiding FLOPs);
+buffers (batch-norm statistics) and the global RNG are restored afterwards. A model that cannot even run on the example batch raises
 :class:`~tunekit.errors.WorkloadError`.
 
 :meth:`ModelGraph.graph_hash` is stable across processes and runs (op kinds,
@@ -108,9 +115,13 @@ class ModelGraph:
     batch_size: int
     """Batch the shapes, bytes and FLOPs were recorded at."""
     method: str
-    """``fx``, or ``hooks`` for the fallback (a chain of leaf modules)."""
+    """``fx``; ``export`` (``torch.export``, ATen-level nodes) where fx fails; or ``hooks``
+    for the last fallback (a chain of leaf modules)."""
     notice: str = ""
     """Empty, or why ``torch.fx`` could not be used."""
+    module: Any = field(default=None, repr=False, compare=False)
+    """``export`` only: the captured GraphModule whose nodes these are (for running layers
+    one at a time); not serialised, so a graph read back from the store has None."""
 
     def layer_edges(self) -> list[tuple[str, str]]:
         """Every (producer layer, consumer layer) pair, in consumer order."""
@@ -461,6 +472,61 @@ def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
     return nodes
 
 
+# -- torch.export path -------------------------------------------------------------------
+
+# ATen views and copies that only re-lay out their producer's tensor: they fold like reshapes.
+_EXPORT_VIEWS = {"expand", "slice", "select", "to", "clone", "alias", "unsafe_view", "t",
+                 "to_copy", "split", "chunk", "unflatten", "expand_as", "lift_fresh_copy",
+                 "native_dropout"}
+
+
+def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], Any]:
+    from tunekit.observe.graph_export import export_module, flat_inputs, module_of, op_name
+
+    gm = export_module(model, args)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        prop = _CountingShapeProp(gm, counter)
+        prop.propagate(*flat_inputs(args))
+    ledger = _ParamLedger()
+    nodes: dict[str, GraphNode] = {}
+    skipped: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "call_module"):  # weights (owned by their readers); export guards
+            skipped.add(n.name)
+            continue
+        shape, dtype, act = prop.outputs.get(n.name, (None, None, 0))
+        module_type, attrs, numel, nbytes = None, {}, 0, 0
+        if n.op == "placeholder":
+            op, target = "input", str(n.target)
+        elif n.op == "output":
+            op, target = "output", "output"
+            shape, dtype, act = None, None, 0
+        else:
+            op, target = normalise_op(op_name(n.target)), op_name(n.target)
+            owner = module_of(n)
+            if owner is not None:
+                target, module_type = owner
+                attrs = _module_attrs(model.get_submodule(owner[0])) if owner[0] else {}
+            weights = [_resolve_attr(gm, str(p.target)) for p in n.all_input_nodes if p.op == "get_attr"]
+            numel, nbytes = ledger.take(w for w in weights if isinstance(w, nn.Parameter))
+        inputs = [
+            p.name
+            for p in n.all_input_nodes
+            if p.name not in skipped
+            and (p.op == "placeholder" or prop.outputs.get(p.name, (None,))[0] is not None)
+        ]
+        nodes[n.name] = GraphNode(
+            name=n.name, op=op, target=target, module_type=module_type, inputs=inputs,
+            output_shape=shape, output_dtype=dtype, param_numel=numel, param_bytes=nbytes,
+            activation_bytes=act, flops=int(prop.flops.get(n.name, 0)), attrs=attrs,
+        )
+    # Parameters no op reads (unused heads) still belong to the model: keep the total exact.
+    numel, nbytes = ledger.take(model.parameters())
+    out = next(n for n in nodes.values() if n.op == "output")
+    out.param_numel, out.param_bytes = out.param_numel + numel, out.param_bytes + nbytes
+    return nodes, gm
+
+
 def _resolve_attr(root: nn.Module, path: str):
     obj: Any = root
     for part in path.split("."):
@@ -550,15 +616,16 @@ def _free_name(name: str, taken: set[str]) -> str:
 # -- layers ----------------------------------------------------------------------------
 
 
-def group_layers(nodes: dict[str, GraphNode]) -> dict[str, Layer]:
+def group_layers(nodes: dict[str, GraphNode], views: Iterable[str] = ()) -> dict[str, Layer]:
     """Assign every tensor node to a layer; fold elementwise/reshape ops into their producer's.
 
     An elementwise op folds only when it is its producer's sole consumer, so a
     layer's output is always what its consumers read (a ReLU on a branch that
     another branch reads before the ReLU stays its own layer). ``getitem`` on a
     multi-output op (an LSTM's ``(out, (h, c))``) always folds: it is a view of
-    its producer.
+    its producer. ``views`` names further ops that fold like reshapes (ATen's views).
     """
+    reshape = _RESHAPE | set(views)
     consumers: dict[str, int] = {name: 0 for name in nodes}
     for n in nodes.values():
         for i in n.inputs:
@@ -575,7 +642,7 @@ def group_layers(nodes: dict[str, GraphNode]) -> dict[str, Layer]:
             and producer.op != "input"
             and (
                 n.op == "getitem"
-                or (n.op in _ELEMENTWISE | _RESHAPE and consumers[producer.name] == 1)
+                or (n.op in _ELEMENTWISE | reshape and consumers[producer.name] == 1)
             )
         )
         if fold:
@@ -633,34 +700,61 @@ def trace_model(
     ``example_inputs`` is the model's input: a tensor, or a tuple of positional
     arguments. With ``batch_size`` the inputs are resized along dim 0 (rows
     repeated or dropped) so shapes, bytes and FLOPs are recorded at that batch.
-    The model runs once in eval mode under ``no_grad`` (its training flag is
-    restored); tracing never changes its parameters or buffers.
+    The model runs in training mode, as it trains (batch norms in eval: the same
+    ops, statistics untouched, and a batch of 1 works), without gradients; its modes, parameters, buffers and the global RNG state are
+    as they were afterwards.
+    Tries ``torch.fx``, then ``torch.export``, then leaf-module hooks.
     """
     args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     if batch_size is not None:
         args = tuple(_resize_batch(a, batch_size) for a in args)
     batch = _batch_of(args)
-    was_training = model.training
-    model.eval()
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    module, views = None, ()
+    model.train()  # as it trains: eval-only fast paths (native MHA) would hide FLOPs
+    for m in model.modules():
+        # Batch norms run the same ops either way; in eval they keep their statistics and
+        # take a batch of 1 (a trace at batch 1 would fail in training mode).
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=[]):  # dropout draws must not move the job's RNG
             try:
-                nodes, method, notice = _trace_fx(model, args), "fx", ""
+                with torch.no_grad():
+                    nodes, method, notice = _trace_fx(model, args), "fx", ""
             except Exception as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                notice = (
-                    f"torch.fx could not trace {type(model).__name__} ({type(exc).__name__}"
-                    f"{': ' + reason[:200] if reason else ''}); fell back to leaf-module hooks, "
-                    "so the graph is a chain of layers and branches are not seen"
-                )
+                why = f"torch.fx could not trace {type(model).__name__} ({_reason(exc)})"
                 try:
-                    nodes, method = _trace_hooks(model, args), "hooks"
+                    (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
+                    notice = f"{why}; captured with torch.export instead (ATen-level graph)"
                 except Exception as exc2:
-                    raise WorkloadError(
-                        f"cannot trace {type(model).__name__}: its forward pass fails on the "
-                        f"example batch ({type(exc2).__name__}: {str(exc2).strip()[:200]})"
-                    ) from exc2
+                    notice = (
+                        f"{why}, nor torch.export ({_reason(exc2)}); fell back to leaf-module "
+                        "hooks, so the graph is a chain of layers and branches are not seen"
+                    )
+                    try:
+                        with torch.no_grad():
+                            nodes, method = _trace_hooks(model, args), "hooks"
+                    except Exception as exc3:
+                        raise WorkloadError(
+                            f"cannot trace {type(model).__name__}: its forward pass fails on the "
+                            f"example batch ({type(exc3).__name__}: {str(exc3).strip()[:200]})"
+                        ) from exc3
     finally:
-        model.train(was_training)
-    layers = group_layers(nodes)
-    return ModelGraph(nodes=nodes, layers=layers, batch_size=batch, method=method, notice=notice)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for m, training in modes:
+            m.training = training
+    layers = group_layers(nodes, views)
+    return ModelGraph(nodes=nodes, layers=layers, batch_size=batch, method=method, notice=notice,
+                      module=module)
+
+
+def _reason(exc: Exception) -> str:
+    """``TypeName: first sentence`` of an exception, for a one-line notice."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    first = first.split(". ")[0]
+    return f"{type(exc).__name__}{': ' + first[:200] if first else ''}"

@@ -2,9 +2,28 @@
 
 Two entry points, both running the layers of a :class:`~tunekit.observe.graph.ModelGraph`
 standalone on the local device (warm-up runs, then ``repeats`` timed runs; the
-median is reported with the interquartile range as spread):
+median is reported with the interquartile range as spread).
 
-``profile_layers(model, example_inputs, graph=None, *, device="cpu", warmup=2, repeats=5)``
+**Times add up to the step.** The forward and backward times of all layers
+add up to the forward and backward of the whole model (tested within 10%), on
+two conditions, which is how the timings are taken:
+
+* the threads a training rank gets (``threads``; a rank of a 2-rank job on 2
+  cores runs one): timing layers with every core's threads while the job
+  gives each rank one both mis-states them and, on a machine whose cores are
+  busy, makes each op wait for its descheduled helper threads (a transformer
+  encoder measured 293 + 1260 ms layer by layer against a 246 ms step);
+* on the CPU with one thread, the clock is the thread's CPU time
+  (``time.thread_time``): a layer timed on a shared machine is otherwise
+  charged for whatever ran in between (other processes, the other rank), a
+  few ms of preemption on a few-ms op, different for every layer and every
+  repeat. The CPU time is what the layer costs; how much wall time that
+  becomes under the job's load is the measured baseline's business (a tuner
+  scales it with ``tunekit.costmodel.Calibration``). On a GPU, or with
+  several threads, the clock is the wall (synchronised) clock. Each result
+  says which (``clock``: ``thread_cpu`` or ``wall``).
+
+``profile_layers(model, example_inputs, graph=None, *, device="cpu", warmup=2, repeats=5, threads=None)``
     -> :class:`LayerProfile`. Each layer runs on the real inputs it receives in a
     forward pass of ``example_inputs``. Forward time is the layer's member ops;
     backward time is ``torch.autograd.grad`` of the layer's output with respect
@@ -17,7 +36,7 @@ median is reported with the interquartile range as spread):
     store can cache them by ``(graph hash, hardware fingerprint)``
     (:meth:`LayerProfile.cache_key`).
 
-``time_layer_split(model, graph, layer, split, *, batch_size=None, device="cpu", warmup=2, repeats=5)``
+``time_layer_split(model, graph, layer, split, *, batch_size=None, device="cpu", warmup=2, repeats=5, threads=None)``
     -> :class:`SplitTiming`. The time of ONE worker's share of ``layer`` under a
     DeePa configuration. ``split`` gives one degree per dimension of the layer's
     OUTPUT tensor: a mapping ``{"n": .., "c": .., "h": .., "w": ..}`` (missing
@@ -73,6 +92,7 @@ __all__ = [
     "profile_layers",
     "time_layer_split",
     "parse_split",
+    "timing_clock",
 ]
 
 # -- results -------------------------------------------------------------------------
@@ -114,6 +134,8 @@ class LayerProfile:
     layers: dict[str, LayerTiming]
     hardware_fingerprint: str = ""
     torch_threads: int = 0
+    clock: str = "wall"
+    """``thread_cpu`` (the timing thread's CPU time) or ``wall``; see the module docstring."""
 
     def cache_key(self) -> str:
         """Key for the study store's cache: graph hash, hardware fingerprint, device."""
@@ -156,6 +178,8 @@ class SplitTiming:
     """The slice inputs the worker reads (halo included)."""
     output_shape: list[int] | None = None
     batch_size: int = 0
+    clock: str = "wall"
+    """``thread_cpu`` or ``wall``; see the module docstring."""
 
     @property
     def total_s(self) -> float:
@@ -208,6 +232,38 @@ def _tensor_out(value) -> torch.Tensor | None:
     return None
 
 
+def timing_clock(device: str | torch.device = "cpu") -> tuple[Callable[[], float], str]:
+    """The clock layer timings use here, and its name (see the module docstring).
+
+    On the CPU with one intra-op thread: the thread's CPU time, immune to the
+    preemption a shared machine adds. Otherwise the wall clock: with several
+    threads the work is spread over threads this one does not account for,
+    and a GPU's work is not the host thread's.
+    """
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time, "thread_cpu"
+    return time.perf_counter, "wall"
+
+
+class _Threads:
+    """``with _Threads(n):`` torch's intra-op threads set to ``n`` (None: unchanged), then restored."""
+
+    def __init__(self, threads: int | None):
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, not {threads}")
+        self.threads = threads
+        self.before = 0
+
+    def __enter__(self) -> _Threads:
+        self.before = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.before)
+
+
 def _time_fn(
     forward: Callable[[], Any],
     wrt: list[torch.Tensor],
@@ -215,29 +271,41 @@ def _time_fn(
     warmup: int,
     repeats: int,
 ) -> tuple[list[float], list[float]]:
-    """Forward and backward wall times of ``forward`` over ``repeats`` runs after ``warmup``."""
+    """Forward and backward times of ``forward`` over ``repeats`` runs after ``warmup``,
+    on :func:`timing_clock`."""
+    clock, _ = timing_clock(device)
     fwd: list[float] = []
     bwd: list[float] = []
     grad_out = None
+    # The previous run's output and gradients stay alive through the next run. Freed at
+    # once, a lone layer's few large tensors leave the top of the heap empty, the allocator
+    # hands it back to the OS, and the next run page-faults it in again (thousands of faults
+    # per run for a 512x512x3x3 conv, +50% on its time); in a step, the activations held
+    # until backward keep the heap in use.
+    held: Any = None
     for i in range(warmup + repeats):
         with torch.set_grad_enabled(bool(wrt)):
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             out = _tensor_out(forward())
             _sync(device)
-            t1 = time.perf_counter()
+            t1 = clock()
         tb = 0.0
         if wrt and out is not None and out.requires_grad:
             if grad_out is None:
                 grad_out = torch.ones_like(out)
-            t2 = time.perf_counter()
-            torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+            t2 = clock()
+            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
             _sync(device)
-            tb = time.perf_counter() - t2
+            tb = clock() - t2
+        else:
+            grads = None
         if i >= warmup:
             fwd.append(t1 - t0)
             bwd.append(tb)
-        del out
+        held = (out, grads)
+        del out, grads
+    del held
     return fwd, bwd
 
 
@@ -295,8 +363,12 @@ class _LayerRunner:
         self.device = device
         self.gm: torch.fx.GraphModule | None = None
         self.fx_nodes: dict[str, torch.fx.Node] = {}
-        if graph.method == "fx":
-            self.gm = torch.fx.symbolic_trace(model)
+        if graph.method in ("fx", "export"):
+            # export: the captured ATen GraphModule (fx cannot trace the model again)
+            self.gm = torch.fx.symbolic_trace(model) if graph.method == "fx" else graph.module
+            if self.gm is None:
+                raise ValueError("an export graph read back from the store cannot run; trace again")
+            self.gm.to(device)  # its weights may be its own copies of the model's
             self.fx_nodes = {n.name: n for n in self.gm.graph.nodes}
             missing = set(graph.nodes) - set(self.fx_nodes)
             if missing:
@@ -311,6 +383,8 @@ class _LayerRunner:
             out: list[str] = []
             for m in self.graph.layers[layer].nodes:
                 for p in self.fx_nodes[m].all_input_nodes:
+                    if self._weight(p):
+                        continue  # a step argument itself (see steps)
                     if p.name not in members and p.name not in out:
                         out.append(p.name)
             return out
@@ -327,7 +401,10 @@ class _LayerRunner:
                 steps.append(_Step(m, "call_module", mod, (_Ref(src),), {}))
                 continue
             n = self.fx_nodes[m]
-            ref = lambda node: _Ref(node.name)  # noqa: E731
+
+            def ref(node):
+                return _attr(self.gm, node.target) if self._weight(node) else _Ref(node.name)
+
             args, kwargs = map_arg(n.args, ref), map_arg(n.kwargs, ref)
             if n.op == "call_module":
                 target = self.gm.get_submodule(n.target)
@@ -337,6 +414,11 @@ class _LayerRunner:
                 target = n.target
             steps.append(_Step(m, n.op, target, args, dict(kwargs)))
         return steps
+
+    def _weight(self, node: torch.fx.Node) -> bool:
+        """Export graphs read every weight through ``get_attr``: the graph has no node for
+        it, so steps take the parameter itself as an argument."""
+        return self.graph.method == "export" and node.op == "get_attr"
 
     def capture_env(self, example_inputs: tuple) -> dict[str, Any]:
         """Every node's output in one forward pass of ``example_inputs`` (no grad)."""
@@ -349,6 +431,10 @@ class _LayerRunner:
                         env[n.name] = super().run_node(n)
                         return env[n.name]
 
+                if self.graph.method == "export":  # placeholders are the inputs' leaves
+                    from tunekit.observe.graph_export import flat_inputs
+
+                    example_inputs = tuple(flat_inputs(example_inputs))
                 _Capture(self.gm).run(*example_inputs)
             else:
                 handles = []
@@ -425,6 +511,10 @@ def _layer_params(steps: list[_Step]) -> list[torch.Tensor]:
             params.extend(p for p in s.target.parameters() if p.requires_grad)
         elif isinstance(s.target, nn.Parameter) and s.target.requires_grad:
             params.append(s.target)
+        # export graphs pass weights as arguments (a parameter read by two steps counts once)
+        for a in [*s.args, *s.kwargs.values()]:
+            if isinstance(a, nn.Parameter) and a.requires_grad and all(a is not p for p in params):
+                params.append(a)
     return params
 
 
@@ -512,17 +602,36 @@ def profile_layers(
     repeats: int = 5,
     layers: Sequence[str] | None = None,
     hardware_fingerprint: str = "",
+    threads: int | None = None,
 ) -> LayerProfile:
     """Time every layer (or ``layers``) of ``model`` standalone; see the module docstring.
 
     The model is moved to ``device`` and run in training mode, as in a training step.
+    ``threads``: torch's intra-op threads while timing, the number one training
+    rank gets (None: as set now).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
+    with _Threads(threads):
+        return _profile_layers(
+            model, example_inputs, graph, device, warmup, repeats, layers, hardware_fingerprint
+        )
+
+
+def _profile_layers(
+    model: nn.Module,
+    example_inputs: Any,
+    graph: ModelGraph | None,
+    device: str | torch.device,
+    warmup: int,
+    repeats: int,
+    layers: Sequence[str] | None,
+    hardware_fingerprint: str,
+) -> LayerProfile:
     device = torch.device(device)
     args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    if graph is None:
-        graph = trace_model(model, args)
+    if graph is None or (graph.method == "export" and graph.module is None):
+        graph = trace_model(model, args)  # an export graph from the store: capture it again
     model.to(device)
     args = _to_device(args, device)
     runner = _LayerRunner(model, graph, device)
@@ -549,6 +658,7 @@ def profile_layers(
         layers=timings,
         hardware_fingerprint=hardware_fingerprint,
         torch_threads=torch.get_num_threads(),
+        clock=timing_clock(device)[1],
     )
 
 
@@ -566,7 +676,10 @@ def _pair(v, nd: int) -> list[int]:
 
 
 class SplitTimer:
-    """Times layers of one model under DeePa split configs (see the module docstring)."""
+    """Times layers of one model under DeePa split configs (see the module docstring).
+
+    ``threads``: torch's intra-op threads while timing, the number one training
+    rank gets (None: as set at each call)."""
 
     def __init__(
         self,
@@ -577,12 +690,15 @@ class SplitTimer:
         device: str | torch.device = "cpu",
         warmup: int = 2,
         repeats: int = 5,
+        threads: int | None = None,
     ):
         self.device = torch.device(device)
         self.model = model.to(self.device).train()
         self.graph = graph
         self.batch_size = batch_size or graph.batch_size
         self.warmup, self.repeats = warmup, repeats
+        _Threads(threads)  # refuse a bad count now, not at the first timing
+        self.threads = threads
         self.runner = _LayerRunner(self.model, graph, self.device)
         self._env: dict[str, Any] | None = None
 
@@ -600,9 +716,11 @@ class SplitTimer:
         inputs = {}
         for name in self.runner.external_inputs(layer):
             inputs[name] = plan.input_value(name, self._input_value(name))
-        _, fwd, bwd, _, _, _ = _measure(
-            self.runner, layer, steps, inputs, self.warmup, self.repeats, memory=False
-        )
+        with _Threads(self.threads):
+            _, fwd, bwd, _, _, _ = _measure(
+                self.runner, layer, steps, inputs, self.warmup, self.repeats, memory=False
+            )
+            clock = timing_clock(self.device)[1]
         out = _run_steps(steps, inputs)[_output_member(self.graph, layer)]
         out_t = _tensor_out(out)
         return SplitTiming(
@@ -614,6 +732,7 @@ class SplitTimer:
             input_shapes=[list(t.shape) for v in inputs.values() for t in _flat_tensors(v)],
             output_shape=list(out_t.shape) if out_t is not None else None,
             batch_size=self.batch_size,
+            clock=clock,
         )
 
     def _input_value(self, name: str):
@@ -659,10 +778,17 @@ def time_layer_split(
     device: str | torch.device = "cpu",
     warmup: int = 2,
     repeats: int = 5,
+    threads: int | None = None,
 ) -> SplitTiming:
     """One worker's time of ``layer`` under ``split``; see the module docstring."""
     timer = SplitTimer(
-        model, graph, batch_size=batch_size, device=device, warmup=warmup, repeats=repeats
+        model,
+        graph,
+        batch_size=batch_size,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        threads=threads,
     )
     return timer.time(layer, split)
 

@@ -145,7 +145,8 @@ class Observation:
 
     @property
     def global_batch(self) -> int:
-        return self.workload.batch_size * self.nproc
+        """Samples per optimizer step over all ranks (micro-batches included), as a Session counts."""
+        return self.workload.batch_size * getattr(self.workload, "accumulation", 1) * self.nproc
 
     @property
     def truth(self) -> StepTruth | None:

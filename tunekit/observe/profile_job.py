@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from tunekit.errors import WorkloadError
@@ -86,8 +87,17 @@ def profile_job(
 
     stage("timing each layer")
     device = "cuda" if options.device != "cpu" and torch.cuda.is_available() else "cpu"
+    # At the threads each rank of the trial gets (the launcher's rule), so that the
+    # layers add up to a rank's step: all cores' threads per layer overstate it.
+    threads = max(1, (psutil.cpu_count(logical=False) or 1) // options.nproc)
     layers = profile_layers(
-        model, inputs, graph, device=device, warmup=1, repeats=options.layer_repeats
+        model,
+        inputs,
+        graph,
+        device=device,
+        warmup=1,
+        repeats=options.layer_repeats,
+        threads=threads if device == "cpu" else None,
     )
 
     stage(f"profiled run on {options.nproc} rank(s)")

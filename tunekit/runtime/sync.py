@@ -58,6 +58,21 @@ ALL_FEATURES = frozenset({"amp", "grad_scaler", "accumulation", "scheduler", "cl
 """The workload's training features (``Workload.features``)."""
 
 
+def declined_features(
+    features: frozenset[str], handles: frozenset[str], needs: dict[str, str]
+) -> str | None:
+    """A diagnosis line for a job using features a tuner cannot honour, or None.
+
+    ``needs`` says per feature what honouring it would take: "does not apply: clipping
+    needs the whole gradient before any update; ..." (one clause per feature)."""
+    missing = sorted(set(features) - set(handles))
+    if not missing:
+        return None
+    return "does not apply: " + "; ".join(
+        f"{f} needs {needs.get(f, 'what this tuner does not do')}" for f in missing
+    )
+
+
 class GradSync:
     """Base strategy: no communication (one rank, or a strategy-free session)."""
 

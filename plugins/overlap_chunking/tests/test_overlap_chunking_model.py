@@ -24,7 +24,7 @@ from tunekit.plugins.overlap_chunking.model import (
     predict_two_chunk,
 )
 from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE, rank_settings, shortlist
-from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile
+from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile, measure_layer_times
 from tunekit.runtime.sync import DDPSync
 from tunekit.workload import load_workload
 
@@ -174,3 +174,81 @@ def test_layer_times_from_the_observation_layers_profile():
     total = sum(t.forward_s + t.backward_s for t in times)
     profiled = sum(t.forward_s + t.backward_s for t in profile.layers.values())
     assert total == pytest.approx(2 * profiled, rel=1e-9)
+
+
+def test_collectives_run_slower_while_the_rank_computes():
+    costs = replace(three_layers(), comm_scale=2.0)
+    pred = predict_ddp(costs, first_cap_bytes=100, cap_bytes=100)
+    # Backward runs 3..6. bucket0 (posted at 4) does its 1 s of work at half speed
+    # while the rank computes: done at 6. bucket1 and bucket2 then run at full
+    # speed while the rank waits: 6..7, 7..8.
+    assert [(c.start_s, c.end_s) for c in pred.comms] == [(4.0, 6.0), (6.0, 7.0), (7.0, 8.0)]
+    assert [c.busy_work_s for c in pred.comms] == [1.0, 0.0, 0.0]
+    assert pred.blocked_s == pytest.approx(2.0)
+    assert pred.step_s == pytest.approx(11.0)
+    # On shared cores the work done beside compute comes out of compute.
+    charged = predict_ddp(replace(costs, comm_cpu_share=1.0), 100, 100)
+    assert charged.cpu_charge_s == pytest.approx(1.0) and charged.step_s == pytest.approx(12.0)
+    assert charged.parts["compute"] == pytest.approx(6.0 + 1.0)
+
+
+def test_the_peer_holds_back_the_last_collective():
+    costs = replace(three_layers(), peer_delay_s=0.5)
+    pred = predict_ddp(costs, first_cap_bytes=100, cap_bytes=100)
+    # bucket2 is posted at 6 but the peer posts it at 6.5: done at 7.5.
+    assert [(c.start_s, c.end_s) for c in pred.comms][-1] == (6.5, 7.5)
+    assert pred.blocked_s == pytest.approx(1.5)
+    assert pred.step_s == pytest.approx(10.5)
+    # Two chunks: chunk 2 is the step's last collective.
+    two = predict_two_chunk(costs, k=1, f=0)
+    chunk1, chunk2 = two.comms
+    assert (chunk2.posted_s, chunk2.start_s) == pytest.approx((6.0, 6.5))
+    assert two.step_s == pytest.approx(10.5)
+
+
+def test_predicted_parts_add_up_to_the_step():
+    fc = FcCost(in_features=10, out_features=5, rows=2, local_wgrad_s=0.5, full_wgrad_s=1.0)
+    costs = replace(
+        three_layers(fc), comm_scale=3.0, comm_idle_scale=1.5, peer_delay_s=0.25, comm_cpu_share=0.5
+    )
+    for pred in (
+        predict_ddp(costs, 100, 100),
+        predict_ddp(costs, 1000, 1000),
+        predict_two_chunk(costs, 1, 0),
+        predict_two_chunk(costs, 2, 1),
+    ):
+        assert sum(pred.parts.values()) == pytest.approx(pred.step_s)
+        assert pred.parts["comm_exposed"] >= 0
+
+
+class _RootParameter(torch.nn.Module):
+    """A position embedding on the model itself, as a transformer LM has."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.zeros(8))
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x + self.pos)))
+
+
+def test_parameters_of_a_container_are_a_layer_at_the_input_end():
+    summary = summarize_model(_RootParameter(), torch.zeros(2, 8))
+    # The summary lists the model itself last (its forward ends last) ...
+    assert [layer.name for layer in summary.layers][-1] == ""
+    # ... but its gradient is ready last: it is the first layer, where its forward starts.
+    layers = paper_layers(summary)
+    assert [layer.name for layer in layers] == ["", "a", "b"]
+    assert layers[0].param_names == ("pos",)
+    workload = SimpleNamespace(
+        seed=0, model=_RootParameter, lr=0.1,
+        optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr),
+        example_batch=lambda n, seed=0: (torch.randn(n, 8), torch.randint(2, (n,))),
+        loss=torch.nn.functional.cross_entropy,
+    )
+    times, _update, _data = measure_layer_times(
+        workload, layers, batch=4, device=torch.device("cpu"), threads=1
+    )
+    assert all(t.forward_s >= 0 and t.backward_s >= 0 for t in times)

@@ -1,0 +1,28 @@
+"""`tunekit auto example:hf-gpt2`: a Hugging Face model tuned end to end, every tuner heard."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'tunekit[hf]')")
+
+TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # torch.export capture, a layer profile and 4+ torchrun trials on 2 ranks
+def test_auto_tunes_hf_gpt2_with_all_five_tuners_diagnosing_it(cli, workdir):
+    res = cli("auto", "example:hf-gpt2", "--nproc", "2", "--trials", "2", "--steps", "6",
+              "--warmup", "1", "--no-probe", timeout=840)
+    assert res.returncode == 0, res.stderr + res.stdout
+    report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
+    graph = report["observation"]["graph"]
+    assert graph["method"] == "export", graph
+    # Every tuner diagnosed the job (a crash in diagnose leaves it out of the report) ...
+    assert set(report["diagnoses"]) == TUNERS, report["diagnoses"].keys()
+    for name, d in report["diagnoses"].items():
+        assert d["summary"], name
+    # ... and no trial crashed: a candidate the job cannot run is not planned.
+    trials = report["trials"]
+    assert trials[0]["role"] == "baseline" and trials[0]["status"] == "ok"
+    assert all(t["status"] != "crash" for t in trials), [(t["description"], t["error"]) for t in trials]
