@@ -30,8 +30,10 @@ cached profiles by it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -474,6 +476,20 @@ def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
 
 # -- torch.export path -------------------------------------------------------------------
 
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Silence ``name`` for the block: torch.export logs a whole traceback when the model's
+    own forward fails, which tunekit reports in one line (the WorkloadError) instead."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 # ATen views and copies that only re-lay out their producer's tensor: they fold like reshapes.
 _EXPORT_VIEWS = {"expand", "slice", "select", "to", "clone", "alias", "unsafe_view", "t",
                  "to_copy", "split", "chunk", "unflatten", "expand_as", "lift_fresh_copy",
@@ -726,7 +742,8 @@ def trace_model(
             except Exception as exc:
                 why = f"torch.fx could not trace {type(model).__name__} ({_reason(exc)})"
                 try:
-                    (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
+                    with _quiet_logger("torch._subclasses.fake_tensor"):
+                        (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
                     notice = f"{why}; captured with torch.export instead (ATen-level graph)"
                 except Exception as exc2:
                     notice = (
