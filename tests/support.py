@@ -74,6 +74,46 @@ def rank_sleeps(rank: int, world: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
+# -- running a command under the limits an ordinary user has -------------------------------
+
+_LIMITED = (
+    "import ctypes, os, resource, sys\n"
+    "nofile = int(sys.argv[1])\n"
+    "if nofile:\n"
+    "    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+    "if int(sys.argv[2]) and os.geteuid() == 0:\n"
+    "    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: root obeys file modes too\n"
+    "        if ctypes.CDLL(None).prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP\n"
+    "            sys.exit('cannot drop CAP_DAC_OVERRIDE')\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def limited(cmd: list[str], *, nofile: int = 0, obey_file_modes: bool = False) -> list[str]:
+    """``cmd`` run with at most ``nofile`` open files and, with ``obey_file_modes``, unable to
+    write where file modes forbid it even as root (which the suite may run as): a test can then
+    make a folder read-only with ``chmod`` and have the command meet it as a user would."""
+    return [sys.executable, "-c", _LIMITED, str(nofile), str(int(obey_file_modes)), *cmd]
+
+
+def rank_broadcasts_without_unpickling(rank: int, world: int) -> list:
+    """``broadcast_object`` from each rank in turn, in a rank that refuses to unpickle anything."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from tunekit.runtime.dist import broadcast_object
+
+    class Refuse:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a rank unpickled what another sent")
+
+    saved, c10d._unpickler = c10d._unpickler, Refuse  # what torch's object collectives unpickle with
+    try:
+        return [broadcast_object({"from": src, "plan": [1, 2.5, "x", None], "t": (1, 2)} if rank == src else None,
+                                 src=src) for src in range(world)]
+    finally:
+        c10d._unpickler = saved
+
+
 def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
     """Train ``steps`` steps with the session's default gradient sync; this rank's parameters."""
     import torch.distributed as dist

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import STORE_OPTION, console, err_console, split_names
+from tunekit.cli.common import STORE_OPTION, console, ensure_writable, err_console, split_names
 from tunekit.plugin_loading import load_all, select
 from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
 from tunekit.workload_spec import resolve_spec
@@ -113,6 +113,7 @@ def tui_cmd(
         select(
             load_all(), request.plugins
         )  # an unknown or broken name: one line, before anything starts
+    ensure_writable(store_dir, "the study store folder (--store)")  # the job, studies and logs go there
     if attach_run:
         backend = attach(attach_run, store_dir, device=device)
     else:

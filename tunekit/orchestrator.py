@@ -44,6 +44,7 @@ from tunekit.events import (
     TrialStarted,
 )
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.locks import describe_holder
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
@@ -60,7 +61,7 @@ from tunekit.observe.workload_process import (
     observe_call,
     stand_in_workload,
 )
-from tunekit.plugin_loading import load_all, select
+from tunekit.plugin_loading import load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyCache, StudyRow, TrialRow
 from tunekit.trials.decide import (
@@ -296,8 +297,8 @@ def observe_static(
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
     model = wl.model()
     example = wl.example_batch(wl.batch_size, seed=seed)[0]
+    graph = trace_model(model, example)  # first: a forward pass that fails is one WorkloadError line
     summary = summarize_model(model, example)
-    graph = trace_model(model, example)
     if graph.notice:
         notices.append(graph.notice)
     profile = None
@@ -369,6 +370,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     # The workload's code runs in this child: observation, then (after the baseline trial,
     # which it waits out idle) the tuners' hooks. Its start-up overlaps loading the plugins.
     observer = WorkloadProcess(s.store_dir / OBSERVE_LOG, s.timeout_s)
+    lock = None  # this study's, held until the end
     try:
         await observer.start()
         records = load_all()
@@ -376,6 +378,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        for line in slow_imports([r for r in records if r.name in tuners]):
+            yield Notice(line, "warning")
         paused = False
         if s.pause_run is not None:
             paused, notice = await _pause(held, s.pause_run, s.workload)
@@ -395,6 +399,10 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         for notice in static.notices:
             yield Notice(notice, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
+        lock = store.lock_study(key, spec)  # before anything is reset or planned: one runner per study
+        for other in store.other_runners(key):
+            yield Notice(f"{describe_holder(other)} is running a study of {other.get('workload', 'another workload')} "
+                         "in this store now: its trials and these share this machine, which skews both", "warning")
 
         study = store.latest_study(key, unfinished=True) if s.resume else None
         resumed = study is not None
@@ -412,7 +420,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             store.reset_unfinished(study.id)
             store.set_study(study.id, status="running")
         sid = study.id
-        if len(store.trials(sid)) > 1:  # planned already: no tuner hook will run
+        lock.update(study=sid)
+        if "plans" in (study.observation or {}):  # planned already: no tuner hook will run
             await observer.close()
         done = [t for t in store.trials(sid) if t.done]
         yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done))
@@ -434,7 +443,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             observation["summary"] = _observation_summary(obs)
         yield Observed(observation["summary"])
 
-        if len(store.trials(sid)) == 1:  # not planned yet
+        if "plans" not in observation:  # not planned yet (a plan is written whole or not at all)
             async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation, observer):
                 yield ev
         else:
@@ -472,6 +481,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     finally:
         held.close()
         await observer.close(kill=True)  # already ended, unless the study stopped before planning
+        if lock is not None:
+            lock.release()
         store.close()
 
 
@@ -606,12 +617,14 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
                 corrected_s=e["predicted_s"]))
         planned = schedule(dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
                            run.s.trials, run.s.baseline_every)
-    for seq, pt in enumerate(planned, start=1):
-        store.add_trial(sid, seq=seq, role=pt.role, plugin=pt.plugin, config_id=pt.config.config_id,
-                        config={**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
-                        predicted_s=pt.predicted_s, corrected_s=pt.corrected_s)
+    # After the baseline (and anything run of a part-written plan an older tunekit left).
+    first = max(t.seq for t in store.trials(sid) if t.done or t.seq == 0) + 1
+    rows = [{"seq": seq, "role": pt.role, "plugin": pt.plugin, "config_id": pt.config.config_id,
+             "config": {**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
+             "predicted_s": pt.predicted_s, "corrected_s": pt.corrected_s}
+            for seq, pt in enumerate(planned, start=first)]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
-    store.set_study(sid, observation=observation)
+    store.add_trials(sid, rows, observation=observation, drop_pending=True)  # the schedule and its reasons, at once
 
 
 async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any], obs: Observation, tuners,
@@ -739,10 +752,11 @@ async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners)
         yield Notice(f"winners cannot be combined: {exc}")
         return
     seq = max(t.seq for t in trials) + 1
-    store.add_trial(sid, seq=seq, role=COMBINED, plugin="+".join(sorted(merged.plugins)),
-                    config_id=merged.config_id, config=merged.to_dict())
-    store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
-                    config=TuningConfig().to_dict())
+    store.add_trials(sid, [  # a combined run and its baseline, or neither
+        {"seq": seq, "role": COMBINED, "plugin": "+".join(sorted(merged.plugins)), "config_id": merged.config_id,
+         "config": merged.to_dict()},
+        {"seq": seq + 1, "role": BASELINE, "config_id": TuningConfig().config_id, "config": TuningConfig().to_dict()},
+    ])
     async for ev in _run_pending(run, store, sid, spec, tuners):
         yield ev
 
@@ -766,10 +780,12 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
         if leader is None:
             return
         seq = max(t.seq for t in trials) + 1
-        store.add_trial(sid, seq=seq, role=CONFIRM, plugin=leader["plugin"], config_id=leader["config_id"],
-                        config=leader["config"], predicted_s=leader["predicted_s"])
-        store.add_trial(sid, seq=seq + 1, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
-                        config=TuningConfig().to_dict())
+        store.add_trials(sid, [  # a confirmation and its baseline, or neither
+            {"seq": seq, "role": CONFIRM, "plugin": leader["plugin"], "config_id": leader["config_id"],
+             "config": leader["config"], "predicted_s": leader["predicted_s"]},
+            {"seq": seq + 1, "role": BASELINE, "config_id": TuningConfig().config_id,
+             "config": TuningConfig().to_dict()},
+        ])
         yield Notice(f"confirming the leader, {leader['description']}, with a second run beside the baseline")
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev

@@ -8,21 +8,39 @@ Three separate steps, as flake8 and mkdocs keep them:
 * :func:`classify` checks the result against the contract.
 
 A plugin that fails any step is reported with its package name and the
-error; the others still load. (This module cannot be called ``plugins``: that
-name is the mapped ``tunekit.plugins`` package of built-in tuners.)
+error; the others still load — also when its import calls ``sys.exit``. Each
+import is timed: one that is slow costs every rank of every trial and relaunch
+as much, and is reported (:func:`slow_imports`).
+
+Discovery never looks in the working directory that ``python -m`` and ``-c``
+put first on the import path: ranks are started that way, and a ``*.dist-info``
+folder lying there would be loaded by every rank while ``tunekit plugins`` (a
+console script, without that entry) never showed it. Every process sees the
+plugins installed on its configured path, the same ones.
+(This module cannot be called ``plugins``: that name is the mapped
+``tunekit.plugins`` package of built-in tuners.)
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import sys
+import time
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, distributions
 
 from tunekit import API_VERSION
 from tunekit.contract import Aspect, Tuner
 from tunekit.errors import PluginError
 
 GROUP = "tunekit.plugins"
+SLOW_IMPORT_S = 3.0
+"""An import slower than this is reported: every rank and relaunch pays it again."""
+
+_import_s: dict[str, float] = {}
+"""Seconds each plugin module took to import, measured once per process (later loads hit
+Python's module cache)."""
 
 OK = "ok"
 FAILED = "failed"  # raised while importing or instantiating
@@ -40,6 +58,8 @@ class PluginRecord:
     status: str
     error: str = ""
     tuner: Tuner | None = None
+    import_s: float = 0.0
+    """How long importing it took in this process (the first time)."""
 
     @property
     def ok(self) -> bool:
@@ -54,10 +74,26 @@ class PluginRecord:
         return str(getattr(self.tuner, "aspect", "")) if self.tuner else ""
 
 
+def search_path() -> list[str]:
+    """``sys.path`` without the entry ``python -m``/``-c`` add for the working directory."""
+    path = list(sys.path)
+    if path and not sys.flags.safe_path and path[0] in ("", os.getcwd()):
+        path = path[1:]
+    return path
+
+
 def discover() -> list[EntryPoint]:
     """Entry points of the group, one per name (first registration wins), sorted."""
+    found: list[EntryPoint] = []
+    dists_seen: set[str] = set()
+    for dist in distributions(path=search_path()):
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in dists_seen:  # a distribution shadowed by one earlier on the path
+            continue
+        dists_seen.add(name)
+        found += [ep for ep in dist.entry_points if ep.group == GROUP]
     seen: dict[str, EntryPoint] = {}
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.value)):
+    for ep in sorted(found, key=lambda e: (e.name, e.value)):
         seen.setdefault(ep.name, ep)
     return list(seen.values())
 
@@ -67,15 +103,32 @@ def _package(ep: EntryPoint) -> str:
     return f"{dist.name} {dist.version}" if dist is not None else ep.value.split(":")[0]
 
 
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def load(ep: EntryPoint) -> PluginRecord:
-    """Import and instantiate one plugin; never raises."""
+    """Import and instantiate one plugin; never raises (Ctrl-C aside)."""
     rec = PluginRecord(ep.name, _package(ep), ep.value, status=FAILED)
+    module = ep.value.split(":")[0]
+    started = time.perf_counter()
     try:
         cls = ep.load()
-    except Exception as exc:
-        rec.error = f"import failed: {type(exc).__name__}: {exc}"
+    except (Exception, SystemExit) as exc:  # a plugin's exit must not end tunekit
+        rec.error = f"import failed: {_failure(exc)}"
         return rec
+    finally:
+        _import_s.setdefault(module, time.perf_counter() - started)
+        rec.import_s = _import_s[module]
     return classify(rec, cls)
+
+
+def slow_imports(records: list[PluginRecord]) -> list[str]:
+    """One line for each plugin whose import took longer than ``SLOW_IMPORT_S``."""
+    return [f"plugin {r.name} ({r.package}) took {r.import_s:.1f} s to import; every rank of every trial "
+            "and relaunch pays that again" for r in records if r.import_s > SLOW_IMPORT_S]
 
 
 def classify(rec: PluginRecord, cls: object) -> PluginRecord:
@@ -109,8 +162,8 @@ def classify(rec: PluginRecord, cls: object) -> PluginRecord:
     try:
         tuner = cls()
         knobs = list(tuner.knobs())
-    except Exception as exc:
-        rec.status, rec.error = FAILED, f"{type(exc).__name__}: {exc}"
+    except (Exception, SystemExit) as exc:
+        rec.status, rec.error = FAILED, _failure(exc)
         return rec
     names = [k.name for k in knobs]
     if len(set(names)) != len(names):

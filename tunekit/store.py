@@ -5,7 +5,14 @@ workload's graph hash, the hardware fingerprint and the settings that change
 what a trial measures (ranks, steps); trials are written as they finish;
 expensive measurements (layer profiles, probes) are cached by key.
 
-Everything stored is JSON text; nothing is pickled.
+Everything stored is JSON text; nothing is pickled. A cell that is not valid
+JSON (a damaged store) is a StoreError naming it, never a traceback.
+
+One runner per study: :meth:`Store.lock_study` takes a lock per study key
+(``locks/study-<key>.lock`` beside the database, :mod:`tunekit.locks`) that the
+kernel releases when its holder exits, however it exits; a second runner is
+refused with the holder's pid. Readers that must not change anything
+(``tunekit report``) open the store read-only.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import StoreError
+from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 
 DEFAULT_DIR = ".tunekit"
 DB_NAME = "tunekit.db"
@@ -75,6 +84,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
+TABLES = ("studies", "trials", "cache", "events")
+LOCKS_DIR = "locks"
 FAILED_STATUSES = ("crash", "oom", "hang", "too_slow")
 """A trial ran and measured nothing: it crashed, ran out of memory, stopped
 finishing steps (hang) or outlived the trial timeout while its steps kept
@@ -125,35 +136,63 @@ class TrialRow:
         return self.status in FINISHED_STATUSES
 
 
-def _loads(text: str | None) -> Any:
-    return json.loads(text) if text else None
-
-
 class Store:
-    """A connection to one study store file."""
+    """A connection to one study store file.
 
-    def __init__(self, path: str | Path):
+    ``readonly``: nothing is created, migrated or written (``tunekit report``); a
+    store that lacks a table is refused as damaged instead of repaired.
+    """
+
+    def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
+        self.readonly = readonly
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # Tuners run in worker threads (asyncio.to_thread) one at a time: access is serialised.
-            self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            if readonly:
+                if not self.path.is_file():
+                    raise StoreError(f"no study store at {self.path}")
+                uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
+                self.conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # Tuners run in worker threads (asyncio.to_thread) one at a time: access is serialised.
+                self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA foreign_keys=ON")
+            if not readonly:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA foreign_keys=ON")
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise StoreError(
                     f"study store {self.path} was written by a newer tunekit (schema {version}); upgrade tunekit"
                 )
-            self.conn.executescript(_SCHEMA)
-            self._migrate(version)
-            self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if readonly:
+                self._check_tables()
+            else:
+                self.conn.executescript(_SCHEMA)
+                self._migrate(version)
+                self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self.conn.execute("SELECT count(*) FROM studies").fetchone()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"study store {self.path} is unreadable or corrupt ({exc}); move it aside") from None
         except OSError as exc:
             raise StoreError(f"cannot open study store {self.path}: {exc}") from None
+
+    def _check_tables(self) -> None:
+        found = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        missing = [t for t in TABLES if t not in found]
+        if missing:
+            raise StoreError(f"study store {self.path} is damaged (no table {missing[0]!r}); "
+                             "it was left untouched: move it aside")
+
+    def _loads(self, text: str | None, what: str) -> Any:
+        """A JSON cell; a damaged one is a StoreError that names it."""
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise StoreError(f"study store {self.path} is damaged: {what} is not valid JSON ({exc}); "
+                             "move the store aside or delete that row") from None
 
     def _migrate(self, version: int) -> None:
         """Bring a store written by an older tunekit up to this schema (columns only added)."""
@@ -164,6 +203,38 @@ class Store:
     @classmethod
     def open_default(cls, directory: str | Path | None = None) -> Store:
         return cls(Path(directory or DEFAULT_DIR) / DB_NAME)
+
+    # -- one runner per study --------------------------------------------------------
+
+    def _lock_path(self, key: str) -> Path:
+        return self.path.parent / LOCKS_DIR / f"study-{key}.lock"
+
+    def lock_study(self, key: str, workload: str) -> FileLock:
+        """Hold the studies keyed ``key`` for this process, or raise StoreError naming who does.
+
+        Two runners of one study would run the same pending trials at once, in the
+        same trial folders, and each would time the other's load.
+        """
+        path = self._lock_path(key)
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            return FileLock(path, "tunekit auto", workload=workload).acquire()
+        except LockHeld as exc:
+            study = f"study {exc.holder['study']}" if exc.holder.get("study") else "a study"
+            raise StoreError(f"{study} of {workload} with these settings is being run by "
+                             f"{describe_holder(exc.holder)}; wait for it to finish, or stop it and "
+                             "continue with `tunekit auto --resume`") from None
+        except OSError as exc:
+            raise StoreError(f"cannot lock a study in {path.parent}: {exc.strerror or exc}") from None
+
+    def other_runners(self, key: str) -> list[dict[str, Any]]:
+        """Who runs other studies in this store right now (they share this machine)."""
+        folder = self.path.parent / LOCKS_DIR
+        found = []
+        for path in sorted(folder.glob("study-*.lock")) if folder.is_dir() else []:
+            if path != self._lock_path(key) and (holder := holder_if_held(path)) is not None:
+                found.append(holder)
+        return found
 
     def close(self) -> None:
         self.conn.close()
@@ -233,13 +304,15 @@ class Store:
         with self._tx() as c:
             c.execute(f"UPDATE studies SET {', '.join(cols)} WHERE id = ?", (*vals, study_id))
 
-    @staticmethod
-    def _study(r: sqlite3.Row) -> StudyRow:
+    def _study(self, r: sqlite3.Row) -> StudyRow:
+        where = f"study {r['id']}'s"
         return StudyRow(
             id=r["id"], key=r["key"], workload=r["workload"], graph_hash=r["graph_hash"],
-            hw_fingerprint=r["hw_fingerprint"], nproc=r["nproc"], settings=json.loads(r["settings"]),
+            hw_fingerprint=r["hw_fingerprint"], nproc=r["nproc"],
+            settings=self._loads(r["settings"], f"{where} settings") or {},
             status=r["status"], created=r["created"], finished=r["finished"],
-            observation=_loads(r["observation"]), decision=_loads(r["decision"]),
+            observation=self._loads(r["observation"], f"{where} observation"),
+            decision=self._loads(r["decision"], f"{where} decision"),
         )
 
     # -- trials --------------------------------------------------------------------
@@ -255,6 +328,28 @@ class Store:
                 (study_id, seq, role, plugin, config_id, json.dumps(config), predicted_s, corrected_s),
             )
             return int(cur.lastrowid)
+
+    def add_trials(self, study_id: int, rows: list[dict[str, Any]], observation: dict[str, Any] | None = None,
+                   drop_pending: bool = False) -> None:
+        """Add several trials (each: seq, role, plugin, config_id, config, predicted_s?, corrected_s?)
+        and, with ``observation``, set the study's: all in one transaction. ``drop_pending``
+        first removes the pending trials after the first baseline (a plan being replaced).
+
+        A planned schedule is written whole or not at all: a study interrupted while
+        writing it is planned again on resume, never resumed with part of a plan.
+        """
+        with self._tx() as c:
+            if drop_pending:
+                c.execute("DELETE FROM trials WHERE study_id=? AND seq>0 AND status='pending'", (study_id,))
+            for row in rows:
+                c.execute(
+                    "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
+                    " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
+                    (study_id, row["seq"], row["role"], row.get("plugin"), row["config_id"], json.dumps(row["config"]),
+                     row.get("predicted_s"), row.get("corrected_s")),
+                )
+            if observation is not None:
+                c.execute("UPDATE studies SET observation = ? WHERE id = ?", (json.dumps(observation), study_id))
 
     def replace_pending_candidates(self, study_id: int, rows: list[dict[str, Any]]) -> None:
         """Fill the study's pending candidate slots with ``rows``, in one transaction.
@@ -330,10 +425,12 @@ class Store:
         return [
             TrialRow(
                 id=r["id"], study_id=r["study_id"], seq=r["seq"], role=r["role"], plugin=r["plugin"],
-                config_id=r["config_id"], config=json.loads(r["config"]), predicted_s=r["predicted_s"],
+                config_id=r["config_id"], config=self._loads(r["config"], f"trial {r['id']}'s config") or {},
+                predicted_s=r["predicted_s"],
                 status=r["status"], median_s=r["median_s"], spread_s=r["spread_s"],
-                samples_per_s=r["samples_per_s"], result=_loads(r["result"]), error=r["error"],
-                started=r["started"], finished=r["finished"], corrected_s=r["corrected_s"],
+                samples_per_s=r["samples_per_s"], result=self._loads(r["result"], f"trial {r['id']}'s result"),
+                error=r["error"], started=r["started"], finished=r["finished"],
+                corrected_s=r["corrected_s"] if "corrected_s" in r.keys() else None,  # noqa: SIM118 (schema 1, read-only)
             )
             for r in rows
         ]
@@ -342,7 +439,7 @@ class Store:
 
     def cache_get(self, key: str) -> Any:
         rows = self._query("SELECT value FROM cache WHERE key = ?", (key,))
-        return json.loads(rows[0]["value"]) if rows else None
+        return self._loads(rows[0]["value"], f"cache entry {key!r}") if rows else None
 
     def cache_put(self, key: str, value: Any) -> None:
         with self._tx() as c:
@@ -365,7 +462,8 @@ class Store:
 
     def events(self, study_id: int) -> list[dict[str, Any]]:
         rows = self._query("SELECT ts, kind, payload FROM events WHERE study_id = ? ORDER BY id", (study_id,))
-        return [{"ts": r["ts"], "kind": r["kind"], "payload": json.loads(r["payload"])} for r in rows]
+        return [{"ts": r["ts"], "kind": r["kind"], "payload": self._loads(r["payload"], f"a {r['kind']!r} event")}
+                for r in rows]
 
 
 class StudyCache:

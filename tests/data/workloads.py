@@ -218,6 +218,13 @@ def chatty() -> Workload:
     return w
 
 
+def forward_fails() -> Workload:
+    """Builds fine; its forward pass fails on every batch (16 features into a layer that takes 15)."""
+    w = tiny()
+    w.model = lambda: nn.Sequential(nn.Linear(15, 4), nn.ReLU(), nn.Linear(4, 2))
+    return w
+
+
 def featured() -> Workload:
     """A small MLP with every training feature on: accumulation, a warm-up schedule,
     clipping (mixed precision is tested on its own: bf16 is not "the same mathematics")."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -118,6 +119,37 @@ def _wait_until_gone(trials: Path, timeout: float) -> None:
     while alive := live_rank_pids(trials):
         assert time.monotonic() < deadline, f"trial processes still running: {alive}"
         time.sleep(0.5)
+
+
+@pytest.mark.busy_ok
+def test_ctrl_c_stops_auto_in_one_line_with_the_command_that_resumes(workdir):
+    args = ["auto", f"{WORKLOADS}:tiny", "--plugins", "overlap_chunking", "--trials", "2", "--no-probe", *FAST]
+    proc = subprocess.Popen([sys.executable, "-m", "tunekit", *args], cwd=workdir, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("observed:"):  # the baseline is done; candidates are next
+            time.sleep(2)
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted; the study is saved"), err
+    command = lines[0].split("`")[1]
+    assert command.startswith("tunekit auto ") and command.endswith(" --resume")
+    conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
+    assert conn.execute("SELECT status FROM studies").fetchone() == ("interrupted",)
+    conn.close()
+    # The command it gives continues the same study.
+    again = subprocess.Popen([sys.executable, "-m", "tunekit", *shlex.split(command)[1:], "--json"], cwd=workdir,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = next(json.loads(ln) for ln in again.stdout if '"StudyStarted"' in ln)
+        assert started["resumed"] and started["study_id"] == 1
+    finally:
+        again.kill()
+        again.wait()
 
 
 def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(cli, workdir, chaos_env):

@@ -77,7 +77,8 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
     # example:cnn (batch 32): light_cnn's batch of 8 makes step-to-step loss too noisy for the check below.
-    proc = start_run(tmp_path, "example:cnn", "--name", "elastic")  # until stopped
+    # --min-effect 1: the relaunches are watched, and neither may be rolled back whatever it measures.
+    proc = start_run(tmp_path, "example:cnn", "--name", "elastic", "--min-effect", "1")  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
     for n in (1, 2):
@@ -186,7 +187,7 @@ def test_a_failing_hook_is_rolled_back_with_its_reason(live):
         ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"nope": 1}}}}, "unknown knob 'nope'"),
         ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": -3}}}}, "out of range"),
         ({"op": "apply", "config": {"plugins": {"not_installed": {}}}}, "not installed"),
-        ({"op": "apply", "config": "fast please"}, "expected a JSON object"),
+        ({"op": "apply", "config": "fast please"}, "config must be an object"),
         ({"op": "apply", "config": {"plugins": {}}, "nproc": 0}, "nproc must be an integer"),
     ],
 )
@@ -273,3 +274,52 @@ def test_subscribe_streams_metrics(live):
     stream = client(rd).subscribe()
     first, second = next(stream), next(stream)
     assert second["step"] == first["step"] + 1 and second["loss"] > 0
+
+
+# The tests below relaunch the job: they come last.
+
+
+def test_a_relaunch_apply_is_watched_and_a_slower_one_rolled_back(live):
+    cwd, rd, env = live
+    before = rd.read_status()
+    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', "--nproc", "1", cwd=cwd,
+                  env_extra=env, timeout=400)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "relaunching with 1 rank(s)" in res.stdout and "rolled back" in res.stdout
+    assert "slower beyond noise" in res.stdout
+    st = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == before["world_size"])
+    assert st["config"]["plugins"] == before["config"]["plugins"]
+    relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"][-2:]
+    assert [(e["nproc"], e["source"]) for e in relaunches] == [(1, "user"), (before["world_size"], "watch")]
+
+
+def test_a_relaunch_apply_can_be_rolled_back_by_hand(live):
+    cwd, rd, env = live
+    world = rd.read_status()["world_size"]
+    # A watch too long to reach a verdict during the test: the rollback is the user's.
+    res = run_cli("apply", "job", "{}", "--nproc", "1", "--watch", "10000", "--no-wait", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    st = wait_step_on(rd, 1)
+    assert st["watch"]["state"] == "watching" and st["watch"]["prev_nproc"] == world
+    res = run_cli("rollback", "job", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"relaunching with {world} rank(s)" in res.stdout
+    st = wait_step_on(rd, world)
+    assert st["watch"]["state"] == "rolled_back"
+
+
+def wait_step_on(rd: RunDir, world: int) -> dict:
+    at = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == world)["step"]
+    return wait_step(rd, at + 2)
+
+
+def test_apply_reports_a_crash_under_the_new_config_at_once(live):
+    cwd, rd, env = live
+    before = rd.read_status()["config"]
+    # Well within the 300 s apply once waited before giving up with an unrelated error.
+    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "raise"}}}', cwd=cwd, env_extra=env, timeout=250)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "rolled back" in res.stdout and "the job crashed under the new config" in res.stdout
+    assert "chaos: injected failure" in res.stdout
+    st = wait_step(rd, rd.read_status().get("step", 0) + 2)
+    assert st["config"] == before and st["watch"]["state"] == "rolled_back"

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, split_names
+from tunekit.cli.common import (
+    DURATION,
+    STORE_OPTION,
+    Interrupted,
+    Table,
+    console,
+    ensure_writable,
+    split_names,
+)
 from tunekit.config import TuningConfig
 from tunekit.events import (
     BUDGET_SKIP,
@@ -80,6 +89,8 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     if keep_running and not apply_run:
         raise click.UsageError("--keep-running goes with --apply RUN")
     run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
+    ensure_writable(store_dir, "the study store folder (--store)")
+    ensure_writable(out_dir, "the report folder (--out)")
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
     from tunekit.orchestrator import AutoSettings
     from tunekit.trials.launcher import LaunchOptions
@@ -93,14 +104,40 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
     )
-    decision = asyncio.run(_drive(settings, as_json))
+    try:
+        decision = asyncio.run(_drive(settings, as_json))
+    except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
+        raise Interrupted(f"interrupted; the study is saved: continue it with `{resume_command()}`") from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)
+
+
+def resume_command() -> str:
+    """This ``tunekit auto`` command line as given, with ``--resume``."""
+    ctx = click.get_current_context()
+    parts = ["tunekit", "auto"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            parts.append(shlex.quote(str(value)))
+        elif param.name != "resume" and value not in (None, (), False) and value != param.default:
+            opt = max(param.opts, key=len)
+            values = value if param.multiple else [value]
+            parts += [opt] if param.is_flag else [f"{opt} {shlex.quote(str(v))}" for v in values]
+    return " ".join([*parts, "--resume"])
+
+
+def _quiet_cancellation(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Ctrl-C cancels the trial in flight: its cancellation is expected, not an error to print."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
 
 
 async def _drive(settings, as_json: bool) -> dict | None:
     from tunekit.orchestrator import run_auto
 
+    asyncio.get_running_loop().set_exception_handler(_quiet_cancellation)
     decision = None
     if as_json:
         async for ev in run_auto(settings):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import click
 import rich.table
 from rich.console import Console
+
+from tunekit.errors import TunekitError
 
 PIPE_WIDTH = 240
 """Columns tables may use when the output is not a terminal (a file, a pipe, a CI log):
@@ -36,6 +39,31 @@ class Table(rich.table.Table):
     def add_column(self, *args, **kwargs) -> None:
         kwargs.setdefault("overflow", "fold")
         super().add_column(*args, **kwargs)
+
+
+
+class Interrupted(TunekitError):
+    """Ctrl-C: said in one line with the command that continues the work."""
+
+    exit_code = 130
+
+
+def ensure_writable(folder: Path, what: str) -> Path:
+    """Make ``folder`` (with its parents) and check that files can be created in it.
+
+    Before long work, not after it: a read-only working directory fails in one line.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise TunekitError(f"cannot write {what} {folder}: {reason} (give another folder, or run from a "
+                           "writable working directory)") from None
+    return folder
+
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s|ms)?")
 _UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, None: 1.0}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import STORE_OPTION, Table, console
+from tunekit.cli.common import STORE_OPTION, Table, console, ensure_writable
 from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 
@@ -48,6 +48,11 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
     """
     from tunekit.observe.probe import hardware_to_toml, probe_hardware
 
+    # Where the results go must be writable before minutes of measuring, not after.
+    if not no_store:
+        ensure_writable(store_dir, "the study store folder (--store)")
+    if save is not None:
+        ensure_writable(save.parent, "the folder of --save")
     with console.status(f"measuring collectives on {nproc} ranks"):
         result = probe_hardware(nproc, repeats=repeats)
     hw = result.hardware

@@ -11,6 +11,7 @@ instead of paying for torch.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from importlib.metadata import entry_points
@@ -56,6 +57,11 @@ SUMMARIES = {
 }
 """Each core command's first help line, so that ``tunekit --help`` imports none of them
 (most import torch: 2 s). A test keeps these equal to the commands' own."""
+
+
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+"""Filesystem errors the machine causes (permissions, a read-only or full disk), not tunekit:
+one line, like bad input, wherever they surface."""
 
 
 def _extension_commands() -> dict[str, object]:
@@ -114,11 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except TunekitError as exc:
         # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        err_console.print(f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
+                          highlight=False)
         return exc.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            raise  # anything else is a bug in tunekit: keep its traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        err_console.print(f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}", highlight=False)
+        return 2
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from tunekit.cli.common import Table, console
-from tunekit.plugin_loading import load_all
+from tunekit.plugin_loading import load_all, slow_imports
 
 
 @click.command("plugins")
@@ -20,6 +20,8 @@ def plugins_cmd(knobs: bool) -> None:
         status = "[green]ok[/]" if r.ok else f"[red]{r.status}[/]: {r.error}"
         table.add_row(r.name, r.aspect or "—", r.title or "—", r.package, status)
     console.print(table)
+    for line in slow_imports(records):
+        console.print(f"[yellow]slow:[/] {line}")
     if knobs:
         for r in records:
             if not r.ok:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tunekit.cli.common import DURATION, Table, console
+from tunekit.cli.common import DURATION, Table, console, ensure_writable
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
 from tunekit.workload_spec import resolve_spec
@@ -65,6 +65,7 @@ def profile_cmd(workload, nproc, steps, warmup, out_dir, device, top, timeout_s)
     summary and py-spy hot spots; writes profile.json, telemetry.json and the
     ranks' Chrome traces (open them in Perfetto) under --out.
     """
+    ensure_writable(out_dir, "the profile folder (--out)")  # before the profile, not after it
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
     from tunekit.observe.kineto import start_profiler_in_main_thread
     from tunekit.observe.profile_job import ProfileOptions, profile_job

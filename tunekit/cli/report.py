@@ -27,7 +27,7 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
     db = store_dir / "tunekit.db"
     if not db.exists():
         raise click.UsageError(f"no study store at {db}; run `tunekit auto` first or pass --store")
-    store = Store(db)
+    store = Store(db, readonly=True)  # a report never changes the store, damaged or not
     try:
         if list_studies:
             table = Table(title=f"studies in {db}", title_justify="left")

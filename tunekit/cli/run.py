@@ -9,11 +9,19 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import STORE_OPTION, console
+from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable
 from tunekit.config import TuningConfig, check_batch
-from tunekit.errors import ConfigError, ControlError
+from tunekit.errors import ConfigError
+from tunekit.runtime.control import JobNotRunning
 from tunekit.runtime.rundir import RunDir
-from tunekit.runtime.supervisor import client, create_run, prepare_resume, supervise, wait_for
+from tunekit.runtime.supervisor import (
+    client,
+    create_run,
+    prepare_resume,
+    supervise,
+    supervising,
+    wait_for,
+)
 
 CONFIG_FORMS = """CONFIG is one of: PLUGIN.knob=value pairs (`tunekit plan` prints them),
 e.g. `overlap_chunking.mode=two_chunk overlap_chunking.k=9`; a config file
@@ -57,16 +65,28 @@ def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window,
         if workload:
             raise click.UsageError("give WORKLOAD or --resume RUN, not both")
         rd = RunDir.find(resume, store_dir)
-        ckpt = prepare_resume(rd)
-        console.print(f"resuming run [bold]{rd.run_id}[/] from {ckpt.name}")
     else:
         if not workload:
             raise click.UsageError("missing WORKLOAD (or --resume RUN)")
         config = read_config(config_path) if config_path else None
+        ensure_writable(store_dir, "the study store folder (--store)")
         rd = create_run(store_dir, workload, nproc=nproc, config=config, steps=steps,
                         checkpoint_every=checkpoint_every, watch_window=watch_window, min_effect=min_effect,
                         device=device, name=name)
-        console.print(f"run [bold]{rd.run_id}[/] in {rd.path}")
+    with supervising(rd):  # one supervisor and one job per run, or a one-line refusal
+        if resume:
+            ckpt = prepare_resume(rd)
+            console.print(f"resuming run [bold]{rd.run_id}[/] from {ckpt.name}")
+        else:
+            console.print(f"run [bold]{rd.run_id}[/] in {rd.path}")
+        code = _supervise_with_progress(rd)
+    st = rd.read_status()
+    console.print(f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
+                  + (f": {st['error']}" if st.get("error") else ""))
+    raise SystemExit(code)
+
+
+def _supervise_with_progress(rd: RunDir) -> int:
     total = rd.read_run().get("steps")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
@@ -83,16 +103,18 @@ def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window,
         events = rd.read_events()
         for ev in events[seen_events[0]:]:
             if ev["kind"] not in ("started",):
+                # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
+                # read as a closing tag and end the supervisor with a MarkupError.
                 progress.console.print(f"  {ev['kind']}: " + ", ".join(
-                    f"{k}={v}" for k, v in ev.items() if k in ("step", "nproc", "reason", "error")))
+                    f"{k}={v}" for k, v in ev.items() if k in ("step", "nproc", "reason", "error")), markup=False)
         seen_events[0] = len(events)
 
-    with progress:
-        code = supervise(rd, on_tick=tick)
-    st = rd.read_status()
-    console.print(f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
-                  + (f": {st['error']}" if st.get("error") else ""))
-    raise SystemExit(code)
+    try:
+        with progress:
+            return supervise(rd, on_tick=tick)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; the run checkpointed and stopped: continue it with "
+                          f"`tunekit run --resume {rd.run_id}`") from None
 
 
 def _find(run: str, store_dir: Path) -> RunDir:
@@ -127,20 +149,19 @@ def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, wat
         body["watch"] = watch
     reply = client(rd).request("apply", **body)
     if reply.get("relaunching"):
-        n = reply["nproc"]
-        msg = f"relaunching with {n} rank(s) from step {reply['step']}"
-        if wait:
-            st = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == n and s.get("step", 0) >= reply["step"])
-            msg += f"; running again at step {st['step']}"
-        return {"message": msg, **reply}
-    msg = f"applied at step {reply['step']}"
+        msg = f"relaunching with {reply['nproc']} rank(s) from step {reply['step']}"
+    else:
+        msg = f"applied at step {reply['step']}"
     if not wait:
         return {"message": msg + "; watching", **reply}
+
     def verdict(s: dict) -> bool:  # this apply's watch, not an earlier one still in status.json
         w = s.get("watch") or {}
         mine = w.get("applied_at") == reply["step"]
         return (mine and w.get("state") != "watching") or s.get("status") in ("finished", "stopped")
 
+    # A relaunch is watched in the relaunched job; a crash under the change is rolled back by
+    # the supervisor, which leaves its verdict in status.json: either way the verdict comes.
     st = wait_for(rd, verdict)
     w = st.get("watch") or {}
     rolled = w.get("state") in ("rolled_back", "rolling_back")
@@ -156,7 +177,7 @@ def status_cmd(run, as_json, store_dir):
     rd = _find(run, store_dir)
     try:
         st = client(rd, timeout_s=10).request("status")
-    except ControlError:
+    except JobNotRunning:
         st = rd.read_status()  # not running: the last status it wrote
     if as_json:
         click.echo(json.dumps(st, indent=2, default=str))
@@ -201,7 +222,10 @@ def trial_cmd(run, config, window, store_dir):
 def rollback_cmd(run, store_dir):
     """Go back to the config RUN had before its last apply."""
     r = client(_find(run, store_dir)).request("rollback")
-    console.print(f"rolled back at step {r.get('step')}")
+    if r.get("relaunching"):
+        console.print(f"rolling back: relaunching with {r['nproc']} rank(s) from step {r.get('step')}")
+    else:
+        console.print(f"rolled back at step {r.get('step')}")
 
 
 @click.command("stop")

@@ -30,8 +30,10 @@ cached profiles by it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -41,7 +43,6 @@ import torch
 import torch.fx
 from torch import nn
 from torch.fx.operator_schemas import normalize_function
-from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode
 
 from tunekit.errors import WorkloadError
@@ -396,8 +397,13 @@ class _ParamLedger:
 # -- fx path ---------------------------------------------------------------------------
 
 
-class _CountingShapeProp(ShapeProp):
-    """Shape propagation that also records each node's output and its FLOPs."""
+class _CountingShapeProp(torch.fx.Interpreter):
+    """Shape propagation that also records each node's output and its FLOPs.
+
+    An Interpreter rather than torch.fx's ShapeProp, which prints a whole
+    traceback to stderr when a node fails: a workload whose forward pass fails
+    is reported in one line (the caller's WorkloadError), nothing more.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode):
         super().__init__(gm)
@@ -417,7 +423,7 @@ def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
     gm = torch.fx.symbolic_trace(model)
     with FlopCounterMode(display=False) as counter:
         prop = _CountingShapeProp(gm, counter)
-        prop.propagate(*args)
+        prop.run(*args)
     modules = dict(gm.named_modules())
     ledger = _ParamLedger()
     nodes: dict[str, GraphNode] = {}
@@ -469,6 +475,20 @@ def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
 
 
 # -- torch.export path -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Silence ``name`` for the block: torch.export logs a whole traceback when the model's
+    own forward fails, which tunekit reports in one line (the WorkloadError) instead."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
 
 # ATen views and copies that only re-lay out their producer's tensor: they fold like reshapes.
 _EXPORT_VIEWS = {"expand", "slice", "select", "to", "clone", "alias", "unsafe_view", "t",
@@ -722,7 +742,8 @@ def trace_model(
             except Exception as exc:
                 why = f"torch.fx could not trace {type(model).__name__} ({_reason(exc)})"
                 try:
-                    (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
+                    with _quiet_logger("torch._subclasses.fake_tensor"):
+                        (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
                     notice = f"{why}; captured with torch.export instead (ATen-level graph)"
                 except Exception as exc2:
                     notice = (

@@ -1,8 +1,10 @@
 """The live job's control channel: newline-delimited JSON over a Unix socket.
 
-Rank 0 serves the socket (mode 0600) in the run directory. Every request
-carries the run's token (a 0600 file beside the socket) and is one JSON
-object on one line; nothing is ever unpickled. Requests:
+Rank 0 serves the socket (mode 0600) in the run directory, or in a private
+folder when that path is too long for a socket. Every request carries the
+run's token (a 0600 file in the run directory) and is one JSON object on one
+line; nothing is ever unpickled. A client sends the token only to a socket its
+own user owns and serves. Requests (every field is checked, unknown ones refused):
 
     {"token": T, "op": "status"}
     {"token": T, "op": "subscribe"}                      -> a stream of {"metric": {...}} lines
@@ -16,6 +18,12 @@ Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
 Requests that change the job are queued and carried out by the training loop
 at the next step boundary; the reply comes when they took effect.
 
+A connection must send its request within ``READ_TIMEOUT_S`` (``CROWDED_READ_TIMEOUT_S``
+while over half the connections are taken, so that idle ones cannot keep the
+job's owner out for long); at most
+``MAX_CONNECTIONS`` are served at once and the rest are told the job is busy
+(clients retry), so no client can starve the training rank of threads or files.
+
 A pause is a lease held by its connection: every rank waits at a step boundary
 from the reply on, and training resumes when the client closes the connection
 (or sends another line), so a tuner that dies can never leave the job paused.
@@ -24,13 +32,18 @@ from the reply on, and training resumes when the client closes the connection
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import os
 import queue
 import socket
 import socketserver
+import stat
+import struct
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,24 +52,123 @@ from typing import Any
 from tunekit.errors import ControlError
 
 MAX_MESSAGE = 1 << 20  # one request line, at most 1 MiB
+MAX_DIGITS = 30  # an integer in a request (no knob needs more)
+MAX_CONNECTIONS = 64  # served at once; more are told the job is busy
+BACKLOG = 256  # connections the kernel queues before the server accepts them
+READ_TIMEOUT_S = 10.0  # for the request line; a client that says nothing is dropped
+CROWDED_READ_TIMEOUT_S = 1.0  # the same while over half the connections are taken
 OPS = ("status", "subscribe", "apply", "rollback", "trial", "stop", "pause")
 RESUME = "resume"  # queued by the server when a pause's connection ends; not a client op
+BUSY = "busy"  # the start of the refusal a client may retry
+
+
+class JobNotRunning(ControlError):
+    """No job serves the run's socket (it stopped, crashed, or has not started)."""
 
 
 def encode(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, default=str) + "\n").encode()
 
 
+class _Refused(ValueError):
+    """A request that is not acceptable JSON for this channel."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Refused(f"number {text[:20]} is out of range")
+    return value
+
+
+def _short_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise _Refused(f"an integer with {len(text)} characters has too many digits (at most {MAX_DIGITS})")
+    return int(text)
+
+
 def decode(line: bytes) -> dict[str, Any]:
+    """One request or reply line as a dict; ValueError with one line when it is not one.
+
+    Strict JSON: no NaN or Infinity, no float that overflows, no integer longer
+    than any request needs, no nesting deeper than the parser's stack.
+    """
     if len(line) > MAX_MESSAGE:
         raise ValueError(f"message larger than {MAX_MESSAGE} bytes")
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_short_int)
+    except _Refused as exc:
+        raise ValueError(f"malformed JSON: {exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("malformed JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("a request must be a JSON object")
     return obj
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a request: its JSON type, and its range or length."""
+
+    kind: type
+    required: bool = False
+    low: int | None = None
+    high: int | None = None
+    max_len: int | None = None
+
+    def problem(self, name: str, value: Any) -> str | None:
+        if self.kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
+            return None if ok else f"{name} must be an integer between {self.low} and {self.high}, not {value!r:.40}"
+        if self.kind is str:
+            if not isinstance(value, str):
+                return f"{name} must be a string, not {value!r:.40}"
+            return None if len(value) <= self.max_len else f"{name} is longer than {self.max_len} characters"
+        return None if isinstance(value, dict) else f"{name} must be an object, not {value!r:.40}"
+
+
+REQUEST_FIELDS: dict[str, dict[str, Field]] = {
+    "status": {},
+    "subscribe": {},
+    "rollback": {},
+    "stop": {},
+    "pause": {"reason": Field(str, max_len=1000)},  # status shows the first 200 characters
+    "apply": {"config": Field(dict, required=True), "nproc": Field(int, low=1, high=1024),
+              "watch": Field(int, low=2, high=10_000)},
+    "trial": {"config": Field(dict, required=True), "window": Field(int, low=2, high=10_000)},
+}
+"""Every field each op takes besides ``token`` and ``op``; anything else is refused."""
+
+
+def check_fields(msg: dict[str, Any]) -> str | None:
+    """Why ``msg`` (with a known op) is not a well-formed request, or None."""
+    fields = REQUEST_FIELDS[msg["op"]]
+    for name in msg:
+        if name not in fields and name not in ("token", "op"):
+            allowed = ", ".join(fields) or "none"
+            return f"unknown field {name!r:.40} for {msg['op']} (it takes: {allowed})"
+    for name, f in fields.items():
+        if name not in msg:
+            if f.required:
+                return f"missing field {name!r} for {msg['op']}"
+            continue
+        problem = f.problem(name, msg[name])
+        if problem:
+            return problem
+    return None
+
+
+def _same_token(given: Any, expected: str) -> bool:
+    if not isinstance(given, str):
+        return False
+    # As bytes: compare_digest refuses non-ASCII text, and JSON may carry lone surrogates.
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 @dataclass
@@ -73,8 +185,75 @@ class Request:
         self.done.set()
 
 
+class _Server(socketserver.ThreadingUnixStreamServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them; no tracebacks.
+
+    Over the limit a connection is told the job is busy and closed at once, so
+    that no number of clients, idle or not, can use up the rank's file
+    descriptors or threads (a training rank that cannot open a file crashes).
+    """
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = BACKLOG
+
+    def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]):
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._count_lock = threading.Lock()
+        self.active = 0  # connections holding a slot
+        super().__init__(path, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._take_slot():
+            with contextlib.suppress(OSError):
+                request.settimeout(0.5)
+                request.sendall(encode({"ok": False, "error": f"{BUSY}: {MAX_CONNECTIONS} connections are open; "
+                                                              "try again"}))
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread was started to give the slot back
+            self._give_slot()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._give_slot()
+
+    def _take_slot(self) -> bool:
+        if not self.slots.acquire(blocking=False):
+            return False
+        with self._count_lock:
+            self.active += 1
+        return True
+
+    def _give_slot(self) -> None:
+        with self._count_lock:
+            self.active -= 1
+        self.slots.release()
+
+    @property
+    def read_timeout(self) -> float:
+        """How long a new connection may take to send its request."""
+        return CROWDED_READ_TIMEOUT_S if self.active > MAX_CONNECTIONS // 2 else READ_TIMEOUT_S
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # the client went away or stopped reading: nothing to say
+            return
+        print(f"tunekit control: a request failed ({type(exc).__name__}: {exc})"[:300], file=sys.stderr, flush=True)
+
+
 class ControlServer:
-    """Rank 0's socket server. The training loop polls :meth:`next_request`."""
+    """Rank 0's socket server. The training loop polls :meth:`next_request`.
+
+    ``socket_path`` must lie in a folder only this user can write (see
+    :meth:`tunekit.runtime.rundir.RunDir.choose_socket_path`): nobody else can
+    then replace the socket, or a symlink to it, between bind and use.
+    """
 
     def __init__(
         self,
@@ -99,16 +278,20 @@ class ControlServer:
         server = self
 
         class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                server._handle(self.rfile, self.wfile)
+            timeout = READ_TIMEOUT_S
 
-        old = os.umask(0o177)  # the socket is created 0600
+            def setup(self) -> None:
+                self.timeout = self.server.read_timeout  # shorter while crowded
+                super().setup()
+
+            def handle(self) -> None:
+                server._handle(self.connection, self.rfile, self.wfile)
+
+        old = os.umask(0o177)  # the socket is created 0600 (no chmod after: it would follow a symlink)
         try:
-            self._server = socketserver.ThreadingUnixStreamServer(str(self.socket_path), Handler)
+            self._server = _Server(str(self.socket_path), Handler)
         finally:
             os.umask(old)
-        os.chmod(self.socket_path, 0o600)
-        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="tunekit-control", daemon=True)
         self._thread.start()
 
@@ -138,34 +321,43 @@ class ControlServer:
         with self._written:
             self._written.wait_for(lambda: self._unwritten == 0, timeout=wait_s)
         self._server.server_close()
-        self.socket_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder that became read-only keeps a dead socket
+            self.socket_path.unlink(missing_ok=True)
 
     # -- connection side -----------------------------------------------------------------
 
-    def _handle(self, rfile, wfile) -> None:
-        line = rfile.readline(MAX_MESSAGE + 1)
+    def _handle(self, conn: socket.socket, rfile, wfile) -> None:
+        try:
+            line = rfile.readline(MAX_MESSAGE + 1)
+        except TimeoutError:
+            wfile.write(encode({"ok": False, "error": f"no request within {conn.gettimeout():.0f} s"}))
+            return
         try:
             msg = decode(line)
         except ValueError as exc:
             wfile.write(encode({"ok": False, "error": str(exc)}))
             return
-        token = msg.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
+        if not _same_token(msg.get("token"), self.token):
             wfile.write(encode({"ok": False, "error": "wrong or missing token"}))
             return
         op = msg.get("op")
         if op not in OPS:
-            wfile.write(encode({"ok": False, "error": f"unknown op {op!r}; one of {', '.join(OPS)}"}))
+            wfile.write(encode({"ok": False, "error": f"unknown op {op!r:.40}; one of {', '.join(OPS)}"}))
+            return
+        problem = check_fields(msg)
+        if problem is None and op not in ("status", "subscribe"):
+            try:
+                problem = self.validate(msg)
+            except Exception as exc:  # a plugin's own check broke: refuse, and keep serving
+                problem = f"cannot check the request: {type(exc).__name__}: {exc}"
+        if problem:
+            wfile.write(encode({"ok": False, "error": " ".join(problem.split())[:300]}))
             return
         if op == "status":
             wfile.write(encode({"ok": True, **self.status()}))
             return
         if op == "subscribe":
             self._stream(wfile)
-            return
-        problem = self.validate(msg)
-        if problem:
-            wfile.write(encode({"ok": False, "error": problem}))
             return
         req = Request(op, msg)
         with self._lock:
@@ -182,6 +374,7 @@ class ControlServer:
                 self._unwritten -= 1
                 self._written.notify_all()
             if op == "pause":
+                conn.settimeout(None)  # held for as long as the client keeps the connection
                 self._hold(req, rfile, granted=bool(req.reply and req.reply.get("ok")))
 
     def _hold(self, req: Request, rfile, granted: bool) -> None:
@@ -210,30 +403,108 @@ class ControlServer:
                     continue
                 wfile.write(encode({"metric": item}))
                 wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:  # the subscriber went away
             pass
         finally:
             with self._lock:
                 self._subscribers.remove(q)
 
 
+def check_socket_owner(path: Path) -> None:
+    """Refuse a socket that is not this user's own (another user could read the token)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise JobNotRunning(f"the run is not running (no control socket at {path})") from None
+    except OSError as exc:
+        raise ControlError(f"cannot reach the control socket {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlError(f"{path} is not a socket; not sending the run's token there")
+    if st.st_uid != os.geteuid():
+        raise ControlError(f"control socket {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+                           "not sending the run's token there")
+
+
+def check_peer(sock: socket.socket, path: Path) -> None:
+    """Refuse a connection whose server runs as another user (Linux: SO_PEERCRED)."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:
+        return
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
+    if uid != os.geteuid():
+        raise ControlError(f"the process serving {path} runs as uid {uid}, not as you (uid {os.geteuid()}); "
+                           "not sending the run's token there")
+
+
 class ControlClient:
-    """Talks to a run's control socket."""
+    """Talks to a run's control socket, and only to one its own user serves."""
 
     def __init__(self, socket_path: Path, token: str, timeout_s: float = 600.0):
         self.socket_path = Path(socket_path)
         self.token = token
         self.timeout_s = timeout_s
 
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
-        try:
-            sock.connect(str(self.socket_path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            sock.close()
-            raise ControlError(f"the run is not running (no control socket at {self.socket_path})") from None
-        return sock
+    def _connect(self, deadline: float) -> socket.socket:
+        """A connection to the job's own socket, retried while its queue is full."""
+        check_socket_owner(self.socket_path)
+        delay = 0.01
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(str(self.socket_path))
+                check_peer(sock, self.socket_path)
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                raise JobNotRunning(f"the run is not running (no control socket at {self.socket_path})") from None
+            except BlockingIOError:  # the listen queue is full: the job is busy, not gone
+                sock.close()
+            except OSError as exc:
+                sock.close()
+                raise ControlError(f"cannot reach the job at {self.socket_path}: {exc}") from None
+            except BaseException:
+                sock.close()
+                raise
+            if time.monotonic() + delay > deadline:
+                raise ControlError(f"the job at {self.socket_path} stayed too busy to connect to")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    @contextlib.contextmanager
+    def _open(self, message: bytes) -> Iterator[tuple[socket.socket, Any, dict[str, Any]]]:
+        """Connect, send ``message``, read the first reply; a busy job is tried again."""
+        deadline = time.monotonic() + min(self.timeout_s, 60.0)
+        delay = 0.05
+        while True:
+            sock = self._connect(deadline)
+            with sock, sock.makefile("rb") as f:
+                try:
+                    try:
+                        sock.sendall(message if message.endswith(b"\n") else message + b"\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # a busy job answers and hangs up unread: its reply is still there to read
+                    line = f.readline(MAX_MESSAGE + 1)
+                except TimeoutError:
+                    raise ControlError(f"the job did not answer within {self.timeout_s:.0f} s") from None
+                except OSError as exc:
+                    line = b""
+                    if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                        raise ControlError(f"lost the connection to the job: {exc}") from None
+                if not line:
+                    raise ControlError("the job closed the connection without a reply")
+                try:
+                    reply = decode(line)
+                except ValueError as exc:
+                    raise ControlError(f"the job sent a reply that is not JSON ({exc})") from None
+                busy = not reply.get("ok") and str(reply.get("error", "")).startswith(BUSY)
+                if not busy:
+                    yield sock, f, reply
+                    return
+            if time.monotonic() + delay > deadline:
+                raise ControlError(str(reply.get("error")))
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def request(self, op: str, **body: Any) -> dict[str, Any]:
         """Send one request and return the reply; a refusal raises ControlError."""
@@ -245,13 +516,8 @@ class ControlClient:
     def raw(self, message: dict[str, Any] | bytes) -> dict[str, Any]:
         """Send a message as given (tests use this for malformed input)."""
         data = message if isinstance(message, bytes) else encode(message)
-        with self._connect() as sock:
-            sock.sendall(data if data.endswith(b"\n") else data + b"\n")
-            with sock.makefile("rb") as f:
-                line = f.readline(MAX_MESSAGE + 1)
-        if not line:
-            raise ControlError("the job closed the connection without a reply")
-        return decode(line)
+        with self._open(data) as (_, _, reply):
+            return reply
 
     @contextlib.contextmanager
     def paused(self, reason: str = "") -> Iterator[dict[str, Any]]:
@@ -260,24 +526,18 @@ class ControlClient:
         The pause lives as long as this connection: if this process dies, the
         job resumes by itself. Yields the reply (``paused_at``: the step).
         """
-        with self._connect() as sock:
-            sock.sendall(encode({"token": self.token, "op": "pause", "reason": reason}))
-            with sock.makefile("rb") as f:
-                reply = decode(f.readline(MAX_MESSAGE + 1) or b'{"ok": false, "error": "the job closed the connection"}')
-                if not reply.get("ok"):
-                    raise ControlError(reply.get("error", "pause refused"))
-                sock.settimeout(None)  # held for as long as the block runs
-                yield reply
-                with contextlib.suppress(OSError):
-                    sock.sendall(b"\n")  # resume now, not when the socket is collected
+        with self._open(encode({"token": self.token, "op": "pause", "reason": reason})) as (sock, _, reply):
+            if not reply.get("ok"):
+                raise ControlError(reply.get("error", "pause refused"))
+            sock.settimeout(None)  # held for as long as the block runs
+            yield reply
+            with contextlib.suppress(OSError):
+                sock.sendall(b"\n")  # resume now, not when the socket is collected
 
     def subscribe(self) -> Iterator[dict[str, Any]]:
         """Metrics as the job produces them, until the job stops."""
-        with self._connect() as sock:
-            sock.sendall(encode({"token": self.token, "op": "subscribe"}))
-            with sock.makefile("rb") as f:
-                first = decode(f.readline(MAX_MESSAGE + 1) or b"{}")
-                if not first.get("ok"):
-                    raise ControlError(first.get("error", "subscription refused"))
-                for line in f:
-                    yield decode(line)["metric"]
+        with self._open(encode({"token": self.token, "op": "subscribe"})) as (sock, f, first):
+            if not first.get("ok"):
+                raise ControlError(first.get("error", "subscription refused"))
+            for line in f:
+                yield decode(line)["metric"]

@@ -86,14 +86,26 @@ def _bindable(port: int) -> bool:
 
 
 def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
-    """Rank ``src``'s ``obj`` on every rank (identity without a process group).
+    """Rank ``src``'s ``obj`` on every rank of ``group`` (identity without a process group).
 
-    Uses JSON, not pickle, so only plain data crosses between ranks.
+    JSON, not pickle: ``src`` (a global rank) sends ``json.dumps(obj)`` as a length and
+    then bytes in a uint8 tensor, so only plain data crosses between ranks and no rank
+    ever unpickles what another sent. Every rank, ``src`` too, gets the JSON round
+    trip (tuples come back as lists).
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
     import json
 
-    payload = [json.dumps(obj) if dist.get_rank() == src else None]
-    dist.broadcast_object_list(payload, src=src, group=group)
-    return json.loads(payload[0])
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = json.dumps(obj).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(buf.cpu().numpy().tobytes())

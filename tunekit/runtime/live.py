@@ -13,16 +13,24 @@ Rank 0 also runs the control socket (:mod:`tunekit.runtime.control`), writes
 the steps before it (rolling back a slowdown beyond noise), and runs in-job
 trials (candidate and current config in alternating windows). A pause holds
 every rank at a step boundary while a tuner's trials use the machine.
+
+What rank 0 cannot write does not stop training: a checkpoint that fails
+refuses the apply, relaunch or stop that needed it (the job keeps its last
+good checkpoint), and status, metrics and events that cannot be written are
+reported once. A change that needs new processes is watched in the relaunched
+job like any other and rolled back by a relaunch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +39,11 @@ import torch.distributed as dist
 
 from tunekit.config import TuningConfig, check_batch, resolve
 from tunekit.errors import TunekitError
-from tunekit.plugin_loading import available_tuners
+from tunekit.locks import FileLock, LockHeld, describe_holder
+from tunekit.plugin_loading import load_named, select
 from tunekit.runtime.control import RESUME, ControlServer, Request
 from tunekit.runtime.dist import init_from_env
-from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.rundir import CheckpointError, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
 from tunekit.workload import load_workload
@@ -52,13 +61,34 @@ class Watch:
     """
 
     def __init__(self, before: list[float], window: int, warm: int, min_effect: float,
-                 step: int, prev: dict, new: dict, checkpoint: str | None):
+                 step: int, prev: dict, new: dict, checkpoint: str | None, **more: Any):
         self.before, self.window, self.warm, self.min_effect = before, window, warm, min_effect
         self.after: list[float] = []
         self.seen = 0
         self.state = "watching"
         self.reason = ""
-        self.info = {"applied_at": step, "prev_config": prev, "config": new, "checkpoint": checkpoint}
+        self.info = {"applied_at": step, "prev_config": prev, "config": new, "checkpoint": checkpoint, **more}
+
+    @classmethod
+    def restore(cls, record: dict[str, Any], warm: int, min_effect: float) -> Watch:
+        """A watch handed over by a relaunch: still watching (the steps before it came along),
+        or its verdict (status shows it)."""
+        info = {k: v for k, v in record.items()
+                if k not in ("state", "reason", "before", "window", "before_s_per_sample", "after_s_per_sample")}
+        w = cls(list(record.get("before") or []), int(record.get("window") or 10), warm, min_effect,
+                info.pop("applied_at", None), info.pop("prev_config", None), info.pop("config", None),
+                info.pop("checkpoint", None), **info)
+        w.state, w.reason = record.get("state", "watching"), record.get("reason", "")
+        return w
+
+    @property
+    def relaunch(self) -> bool:
+        """Whether undoing the change needs new processes (it changed the world size)."""
+        return self.info.get("prev_nproc") not in (None, self.info.get("nproc"))
+
+    def handover(self) -> dict[str, Any]:
+        """What a relaunched job needs to go on watching."""
+        return {**self.to_dict(), "before": self.before, "window": self.window}
 
     def update(self, step_s: float) -> bool:
         """Record a step; True when the verdict is a rollback."""
@@ -86,6 +116,10 @@ class Watch:
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "reason": self.reason, "before_s_per_sample": _median(self.before),
                 "after_s_per_sample": _median(self.after) if self.after else None, **self.info}
+
+    def pinned_checkpoint(self) -> str | None:
+        """The checkpoint a crash under this watch goes back to: not to be rotated away."""
+        return self.info.get("checkpoint") if self.state == "watching" else None
 
 
 class InJobTrial:
@@ -158,14 +192,16 @@ class Controller:
         self.waiting: dict[int, Request] = {}
         self.ids = 0
         self.history: deque[tuple[int, float, str]] = deque(maxlen=500)
-        self.watch: Watch | None = None
+        handed = spec.get("watch")  # from the launch before a relaunch
+        self.watch: Watch | None = Watch.restore(handed, self.warm, self.min_effect) if handed else None
         self.trial: InJobTrial | None = None
         self.pause: tuple[Request, dict[str, Any]] | None = None
         """The request holding the job paused, and what status says of it."""
         self.last: dict[str, Any] = {}
         rd = job.rd
-        self.server = ControlServer(rd.socket_path, rd.token(), self.status, self.validate)
-        rd.update_run(socket=str(rd.socket_path))
+        self.socket = rd.choose_socket_path()
+        self.server = ControlServer(self.socket, rd.token(), self.status, self.validate)
+        job.quietly("run.json", rd.update_run, socket=str(self.socket))
 
     # -- what the socket thread may ask --------------------------------------------------
 
@@ -178,28 +214,27 @@ class Controller:
             "watch": self.watch.to_dict() if self.watch else None,
             "trial": self.trial.to_dict() if self.trial else None, "pid": os.getpid(),
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
+            "launch": self.job.spec.get("launch"), "warnings": sorted(self.job.warned.values()),
             "batch": {"size": s.batch_size, "workload": s.workload.batch_size,
                       "range": list(s.workload.batch_range) if s.workload.batch_range else None},
         }
 
     def validate(self, msg: dict[str, Any]) -> str | None:
-        """Refuse bad requests in the socket thread, before they reach the training loop."""
+        """Refuse bad requests in the socket thread, before they reach the training loop.
+
+        The fields' types and ranges are checked already (``control.check_fields``);
+        this checks what only the job knows: the config against its tuners.
+        """
         op = msg["op"]
         if op in ("apply", "trial"):
             try:
-                config = TuningConfig.from_dict(msg.get("config"), where="config")
+                config = TuningConfig.from_dict(msg["config"], where="config")
                 resolve(config, self.job.tuners)
                 check_batch(config, self.status())
             except TunekitError as exc:
                 return str(exc)
-            nproc = msg.get("nproc")
-            if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or not 1 <= nproc <= 1024):
-                return f"nproc must be an integer between 1 and 1024, not {nproc!r}"
-            if op == "trial" and (nproc not in (None, self.job.session.world_size) or self._needs_relaunch(config)):
+            if op == "trial" and self._needs_relaunch(config):
                 return "an in-job trial can only try knobs that change at a step boundary"
-            window = msg.get("window", msg.get("watch"))
-            if window is not None and (not isinstance(window, int) or isinstance(window, bool) or not 2 <= window <= 10_000):
-                return f"window must be an integer between 2 and 10000, not {window!r}"
         if op == "rollback" and self.watch is None and not self.job.applied:
             return "nothing to roll back: no config was applied to this job"
         return None
@@ -217,6 +252,13 @@ class Controller:
             if any(k.live == "relaunch" and current[name].get(k.name) != k.default for k in tuner.knobs()):
                 return True
         return False
+
+    def _change(self, config: dict, nproc: int | None, **cmd: Any) -> dict:
+        """An apply at this step boundary, or a relaunch when the change needs new processes."""
+        world = self.job.session.world_size
+        if (nproc is not None and nproc != world) or self._needs_relaunch(TuningConfig.from_dict(config)):
+            return {**cmd, "op": RELAUNCH, "config": config, "nproc": nproc or world}
+        return {**cmd, "op": "apply", "config": config}
 
     # -- the loop's side ------------------------------------------------------------------
 
@@ -253,39 +295,61 @@ class Controller:
             self.pause = (req, {"step": self.job.session.step, "reason": str(body.get("reason") or "")[:200]})
             return {"op": PAUSE, "id": self.ids}
         if req.op == "rollback":
-            prev = self.job.applied[-1] if self.job.applied else self.job.session.config.to_dict()
-            return {"op": "apply", "config": prev, "source": "rollback", "id": self.ids}
+            if self.job.applied:
+                prev = self.job.applied[-1]
+            else:  # only a watch handed over by a relaunch is left to undo
+                prev = {"config": self.watch.info["prev_config"], "nproc": self.watch.info.get("prev_nproc")}
+            return self._change(prev["config"], prev.get("nproc"), source="rollback", id=self.ids)
         config = TuningConfig.from_dict(body["config"]).to_dict()
         if req.op == "trial":
             self.trial = InJobTrial(req, config, self.job.session.config.to_dict(),
                                     int(body.get("window", self.window)), self.warm, self.min_effect)
-            self.job.rd.log_event("trial_started", config=config, window=self.trial.window)
+            self.job.log_event("trial_started", config=config, window=self.trial.window)
             del self.waiting[self.ids]
             return self.next_command()
-        nproc = body.get("nproc")
-        relaunch = (nproc is not None and nproc != self.job.session.world_size) or self._needs_relaunch(
-            TuningConfig.from_dict(config))
-        if relaunch:
-            return {"op": RELAUNCH, "config": config, "nproc": nproc or self.job.session.world_size, "id": self.ids}
-        return {"op": "apply", "config": config, "source": "user", "id": self.ids,
-                "watch": int(body.get("watch", self.window))}
+        return self._change(config, body.get("nproc"), source="user", id=self.ids,
+                            watch=int(body.get("watch", self.window)))
+
+    def before_change(self) -> list[float]:
+        """Seconds per sample of the last steps under the config running now."""
+        cid = self.job.session.config.config_id
+        return [t for (_, t, c) in list(self.history)[-self.window:] if c == cid]
+
+    def relaunch_plan(self, cmd: dict, checkpoint: Path) -> dict[str, Any]:
+        """What the supervisor needs to relaunch: world, config, checkpoint, and the watch to hand on."""
+        s = self.job.session
+        applied = list(self.job.applied)
+        source = cmd.get("source", "user")
+        if source == "user":
+            applied.append({"config": s.config.to_dict(), "nproc": s.world_size})
+            watch = Watch(self.before_change(), int(cmd.get("watch", self.window)), self.warm, self.min_effect,
+                          s.step, s.config.to_dict(), cmd["config"], str(checkpoint),
+                          prev_nproc=s.world_size, nproc=cmd["nproc"]).handover()
+        else:  # a rollback, asked for or the watch's verdict: undo the newest change
+            if applied:
+                applied.pop()
+            record = self.watch.to_dict() if self.watch else {}
+            reason = cmd.get("reason") or "rolled back on request"
+            watch = {**record, "state": "rolled_back", "reason": reason} if record else None
+        return {"launch": self.job.spec.get("launch"), "config": cmd["config"], "nproc": cmd["nproc"],
+                "checkpoint": str(checkpoint), "step": s.step, "source": source, "watch": watch, "applied": applied}
 
     def executed(self, cmd: dict, result: dict[str, Any]) -> None:
         """Answer the request behind ``cmd`` and start or end a watch."""
-        rd = self.job.rd
         source = cmd.get("source")
+        step = self.job.session.step
         if cmd["op"] == "apply" and source == "user" and result.get("ok"):
             before = [t for (_, t, cid) in list(self.history)[-self.window:] if cid == result["prev_config_id"]]
             self.watch = Watch(before, int(cmd.get("watch", self.window)), self.warm, self.min_effect,
-                               self.job.session.step, result["prev_config"], result["config"], result.get("checkpoint"))
-            rd.log_event("applied", step=self.job.session.step, config=result["config"])
-        elif cmd["op"] == "apply" and source in ("rollback", "watch"):
-            rd.log_event("rolled_back", step=self.job.session.step, config=result.get("config"),
-                         reason=cmd.get("reason", "requested"), ok=result.get("ok"))
+                               step, result["prev_config"], result["config"], result.get("checkpoint"))
+            self.job.log_event("applied", step=step, config=result["config"])
+        elif cmd["op"] in ("apply", RELAUNCH) and source in ("rollback", "watch") and result.get("ok"):
+            self.job.log_event("rolled_back", step=step, config=result.get("config", cmd["config"]),
+                               reason=cmd.get("reason", "requested"), ok=True, relaunch=cmd["op"] == RELAUNCH)
             if self.watch is not None and source == "rollback":
                 self.watch.state, self.watch.reason = "rolled_back", "rolled back on request"
-        elif cmd["op"] == "apply" and not result.get("ok"):
-            rd.log_event("apply_failed", step=self.job.session.step, error=result.get("error"))
+        elif not result.get("ok"):
+            self.job.log_event(f"{cmd['op']}_failed", step=step, error=result.get("error"), source=source)
         if cmd.get("finish_trial"):
             self._finish_trial()
         req = self.waiting.pop(cmd.get("id"), None)
@@ -303,27 +367,31 @@ class Controller:
                   "config_id": cid, "world_size": s.world_size, "batch_size": s.batch_size, "t": time.time()}
         if rec.metrics.get("overlap_R") is not None:
             metric["overlap_R"] = rec.metrics["overlap_R"]
-        self.job.rd.append_metric(metric)
+        self.job.quietly("metrics.jsonl", self.job.rd.append_metric, metric)
         self.server.publish(metric)
         if self.trial is not None:
             self.trial.update(per_sample)
         if self.watch is not None and self.watch.update(per_sample):
-            self.internal.append({"op": "apply", "config": self.watch.info["prev_config"], "source": "watch",
-                                  "reason": self.watch.reason})
+            prev = self.watch.info["prev_config"]
+            nproc = self.watch.info.get("prev_nproc") if self.watch.relaunch else None
+            self.internal.append(self._change(prev, nproc, source="watch", reason=self.watch.reason))
             self.watch.state = "rolled_back"
         if self.watch is not None and self.watch.state in ("kept",) and not self.watch.info.get("logged"):
             self.watch.info["logged"] = True
-            self.job.rd.log_event("watch_kept", step=s.step, reason=self.watch.reason)
+            self.job.log_event("watch_kept", step=s.step, reason=self.watch.reason)
         self.job.write_status()
 
     def _finish_trial(self) -> None:
         trial = self.trial
         self.trial = None
-        self.job.rd.log_event("trial_finished", **trial.result)
+        self.job.log_event("trial_finished", **trial.result)
         trial.request.answer({"ok": True, **trial.result, "config": self.job.session.config.to_dict()})
 
     def close(self) -> None:
         self.server.close()
+        if self.socket.parent != self.job.rd.path:  # a private folder of its own (or shared): tidy if empty
+            with contextlib.suppress(OSError):
+                self.socket.parent.rmdir()
 
 
 # -- every rank ---------------------------------------------------------------------------
@@ -333,17 +401,20 @@ class LiveJob:
     def __init__(self, rd: RunDir):
         self.rd = rd
         self.spec = rd.read_run()
+        self.warned: dict[str, str] = {}
+        """What rank 0 could not write, said once each (status shows it)."""
         self.ctx = init_from_env(self.spec.get("device", "auto"))
         world = self.ctx.world_size
+        self.lock = self._hold_run() if self.ctx.rank == 0 else None
         pids = rd.path / "pids"  # telemetry samples these processes
-        pids.mkdir(exist_ok=True)
+        pids.mkdir(mode=0o700, exist_ok=True)
         for stale in pids.glob("rank*"):
             if int(stale.name.removeprefix("rank")) >= world:
                 stale.unlink(missing_ok=True)
         (pids / f"rank{self.ctx.rank}").write_text(str(os.getpid()))
         # Control traffic rides a gloo group even when training uses NCCL.
         self.control_group = dist.new_group(backend="gloo") if world > 1 else None
-        self.tuners = available_tuners()
+        self.tuners = self._load_tuners()
         workload = load_workload(self.spec["workload"])
         self.session = Session(
             workload, rank=self.ctx.rank, world_size=world, local_rank=self.ctx.local_rank,
@@ -359,16 +430,52 @@ class LiveJob:
             if self.ctx.rank == 0:
                 rd.truncate_metrics(self.session.step)
         self.session.apply_config(config, self.tuners)
-        self.applied: list[dict] = []  # configs replaced by user applies, newest last
+        self.applied: list[dict] = list(self.spec.get("applied") or [])
+        """What each change the user made replaced ({config, nproc}), newest last; kept across relaunches."""
         steps = self.spec.get("steps")
         self.total = int(steps) if steps is not None else None
         self.every = int(self.spec.get("checkpoint_every", 50))
         self.state = "running"
         self.controller = Controller(self) if self.ctx.rank == 0 else None
         if self.controller is not None:
-            rd.log_event("started", step=self.session.step, world_size=world, config=config.to_dict(),
-                         resumed=bool(resume))
+            self.log_event("started", step=self.session.step, world_size=world, config=config.to_dict(),
+                           resumed=bool(resume))
             self.write_status()
+
+    def _hold_run(self) -> FileLock:
+        """Rank 0 holds the run while it trains: no second job may write into its folder."""
+        try:
+            return FileLock(self.rd.rank0_lock, "rank 0 of the live job", run=self.rd.run_id).acquire()
+        except LockHeld as exc:
+            raise TunekitError(f"run {self.rd.run_id} already has a job training: its rank 0 is "
+                               f"{describe_holder(exc.holder)}") from None
+
+    def _load_tuners(self) -> dict[str, Any]:
+        """Exactly the tuners the supervisor saw when it created the run, and no others."""
+        listed = self.spec.get("plugins")
+        if listed is None:  # a run created before runs recorded them: what is installed
+            from tunekit.plugin_loading import available_tuners
+
+            return available_tuners()
+        return select(load_named(listed), listed)
+
+    # -- what rank 0 writes: a failure is said once and training goes on -----------------------
+
+    def quietly(self, what: str, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return write(*args, **kwargs)
+        except OSError as exc:
+            if what not in self.warned:
+                self.warned[what] = f"cannot write {what}: {exc.strerror or exc}"
+                print(f"tunekit run: {self.warned[what]}; training goes on", file=sys.stderr, flush=True)
+            return None
+
+    def log_event(self, kind: str, **payload: Any) -> None:
+        self.quietly("events.jsonl", self.rd.log_event, kind, **payload)
+
+    def write_status(self) -> None:
+        if self.controller is not None:
+            self.quietly("status.json", self.rd.write_status, self.controller.status())
 
     # -- commands ------------------------------------------------------------------------
 
@@ -404,22 +511,40 @@ class LiveJob:
         if op == "apply":
             result = self._apply(cmd)
         elif op == STOP:
-            path = self.checkpoint()
-            result = {"ok": True, "stopped_at": self.session.step, "checkpoint": str(path) if path else None}
-            outcome = STOP
+            path, error = self.checkpoint()
+            if error:  # stopping now would lose every step since the last checkpoint
+                result = {"ok": False, "error": f"{error}; the job was not stopped, so that steps since its last "
+                                               "checkpoint are not lost: make room and stop it again"}
+            else:
+                result = {"ok": True, "stopped_at": self.session.step, "checkpoint": str(path)}
+                outcome = STOP
         elif op == RELAUNCH:
-            path = self.checkpoint()
-            if self.ctx.rank == 0:
-                self.rd.relaunch_file.write_text(json.dumps(
-                    {"config": cmd["config"], "nproc": cmd["nproc"], "checkpoint": str(path), "step": self.session.step}))
-                self.rd.log_event("relaunch", step=self.session.step, nproc=cmd["nproc"], config=cmd["config"])
-            result = {"ok": True, "relaunching": True, "step": self.session.step, "nproc": cmd["nproc"]}
-            outcome = RELAUNCH
+            result = self._relaunch(cmd)
+            outcome = RELAUNCH if result["ok"] else None
         else:
             result = {"ok": False, "error": f"unknown command {op}"}
         if self.controller is not None:
             self.controller.executed(cmd, result)
+            self.write_status()  # now: a crash in the very next step must find the watch in status.json
         return outcome
+
+    def _relaunch(self, cmd: dict) -> dict[str, Any]:
+        """Checkpoint and leave the supervisor a plan; refused (the job goes on) when either fails."""
+        path, error = self.checkpoint()
+        if error is None and self.controller is not None:
+            plan = self.controller.relaunch_plan(cmd, path)
+            try:
+                self.rd.write_relaunch(plan)
+            except OSError as exc:
+                error = f"cannot write {self.rd.relaunch_file}: {exc.strerror or exc}"
+        if self.anyone(error is not None):
+            return {"ok": False, "error": f"{error or 'rank 0 could not prepare the relaunch'}; "
+                                          "the job goes on as it was"}
+        if self.controller is not None:
+            self.log_event("relaunch", step=self.session.step, nproc=cmd["nproc"], config=cmd["config"],
+                           source=cmd.get("source", "user"))
+        return {"ok": True, "relaunching": True, "step": self.session.step, "nproc": cmd["nproc"],
+                "config": cmd["config"]}
 
     def _hold(self, cmd: dict) -> str | None:
         """Every rank waits at this step boundary until rank 0 passes on a resume (or a stop).
@@ -430,7 +555,7 @@ class LiveJob:
         self.state = "paused"
         if self.controller is not None:
             self.controller.executed(cmd, {"ok": True, "paused_at": self.session.step})
-            self.rd.log_event("paused", step=self.session.step, reason=self.controller.pause[1]["reason"])
+            self.log_event("paused", step=self.session.step, reason=self.controller.pause[1]["reason"])
             self.write_status()
         while True:
             if self.controller is not None:
@@ -441,7 +566,7 @@ class LiveJob:
             if nxt["op"] == RESUME:
                 self.state = "running"
                 if self.controller is not None:
-                    self.rd.log_event("resumed", step=self.session.step)
+                    self.log_event("resumed", step=self.session.step)
                     self.write_status()
                 return None
             outcome = self.execute(nxt)
@@ -451,7 +576,12 @@ class LiveJob:
     def _apply(self, cmd: dict) -> dict[str, Any]:
         s = self.session
         prev = s.config
-        checkpoint = self.checkpoint() if cmd.get("source") == "user" else None
+        checkpoint = None
+        if cmd.get("source") == "user":  # the point a crash under the new config goes back to
+            checkpoint, error = self.checkpoint()
+            if error:
+                return {"ok": False, "error": f"{error}; the apply was refused and the job goes on with its "
+                                              "config and its last good checkpoint"}
         error = None
         try:
             s.apply_config(TuningConfig.from_dict(cmd["config"]), self.tuners)
@@ -465,27 +595,39 @@ class LiveJob:
             return {"ok": False, "error": f"{why}; rolled back to the previous config", "rolled_back": True,
                     "config": prev.to_dict()}
         if cmd.get("source") == "user":
-            self.applied.append(prev.to_dict())
+            self.applied.append({"config": prev.to_dict(), "nproc": s.world_size})
         elif cmd.get("source") in ("rollback", "watch") and self.applied:
             self.applied.pop()
+        if self.controller is not None and cmd.get("source") in ("user", "rollback", "watch"):
+            self.quietly("run.json", self.rd.update_run, applied=self.applied)
         return {"ok": True, "step": s.step, "config": s.config.to_dict(), "prev_config": prev.to_dict(),
                 "prev_config_id": prev.config_id, "checkpoint": str(checkpoint) if checkpoint else None}
 
     # -- state ---------------------------------------------------------------------------
 
-    def checkpoint(self) -> Path | None:
-        """Flush every rank; rank 0 saves (data-parallel replicas are identical)."""
-        state = self.session.state_dict()
-        path = None
-        if self.ctx.rank == 0:
-            path = self.rd.save_checkpoint(self.session.step, {"session": state, "world_size": self.ctx.world_size})
-        if self.control_group is not None:
-            dist.barrier(group=self.control_group)
-        return path or self.rd.checkpoints / f"step-{self.session.step:08d}.pt"
+    def checkpoint(self) -> tuple[Path | None, str | None]:
+        """Rank 0 saves (data-parallel replicas are identical); every rank learns whether it could.
 
-    def write_status(self) -> None:
+        Returns the checkpoint, or None and why not. The checkpoint a watched change
+        would go back to after a crash is kept from rotation.
+        """
+        state = self.session.state_dict()
+        path, error = None, None
         if self.controller is not None:
-            self.rd.write_status(self.controller.status())
+            watch = self.controller.watch
+            pinned = watch.pinned_checkpoint() if watch is not None else None
+            try:
+                path = self.rd.save_checkpoint(self.session.step, {"session": state, "world_size": self.ctx.world_size},
+                                               keep=(Path(pinned),) if pinned else ())
+            except CheckpointError as exc:
+                error = str(exc)
+                self.log_event("checkpoint_failed", step=self.session.step, error=error)
+                self.warned["checkpoints"] = error
+        if self.anyone(error is not None):
+            return None, error or "rank 0 could not write the checkpoint"
+        if self.controller is not None:
+            self.warned.pop("checkpoints", None)
+        return path or self.rd.checkpoints / f"step-{self.session.step:08d}.pt", None
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -502,13 +644,13 @@ class LiveJob:
                 if self.controller is not None:
                     self.controller.after_step(rec)
                 if self.every and self.session.step % self.every == 0:
-                    self.checkpoint()
+                    self.checkpoint()  # a failure is logged; the job goes on
             if outcome is None:
                 self.checkpoint()
             self.state = {STOP: "stopped", RELAUNCH: "relaunching", None: "finished"}[outcome]
             self.write_status()
             if self.controller is not None:
-                self.rd.log_event(self.state, step=self.session.step)
+                self.log_event(self.state, step=self.session.step)
         finally:
             if self.controller is not None:
                 self.controller.close()
@@ -516,6 +658,8 @@ class LiveJob:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        if self.lock is not None:
+            self.lock.release()
         return 0
 
 
@@ -524,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m tunekit.runtime.live RUN_DIR", file=sys.stderr)
         return 2
+    os.umask(0o077)  # whatever a rank writes (checkpoints, traces, plugins' files) is private
     return LiveJob(RunDir(argv[0])).run()
 
 

@@ -8,36 +8,97 @@
         checkpoints/     step-<N>.pt (rank 0's session; data-parallel replicas are identical)
         logs/            torchrun agent logs
         pids/            rank<R>: each rank's pid (telemetry samples them)
-        control.sock     rank 0's control socket (mode 0600)
-        token            the socket's shared secret (mode 0600)
+        control.sock     rank 0's control socket (mode 0600; elsewhere, see choose_socket_path)
+        token            the socket's shared secret
+        relaunch.json    left by rank 0 for the supervisor when a change needs new processes
+        supervisor.lock  held by the `tunekit run` that supervises the run
+        rank0.lock       held by the job's rank 0 while it trains
 
-Every file is written atomically (temporary file, then rename) or appended a
-line at a time, so a crash leaves the directory consistent.
+The folder is private (0700) and every file in it is created 0600: the token
+and checkpoints steer the job. Every file is written atomically (temporary
+file, then rename) or appended a line at a time, so a crash leaves the
+directory consistent; when the folder itself has become read-only, an existing
+file is rewritten in place rather than not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import secrets
+import stat
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from tunekit.errors import ControlError
+from tunekit.errors import ControlError, TunekitError
 
 RUNS_DIR = "runs"
 KEEP_CHECKPOINTS = 3
 _SOCKET_MAX = 100  # sun_path is 108 bytes on Linux
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
 
 
-def _atomic_write(path: Path, text: str, mode: int | None = None) -> None:
+class CheckpointError(TunekitError):
+    """A checkpoint could not be written (or its folder read)."""
+
+
+@contextlib.contextmanager
+def private_file(path: Path, append: bool = False, binary: bool = False) -> Iterator[IO]:
+    """Open ``path`` for writing, created 0600 whatever the umask (never through a symlink)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, PRIVATE_FILE)
+    with open(fd, ("a" if append else "w") + ("b" if binary else "")) as f:
+        yield f
+
+
+def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    if mode is not None:
-        os.chmod(tmp, mode)
+    try:
+        with private_file(tmp) as f:
+            f.write(text)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
+            raise
+        # The folder has become read-only but the file is not: rewrite it in place
+        # (a reader may see it half-written once) rather than lose the update.
+        tmp.unlink(missing_ok=True)
+        with private_file(path) as f:
+            f.write(text)
+        return
     tmp.replace(path)
+
+
+def is_private_folder(path: Path) -> bool:
+    """Whether ``path`` is a real folder (no symlink) of this user that nobody else may enter."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def private_socket_folder() -> Path:
+    """A folder for sockets that only this user can write: verified, or made fresh.
+
+    ``$XDG_RUNTIME_DIR/tunekit`` or ``<tmp>/tunekit-<uid>`` when they exist (or can be
+    made) as this user's own, mode 0700, and not a symlink; otherwise (another user
+    made one first, or it is open to others) a fresh ``mkdtemp`` folder.
+    """
+    bases = [Path(os.environ["XDG_RUNTIME_DIR"]) / "tunekit"] if os.environ.get("XDG_RUNTIME_DIR") else []
+    bases.append(Path(tempfile.gettempdir()) / f"tunekit-{os.geteuid()}")
+    for folder in bases:
+        with contextlib.suppress(OSError):
+            folder.mkdir(mode=PRIVATE_DIR)
+        if is_private_folder(folder):
+            return folder
+    return Path(tempfile.mkdtemp(prefix=f"tunekit-{os.geteuid()}-"))
 
 
 class RunDir:
@@ -79,14 +140,29 @@ class RunDir:
         return self.path / "relaunch.json"
 
     @property
-    def socket_path(self) -> Path:
-        """``control.sock`` in the run directory, or a short private path when that is too long."""
+    def supervisor_lock(self) -> Path:
+        return self.path / "supervisor.lock"
+
+    @property
+    def rank0_lock(self) -> Path:
+        return self.path / "rank0.lock"
+
+    def choose_socket_path(self) -> Path:
+        """``control.sock`` in the run directory, or one in a private folder when that path is
+        too long for a socket. The server records its choice in run.json (``socket``)."""
         inside = self.path / "control.sock"
         if len(str(inside)) <= _SOCKET_MAX:
             return inside
-        short = Path(f"/tmp/tunekit-{os.getuid()}")
-        short.mkdir(mode=0o700, exist_ok=True)
-        return short / f"{hashlib.sha256(str(self.path).encode()).hexdigest()[:16]}.sock"
+        name = f"{hashlib.sha256(str(self.path).encode()).hexdigest()[:16]}.sock"
+        path = private_socket_folder() / name
+        if len(str(path)) > _SOCKET_MAX:
+            raise ControlError(f"no socket path short enough for run {self.run_id}: {path} is too long "
+                               "(set TMPDIR to a shorter folder)")
+        return path
+
+    def socket_file(self) -> Path:
+        """Where clients find the job's socket (what the server recorded)."""
+        return Path(self.read_run().get("socket") or self.path / "control.sock")
 
     # -- creation and lookup -----------------------------------------------------------
 
@@ -94,10 +170,13 @@ class RunDir:
     def create(cls, store_dir: Path, spec: dict[str, Any], name: str | None = None) -> RunDir:
         run_id = name or time.strftime("%Y%m%d-%H%M%S") + f"-{secrets.token_hex(2)}"
         rd = cls(Path(store_dir) / RUNS_DIR / run_id)
-        rd.path.mkdir(parents=True, exist_ok=False)
-        rd.checkpoints.mkdir()
-        rd.logs.mkdir()
-        _atomic_write(rd.token_file, secrets.token_hex(32), mode=0o600)
+        rd.path.parent.mkdir(parents=True, exist_ok=True)
+        rd.path.mkdir(mode=PRIVATE_DIR)  # private before anything goes in
+        rd.checkpoints.mkdir(mode=PRIVATE_DIR)
+        rd.logs.mkdir(mode=PRIVATE_DIR)
+        fd = os.open(rd.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+        with open(fd, "w") as f:
+            f.write(secrets.token_hex(32))
         rd.write_run({**spec, "id": run_id, "created": time.time()})
         return rd
 
@@ -139,13 +218,16 @@ class RunDir:
     def write_status(self, status: dict[str, Any]) -> None:
         _atomic_write(self.status_file, json.dumps({**status, "updated": time.time()}))
 
+    def write_relaunch(self, plan: dict[str, Any]) -> None:
+        _atomic_write(self.relaunch_file, json.dumps(plan))
+
     def token(self) -> str:
         return self.token_file.read_text().strip()
 
     # -- streams -----------------------------------------------------------------------
 
     def append_metric(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_file, "a") as f:
+        with private_file(self.metrics_file, append=True) as f:
             f.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
@@ -166,7 +248,7 @@ class RunDir:
 
     def log_event(self, kind: str, **payload: Any) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **payload}
-        with open(self.events_file, "a") as f:
+        with private_file(self.events_file, append=True) as f:
             f.write(json.dumps(event, default=str) + "\n")
         return event
 
@@ -177,20 +259,42 @@ class RunDir:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
+    def save_checkpoint(self, step: int, state: dict[str, Any], keep: tuple[Path, ...] = ()) -> Path:
+        """Write ``step-<N>.pt``; then drop all but the newest few and those in ``keep``.
+
+        Raises CheckpointError (and leaves the checkpoints there untouched) when it
+        cannot be written: a full disk, a read-only folder.
+        """
         path = self.checkpoints / f"step-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
         import torch  # here: the control commands read run folders without importing torch
 
-        torch.save(state, tmp)
-        tmp.replace(path)
-        for old in sorted(self.checkpoints.glob("step-*.pt"))[:-KEEP_CHECKPOINTS]:
-            if old != path:
-                old.unlink(missing_ok=True)
+        try:
+            with private_file(tmp, binary=True) as f:
+                torch.save(state, f)
+            tmp.replace(path)
+        except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
+        kept = {Path(k).resolve() for k in keep}
+        for old in self.checkpoint_files()[:-KEEP_CHECKPOINTS]:
+            if old != path and old.resolve() not in kept:
+                with contextlib.suppress(OSError):
+                    old.unlink(missing_ok=True)
         return path
 
+    def checkpoint_files(self) -> list[Path]:
+        """Every ``step-<N>.pt``, oldest first; CheckpointError when the folder cannot be read."""
+        try:
+            return sorted(p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and p.suffix == ".pt")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the checkpoints of run {self.run_id}: {exc}") from None
+
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.checkpoints.glob("step-*.pt"))
+        found = self.checkpoint_files()
         return found[-1] if found else None
 
     @staticmethod

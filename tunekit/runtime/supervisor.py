@@ -5,24 +5,34 @@ size, placement: rank 0 leaves ``relaunch.json`` and a checkpoint), rolls back
 by relaunching from the pre-apply checkpoint when the job crashes while an
 applied config is still being watched, and marks the run ``crashed``
 otherwise, leaving everything needed for ``tunekit run --resume``.
+
+One run, one job: the supervisor holds ``supervisor.lock`` and the job's rank
+0 holds ``rank0.lock`` (:mod:`tunekit.locks`), so a second ``tunekit run
+--resume`` is refused while either lives, even when the supervisor was killed
+and left its job training on. Each launch has an id that rank 0 writes into
+its ``relaunch.json``: a plan left by an earlier launch is never carried out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.errors import ControlError, TunekitError
-from tunekit.plugin_loading import available_tuners
+from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
+from tunekit.plugin_loading import available_tuners, load_all, slow_imports
 from tunekit.runtime.control import ControlClient
-from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.rundir import PRIVATE_FILE, RunDir
 
 # The launcher and workloads (and so torch) are imported where a job starts:
 # `tunekit status|apply|stop|...` only talk to the job's socket.
@@ -48,44 +58,104 @@ def create_run(
     spec = resolve_spec(workload)
     load_workload(spec)
     config = config or TuningConfig()
-    resolve(config, available_tuners())
-    return RunDir.create(store_dir, {
+    records = load_all()
+    tuners = available_tuners(records)
+    resolve(config, tuners)
+    rd = RunDir.create(store_dir, {
         "workload": spec, "nproc": nproc, "config": config.to_dict(), "steps": steps, "seed": seed,
         "checkpoint_every": checkpoint_every, "watch_window": watch_window, "min_effect": min_effect,
-        "device": device, "resume": None,
+        "device": device, "resume": None, "plugins": sorted(tuners),  # the ranks load these and no others
     }, name=name)
+    for line in slow_imports([r for r in records if r.ok]):
+        rd.log_event("slow_plugin", reason=line)
+    return rd
+
+
+@contextlib.contextmanager
+def supervising(rd: RunDir) -> Iterator[FileLock]:
+    """Hold the run for this process: refused while another supervisor or a rank 0 of it lives."""
+    lock = FileLock(rd.supervisor_lock, "tunekit run", run=rd.run_id)
+    try:
+        lock.acquire()
+    except LockHeld as exc:
+        raise TunekitError(f"run {rd.run_id} is already supervised by {describe_holder(exc.holder)}; "
+                           f"see `tunekit status {rd.run_id}`") from None
+    except OSError as exc:
+        raise TunekitError(f"cannot lock run {rd.run_id} ({exc.strerror}: {exc.filename})") from None
+    try:
+        holder = holder_if_held(rd.rank0_lock)
+        if holder is not None:  # a job whose supervisor died, still training
+            raise TunekitError(f"run {rd.run_id} is still training: its rank 0 is {describe_holder(holder)}; "
+                               f"stop it with `tunekit stop {rd.run_id}` before resuming it")
+        yield lock
+    finally:
+        lock.release()
 
 
 def prepare_resume(rd: RunDir) -> Path:
-    """Point the run at its newest checkpoint; its config comes from the checkpoint."""
+    """Point the run at its newest checkpoint; its config comes from the checkpoint.
+
+    A relaunch the last launch asked for but nobody carried out (its supervisor
+    was killed in between) is carried out now, when its checkpoint is the newest;
+    any other leftover plan is dropped: it would rewind the run.
+    """
+    plan = _take_relaunch_plan(rd)
     ckpt = rd.latest_checkpoint()
     if ckpt is None:
         raise TunekitError(f"run {rd.run_id} has no checkpoint to resume from")
-    rd.update_run(resume=str(ckpt), config=None)
+    spec = rd.read_run()
+    if plan is not None and plan.get("launch") == spec.get("launch") and Path(plan["checkpoint"]) == ckpt:
+        rd.update_run(nproc=plan["nproc"], config=plan["config"], resume=str(ckpt), watch=plan.get("watch"),
+                      applied=plan.get("applied", spec.get("applied", [])))
+        rd.log_event("resume_requested", checkpoint=str(ckpt), pending_relaunch=True, nproc=plan["nproc"])
+        return ckpt
+    if plan is not None:
+        rd.log_event("stale_relaunch_dropped", plan_step=plan.get("step"), checkpoint=plan.get("checkpoint"))
+    rd.update_run(resume=str(ckpt), config=None, watch=None)
     rd.log_event("resume_requested", checkpoint=str(ckpt))
     return ckpt
 
 
+def _take_relaunch_plan(rd: RunDir) -> dict[str, Any] | None:
+    """Read and remove ``relaunch.json`` (None when there is none or it is unreadable)."""
+    try:
+        text = rd.relaunch_file.read_text()
+    except FileNotFoundError:
+        return None
+    rd.relaunch_file.unlink(missing_ok=True)
+    try:
+        plan = json.loads(text)
+    except ValueError:
+        return None
+    return plan if isinstance(plan, dict) and "checkpoint" in plan and "nproc" in plan else None
+
+
 def client(rd: RunDir, timeout_s: float = 600.0) -> ControlClient:
-    socket = rd.read_run().get("socket") or str(rd.socket_path)
-    return ControlClient(Path(socket), rd.token(), timeout_s)
+    return ControlClient(rd.socket_file(), rd.token(), timeout_s)
 
 
 def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_s: float = 0.5) -> int:
-    """Run the job to its end; 0 when it finished or stopped, 1 when it crashed."""
+    """Run the job to its end; 0 when it finished or stopped, 1 when it crashed.
+
+    The caller holds the run (:func:`supervising`).
+    """
     from tunekit.trials.launcher import LaunchOptions, agent_commands, launch_env
 
-    rolled_back_after_crash = False
+    rolled_back: set[Any] = set()  # applies already undone after a crash: never twice
     launches = 0
     while True:
-        spec = rd.read_run()
+        launch = secrets.token_hex(4)
+        spec = rd.update_run(launch=launch)
         opts = LaunchOptions(nproc=int(spec["nproc"]))
         (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
+        env = launch_env(opts)
+        env["PYTHONSAFEPATH"] = "1"  # `python -m` would put the working directory on the ranks' import path
         log_path = rd.logs / f"agent-{launches}.log"
         launches += 1
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=launch_env(opts),
-                                    start_new_session=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
+        with open(fd, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    umask=0o077)
             try:
                 while proc.poll() is None:
                     if on_tick is not None:
@@ -96,24 +166,35 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
                 raise
         if on_tick is not None:
             on_tick(rd)
-        if rd.relaunch_file.exists():
-            plan = json.loads(rd.relaunch_file.read_text())
-            rd.relaunch_file.unlink()
-            rd.update_run(nproc=plan["nproc"], config=plan["config"], resume=plan["checkpoint"])
+        plan = _take_relaunch_plan(rd)
+        if plan is not None and plan.get("launch") == launch:
+            rd.update_run(nproc=plan["nproc"], config=plan["config"], resume=plan["checkpoint"],
+                          watch=plan.get("watch"), applied=plan.get("applied", []))
             continue
+        if plan is not None:  # not this launch's: carrying it out would rewind the run
+            rd.log_event("stale_relaunch_dropped", plan_step=plan.get("step"), checkpoint=plan.get("checkpoint"))
         if proc.returncode == 0:
             return 0
         status = rd.read_status()
         error = last_error(log_path)
-        watch = status.get("watch") or {}
-        if watch.get("state") == "watching" and watch.get("checkpoint") and not rolled_back_after_crash:
+        # This launch's watch: from its status, or (it died before writing one) from run.json.
+        watch = (status.get("watch") if status.get("launch") == launch else spec.get("watch")) or {}
+        key = (watch.get("applied_at"), json.dumps(watch.get("config"), sort_keys=True))
+        if watch.get("state") == "watching" and watch.get("checkpoint") and key not in rolled_back:
             # The change under watch broke the job: go back to before it.
+            rolled_back.add(key)
+            nproc = watch.get("prev_nproc") or spec["nproc"]
+            verdict = {**watch, "state": "rolled_back", "before": None,
+                       "reason": f"the job crashed under the new config ({error}); "
+                                 "relaunched from the checkpoint taken before it"}
             rd.log_event("rolled_back_after_crash", step=watch.get("applied_at"), error=error,
-                         config=watch.get("prev_config"))
-            rd.update_run(config=watch.get("prev_config"), resume=watch["checkpoint"])
-            rolled_back_after_crash = True
+                         config=watch.get("prev_config"), nproc=nproc)
+            rd.write_status({**status, "status": "relaunching", "watch": verdict, "launch": None})
+            applied = rd.read_run().get("applied") or []  # as the job left it
+            rd.update_run(config=watch.get("prev_config"), nproc=nproc, resume=watch["checkpoint"], watch=verdict,
+                          applied=applied[:-1])
             continue
-        rd.write_status({**status, "status": "crashed", "error": error})
+        rd.write_status({**status, "status": "crashed", "error": error, "launch": None})
         rd.log_event("crashed", step=status.get("step"), error=error)
         return 1
 
@@ -136,11 +217,20 @@ def stop_gracefully(rd: RunDir, proc: subprocess.Popen, wait_s: float = 60.0) ->
                 continue
 
 
+_RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)")
+
+
 def last_error(log_path: Path) -> str:
+    """The exception a rank raised, from the end of the agent's log (torchrun's own
+    ChildFailedError report, which follows it, says only that a rank failed)."""
     try:
         lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     except FileNotFoundError:
         return "no log"
+    for ln in reversed(lines):
+        m = _RAISED.match(ln)
+        if m and "ChildFailedError" not in ln:
+            return m.group(1)[:300]
     for ln in reversed(lines):
         if "Error" in ln or "Exception" in ln:
             return ln[:300]

@@ -1,0 +1,151 @@
+"""A live job never loses or mixes a step, whatever is killed or made read-only (issue 18, items 6-8)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import WORKLOADS, limited, run_cli
+
+from tunekit.errors import ControlError
+from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.supervisor import wait_for
+
+pytestmark = pytest.mark.slow
+
+LIGHT = f"{WORKLOADS}:light_cnn"
+
+
+def start(cwd: Path, *args: str, obey_file_modes: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tunekit", "run", *args]
+    if obey_file_modes:
+        cmd = limited(cmd, obey_file_modes=True)
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def find(cwd: Path, name: str) -> RunDir:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return RunDir.find(name, cwd / ".tunekit")
+        except ControlError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def running_at(rd: RunDir, step: int, world: int | None = None, timeout: float = 180) -> dict:
+    return wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step
+                    and (world is None or s.get("world_size") == world), timeout)
+
+
+def contiguous(rd: RunDir) -> list[int]:
+    steps = [m["step"] for m in rd.read_metrics()]
+    assert steps == list(range(len(steps))), "a step was lost, repeated or interleaved"
+    return steps
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen):
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_resume_is_refused_while_the_killed_supervisors_job_trains_on(tmp_path):
+    sup = start(tmp_path, LIGHT, "--name", "orphan", "--checkpoint-every", "5")
+    with reaped(sup):
+        rd = find(tmp_path, "orphan")
+        running_at(rd, 6)  # a checkpoint to resume from exists
+        sup.send_signal(signal.SIGKILL)  # the supervisor dies; its torchrun and ranks do not
+        sup.wait()
+        step = running_at(rd, 3)["step"]
+        second = start(tmp_path, "--resume", "orphan")
+        with reaped(second):
+            assert second.wait(timeout=120) == 2
+            out = second.stdout.read()
+        assert "is still training" in out and "tunekit stop orphan" in out and "Traceback" not in out
+        running_at(rd, step + 3)  # the orphan was left alone
+        res = run_cli("stop", "orphan", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        stopped_at = int(res.stdout.split()[-1])
+        wait_for(rd, lambda s: s.get("status") == "stopped")
+        assert contiguous(rd)[-1] == stopped_at - 1
+        # Once it has stopped, the run resumes where it stopped.
+        third = start(tmp_path, "--resume", "orphan")
+        with reaped(third):
+            running_at(rd, stopped_at + 2)
+            assert run_cli("stop", "orphan", cwd=tmp_path).returncode == 0
+            assert third.wait(timeout=120) == 0
+        contiguous(rd)
+
+
+def test_a_leftover_relaunch_plan_never_rewinds_a_resumed_run(tmp_path):
+    # --checkpoint-every 2: the plan's checkpoint is soon rotated away, as in a long run.
+    sup = start(tmp_path, LIGHT, "--name", "rewind", "--checkpoint-every", "2")
+    with reaped(sup):
+        rd = find(tmp_path, "rewind")
+        running_at(rd, 4)
+        sup.send_signal(signal.SIGSTOP)  # the supervisor will not act on the relaunch ...
+        res = run_cli("apply", "rewind", "{}", "--nproc", "1", "--no-wait", cwd=tmp_path)
+        assert res.returncode == 0 and "relaunching with 1 rank(s)" in res.stdout, res.stdout + res.stderr
+        wait_for(rd, lambda s: s.get("status") == "relaunching")
+        sup.send_signal(signal.SIGKILL)  # ... because it is killed first
+        sup.wait()
+    assert rd.relaunch_file.exists()
+    resumed = start(tmp_path, "--resume", "rewind")
+    with reaped(resumed):
+        at = running_at(rd, 0)["step"]
+        running_at(rd, at + 6)
+        res = run_cli("stop", "rewind", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert resumed.wait(timeout=120) == 0, resumed.stdout.read()  # stopped, not relaunched from the plan
+    stopped_at = int(res.stdout.split()[-1])
+    st = rd.read_status()
+    assert st["status"] == "stopped" and st["step"] == stopped_at
+    assert contiguous(rd)[-1] == stopped_at - 1  # nothing cut back
+    kinds = [e["kind"] for e in rd.read_events()]
+    assert "crashed" not in kinds and kinds[-1] == "stopped"
+    assert st["world_size"] == 1  # the relaunch asked for before the kill was carried out on resume
+
+
+def test_an_unwritable_checkpoint_folder_refuses_the_apply_and_a_read_only_run_folder_stops_cleanly(tmp_path):
+    sup = start(tmp_path, LIGHT, "--name", "ro", "--checkpoint-every", "5", obey_file_modes=True)
+    with reaped(sup):
+        rd = find(tmp_path, "ro")
+        running_at(rd, 6)
+        good = rd.latest_checkpoint()
+        rd.checkpoints.chmod(0o500)
+        try:
+            res = run_cli("apply", "ro", '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}', cwd=tmp_path)
+            assert res.returncode == 2, res.stdout + res.stderr
+            assert "cannot write checkpoint" in res.stderr and "apply was refused" in res.stderr
+            st = running_at(rd, rd.read_status()["step"] + 6)  # past a periodic checkpoint, which fails too
+            assert st["config"]["plugins"] == {} and st["warnings"]
+        finally:
+            rd.checkpoints.chmod(0o700)
+        assert good.exists()
+        rd.path.chmod(0o500)  # the whole run folder read-only: files are rewritten in place
+        try:
+            step = rd.read_status()["step"]
+            running_at(rd, step + 3)
+            res = run_cli("stop", "ro", cwd=tmp_path)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert sup.wait(timeout=120) == 0
+        finally:
+            rd.path.chmod(0o700)
+        out = sup.stdout.read()
+    assert "Traceback" not in out and "ro stopped at step" in out, out
+    stopped_at = int(res.stdout.split()[-1])
+    assert rd.read_status()["status"] == "stopped"
+    assert rd.latest_checkpoint().name == f"step-{stopped_at:08d}.pt"
+    assert contiguous(rd)[-1] == stopped_at - 1
