@@ -1,5 +1,7 @@
 """Planning a trial's length from its expected step time and the trial timeout."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,10 @@ def test_start_up_and_step_estimates_come_from_the_study():
     # A config already measured goes by its measurement, not by its prediction.
     assert step_estimate(confirm, rows) == (4.0, "measured")
     assert step_estimate(fresh, rows) == (2.0, "predicted")
+    # A correction only counts as one where earlier trials moved the prediction.
+    same, moved = dataclasses.replace(fresh, corrected_s=2.0), dataclasses.replace(fresh, corrected_s=3.0)
+    assert step_estimate(same, rows) == (2.0, "predicted")
+    assert step_estimate(moved, rows) == (3.0, "predicted (corrected by earlier trials)")
     length = trial_length(confirm, rows, warmup=3, steps=16, timeout_s=60)
     assert (length.warmup, length.steps, length.startup_s) == (1, 5, 21.0)
     assert length.reason.startswith("measured 4.0 s/step: shortened to 6 of 19 planned steps")

@@ -104,7 +104,7 @@ def step_estimate(row: TrialRow, rows: Sequence[TrialRow]) -> tuple[float | None
     measured = [r.median_s for r in rows if r.config_id == row.config_id and r.status == "ok" and r.median_s]
     if measured:
         return max(measured), "measured"
-    if row.corrected_s:
+    if row.corrected_s and row.corrected_s != row.predicted_s:
         return row.corrected_s, "predicted (corrected by earlier trials)"
     return row.predicted_s, "predicted"
 
