@@ -79,6 +79,7 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
     finally:
         store.close()
     base = [t.median_s for t in trials if t.role == "baseline" and t.status == "ok"]
+    base_runs = [(t.seq, t.median_s) for t in trials if t.role == "baseline" and t.status == "ok"]
     rows = []
     for t in trials:
         if t.role not in ("candidate", "confirm"):
@@ -87,12 +88,26 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
                    and u.role in ("candidate", "confirm") and u.predicted_s]
         rows.append({"plugin": t.plugin, "role": t.role, "config": t.config, "status": t.status,
                      "predicted_s": t.predicted_s, "corrected_s": t.corrected_s, "measured_s": t.median_s,
-                     "had_feedback": bool(earlier)})
+                     "had_feedback": bool(earlier), "load": load_factor(t.seq, base_runs)})
     return {
         "workload": spec, "baseline_s": statistics.median(base), "baseline_runs": len(base),
+        "drift": max(base) / min(base),
         "applies": {n: d["applies"] for n, d in diagnoses.items()}, "trials": rows,
         "wall_s": time.monotonic() - start,
     }
+
+
+def load_factor(seq: int, base_runs: list[tuple[int, float]]) -> float | None:
+    """How much slower the machine ran around trial ``seq`` than for the first baseline: the
+    mean of the baseline runs just before and after it, over the first. The predictions are
+    made against the first baseline, so on a machine whose load drifts, ``predicted × load``
+    separates the model's error from the drift (reported beside the plain error)."""
+    if not base_runs:
+        return None
+    before = [m for s, m in base_runs if s < seq][-1:]
+    after = [m for s, m in base_runs if s > seq][:1]
+    near = before + after
+    return statistics.mean(near) / base_runs[0][1] if near else None
 
 
 def summarise(studies: dict[str, dict]) -> dict:
@@ -105,6 +120,7 @@ def summarise(studies: dict[str, dict]) -> dict:
             points.setdefault(r["plugin"], []).append({
                 "workload": wl,
                 "raw": relative_error(r["predicted_s"], r["measured_s"]),
+                "at_load": relative_error(r["predicted_s"] * r["load"], r["measured_s"]) if r.get("load") else None,
                 "corrected": relative_error(r["corrected_s"], r["measured_s"]),
                 "had_feedback": r["had_feedback"],
                 "predicted_change": r["predicted_s"] / st["baseline_s"],
@@ -121,6 +137,8 @@ def summarise(studies: dict[str, dict]) -> dict:
             "trials": len(ps),
             "workloads": sorted({p["workload"] for p in ps}),
             "median_error": statistics.median(p["raw"] for p in ps) if ps else None,
+            "median_error_at_load": (statistics.median(x) if (x := [p["at_load"] for p in ps if p["at_load"] is not None])
+                                     else None),
             "median_corrected_error": statistics.median(corrected) if corrected else None,
             "with_feedback": len(fed),
             "median_error_with_feedback_raw": statistics.median(p["raw"] for p in fed) if fed else None,
@@ -141,18 +159,21 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
              "Median |predicted − measured| / measured. *After feedback*: every trial's prediction as "
              "corrected by its tuner's earlier trials in the study (a tuner's first trial has none); "
              "*trials with feedback*: only the trials that had an earlier one, raw → corrected.", "",
-             "| tuner | trials | workloads | median error (raw) | after feedback | trials with feedback | "
-             "Spearman |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "*At the trial's load*: the raw prediction scaled by how much slower the baseline runs "
+             "beside the trial were than the first (the machine's drift, not the model's error).", "",
+             "| tuner | trials | workloads | median error (raw) | at the trial's load | after feedback | "
+             "trials with feedback | Spearman |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         rho = "—" if s["spearman"] is None else f"{s['spearman']:.2f}"
         fed = (f"{s['with_feedback']}: {pct(s['median_error_with_feedback_raw'])} → "
                f"{pct(s['median_error_with_feedback_corrected'])}" if s["with_feedback"] else "—")
         lines.append(f"| {name} | {s['trials']} | {', '.join(s['workloads'])} | {pct(s['median_error'])} | "
-                     f"{pct(s['median_corrected_error'])} | {fed} | {rho} |")
-    lines += ["", "| workload | baseline | baseline runs | trials | wall |", "| --- | --- | --- | --- | --- |"]
+                     f"{pct(s['median_error_at_load'])} | {pct(s['median_corrected_error'])} | {fed} | {rho} |")
+    lines += ["", "| workload | baseline (median of runs) | baseline runs | drift (slowest/fastest) | trials | wall |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for wl, st in studies.items():
-        lines.append(f"| {wl} | {st['baseline_s'] * 1e3:.1f} ms | {st['baseline_runs']} | {len(st['trials'])} | "
-                     f"{st['wall_s']:.0f} s |")
+        lines.append(f"| {wl} | {st['baseline_s'] * 1e3:.1f} ms | {st['baseline_runs']} | {st['drift']:.2f}x | "
+                     f"{len(st['trials'])} | {st['wall_s']:.0f} s |")
     return "\n".join(lines) + "\n"
 
 
