@@ -95,12 +95,15 @@ class LayerSplit(Tuner):
     # -- observe ------------------------------------------------------------------------
 
     def _graph(self, obs: Observation):
+        """The traced model with each attention core one layer (:func:`split_graph`)."""
+        from tunekit.plugins.layer_split.units import split_graph
+
         if obs.graph is not None:
-            return obs.graph
+            return split_graph(obs.graph)
         from tunekit.observe.graph import trace_model
 
         inputs = obs.workload.example_batch(2)[0]
-        return trace_model(obs.workload.model(), inputs)
+        return split_graph(trace_model(obs.workload.model(), inputs))
 
     def tables(self, obs: Observation) -> Tables:
         """Eq. 1's tables for the observed job (memoised per observation)."""
