@@ -390,6 +390,8 @@ def _set_uses(specs: dict[str, OpSpec], graph, batch_shape) -> None:
             # Direct: the consumer reads the producer's split tensor element for element
             # (no flatten or view in between that would mix dims).
             view = canonical(at_batch(src.output_shape, src.name)) if src.output_shape else None
+            if not prod.batched:  # read whole by every worker: only samples split
+                spec.splittable = (spec.splittable[0], False, False, False)
             uses.append(
                 Use(
                     src.layer,

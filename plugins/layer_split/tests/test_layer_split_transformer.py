@@ -42,6 +42,10 @@ def test_gpt_layers_and_configs():
     for v in ("tokens_1", "blocks_0_ln1", "blocks_0_attn", "ln"):
         assert [c.label() for c in config_space(specs[v], 2)] == ["1", "n2"], v
     assert specs["add"].uses[1].shape == (TINY_GPT["seq"], TINY_GPT["width"])
+    # Reading the position embedding whole, the add splits by samples only; the residual
+    # adds split any way.
+    assert [c.label() for c in config_space(specs["add"], 2)] == ["1", "n2"]
+    assert "c2" in [c.label() for c in config_space(specs["add_1"], 2)]
 
 
 def test_gpt_executor_matches_autograd_in_one_process():
