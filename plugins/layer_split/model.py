@@ -185,6 +185,8 @@ class OpSpec:
     batch dimension, such as ``torch.arange(seq)`` or a position embedding: every rank
     computes it whole)."""
     batched: bool = True
+    subgraph: bool = False
+    """The executor runs it as its fx subgraph (``units.runs_as_subgraph``): sample splits."""
     dtype: str | None = None
     """The recorded dtype of the layer's output (``int64`` for token ids, ``float32`` ...)."""
     """The tensor's first dim is the batch (False: a per-model constant, ``shape`` as is)."""
@@ -251,6 +253,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
     Shapes, bytes and FLOPs are rescaled from the trace batch to ``global_batch``.
     """
     from tunekit.observe.graph import _layer_output
+    from tunekit.plugins.layer_split.units import runs_as_subgraph
 
     scale = global_batch / graph.batch_size
     nodes = graph.nodes
@@ -267,6 +270,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             and _layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name
             not in batched
         )
+        subgraph = runs_as_subgraph(graph, layer, batched)
         if layer.kind == "output":
             srcs = [nodes[i] for i in anchor.inputs]
             if not srcs or srcs[0].output_shape is None:
@@ -277,7 +281,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             split_shape = out_shape = at_batch(anchor.output_shape)
         elif const:  # no batch dimension: every rank computes it whole
             split_shape = out_shape = tuple(layer.output_shape or (1,))
-        elif layer.kind == "attention":  # a fused core: split where it ends
+        elif subgraph:  # run as a subgraph: split where it ends
             split_shape = out_shape = at_batch(layer.output_shape)
         else:
             # The split tensor is the last member before any reshape; consumers read the layer output.
@@ -310,6 +314,11 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
         if const:
             spec.replicated, spec.batched = True, False
             spec.flops = float(layer.flops)
+            spec.subgraph = True
+            specs[layer.name] = spec
+            continue
+        if subgraph:  # samples only; a worker reads its samples of every input
+            spec.subgraph = True
             specs[layer.name] = spec
             continue
         _set_rules(spec, layer, anchor, nodes, at_batch)
@@ -376,7 +385,7 @@ def _set_uses(specs: dict[str, OpSpec], graph, batch_shape) -> None:
         spec = specs[layer.name]
         anchor = nodes[layer.nodes[0]]
         srcs = [nodes[i] for i in anchor.inputs if nodes[i].layer is not None]
-        if spec.kind == "attention" or not spec.batched:  # a subgraph: every member's inputs
+        if spec.subgraph:  # every member's inputs
             srcs = external_inputs(graph, layer)
         cat_dim = None
         offsets = []
@@ -497,7 +506,7 @@ def input_boxes(
     kind = consumer.kind
     if not producer.batched:  # a per-model constant: every worker reads all of it
         pass
-    elif not use.direct or kind == "linear":
+    elif consumer.subgraph or not use.direct or kind == "linear":
         # A reshape keeps samples apart, and an FC layer reads all features: own samples, all else.
         need[..., 0, :] = out[..., 0, :]
     elif kind in ("conv", "pool"):

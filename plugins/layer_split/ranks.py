@@ -190,3 +190,28 @@ def tiny_gpt_workload():
         scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
         clip_grad_norm=1.0,
     )
+
+
+TINY_VIT = {"image": 8, "patch": 4, "width": 16, "heads": 2, "blocks": 2, "classes": 10}
+
+
+def tiny_vit_workload():
+    """:class:`~tunekit.examples.transformers.ViT` at toy size (4 images of 8x8 in 4x4
+    patches per rank), AdamW, warm-up + cosine, clipping at 1.0."""
+    from tunekit.examples.transformers import ViT, _adamw, warmup_cosine
+    from tunekit.workload import Workload
+
+    def make_batch(n, gen):
+        x = torch.randn(n, 3, TINY_VIT["image"], TINY_VIT["image"], generator=gen)
+        return x, torch.randint(TINY_VIT["classes"], (n,), generator=gen)
+
+    return Workload(
+        name="tiny_vit",
+        model=lambda: ViT(**TINY_VIT),
+        make_batch=make_batch,
+        optimizer=_adamw,
+        batch_size=4,
+        lr=3e-3,
+        scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
+        clip_grad_norm=1.0,
+    )

@@ -171,7 +171,9 @@ class SliceOps:
                 and isinstance(self.module(member), nn.LocalResponseNorm)
             ):
                 raise PluginError(f"{where}: local response norm mixes channels; no channel split")
-        if node.op == "get_attr" or any(n.op == "get_attr" for n in node.all_input_nodes):
+        if node.op == "get_attr" or any(
+            n.op == "get_attr" and n not in prog.use_nodes for n in node.all_input_nodes
+        ):
             raise PluginError(
                 f"{where}: ops on raw tensor attributes are not supported by the executor"
             )
@@ -447,7 +449,7 @@ def build_programs(
     batched = graph.batched_nodes()
     for layer in graph.layers.values():
         spec = specs[layer.name]
-        if spec.kind == "attention" or not spec.batched:
+        if spec.subgraph:
             programs[layer.name] = _region_program(graph, layer, spec, fx_nodes, batched)
             continue
         anchor = fx_nodes[layer.nodes[0]]
@@ -472,6 +474,31 @@ def build_programs(
         ]
         programs[layer.name] = LayerProgram(specs[layer.name], anchor, members, use_nodes, problem)
     return programs, ops
+
+
+_TUPLE_OPS = {"split", "chunk", "unbind", "split_with_sizes", "tensor_split"}
+
+
+def _moves_samples(node: torch.fx.Node, g, gnodes) -> bool:
+    """Whether a reorder or index touches dim 0 (the samples) of a batched tensor."""
+    rank = len(g.output_shape or ()) or 1
+    args = list(node.args)
+
+    def dim0(d) -> bool:
+        return isinstance(d, int) and d % max(rank, 1) == 0
+
+    if g.op in ("transpose", "swapaxes", "movedim"):
+        return any(dim0(d) for d in args[1:3])
+    if g.op == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
+        return not dims or not dim0(dims[0])
+    if g.op == "getitem" and len(args) == 2:
+        src = gnodes.get(g.inputs[0]) if g.inputs else None
+        if src is not None and src.op in _TUPLE_OPS:
+            return False  # one tensor of a split's tuple
+        first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        return not (first is Ellipsis or first == slice(None))
+    return False
 
 
 def _region_program(graph, layer, spec: OpSpec, fx_nodes, batched: set[str]) -> LayerProgram:
@@ -508,6 +535,8 @@ def _region_program(graph, layer, spec: OpSpec, fx_nodes, batched: set[str]) -> 
         g = gnodes[n]
         if g.op in _RANDOM:
             problem = problem or f"{g.op} draws random numbers; each rank would draw its own"
+        if spec.batched and n in batched and _moves_samples(fx_nodes[n], g, gnodes):
+            problem = problem or f"{g.op} ({n}) moves the batch dimension: it mixes samples"
         if (
             spec.batched
             and n not in batched

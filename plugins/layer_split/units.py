@@ -141,3 +141,43 @@ def _attention_name(neighbours: list[str], first: str, taken: set[str]) -> str:
     while name in taken:
         name += "_"
     return name
+
+
+_REORDERS = frozenset({"transpose", "permute", "movedim", "swapaxes"})
+_RESHAPE_OPS = frozenset({"flatten", "view", "reshape", "contiguous", "squeeze", "unsqueeze"})
+_BROADCASTS = frozenset({"expand", "expand_as", "repeat"})
+_FOLDABLE = frozenset(
+    {"relu", "relu6", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardswish",
+     "elu", "selu", "dropout", "identity", "batch_norm"}
+)
+
+
+def runs_as_subgraph(graph: ModelGraph, layer: Layer, batched: set[str]) -> bool:
+    """Whether the executor runs ``layer`` as its fx subgraph on a worker's samples (and so
+    plans it with sample splits only): a fused attention core; a layer without a batch
+    dimension; a layer whose folded ops reorder its dims after a reshape (a ViT's patch
+    embedding: conv, ``flatten(2)``, ``transpose(1, 2)``); a broadcast of per-model constants
+    to the batch (``cls.expand(n, -1, -1)``); and a norm or embedding with folded ops beyond
+    the elementwise (``ln(x)[:, 0]``)."""
+    from tunekit.observe.graph import _layer_output
+
+    if layer.kind in ("input", "output"):
+        return False
+    nodes = graph.nodes
+    if layer.kind == "attention":
+        return True
+    if _layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name not in batched:
+        return True
+    ops = [nodes[m].op for m in layer.nodes[1:]]
+    reshaped = False
+    for op in ops:
+        if op in _RESHAPE_OPS:
+            reshaped = True
+        elif op in _REORDERS and reshaped:
+            return True
+    anchor = nodes[layer.nodes[0]]
+    if anchor.op in _BROADCASTS and anchor.inputs and not any(i in batched for i in anchor.inputs):
+        return True
+    if layer.kind in ("norm", "embedding"):
+        return any(op not in _FOLDABLE | _RESHAPE_OPS for op in ops)
+    return False

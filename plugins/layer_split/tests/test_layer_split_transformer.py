@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from tunekit.plugins.layer_split.model import SplitConfig, config_space, specs_from_graph
-from tunekit.plugins.layer_split.ranks import TINY_GPT, tiny_gpt_workload, train_plans
+from tunekit.plugins.layer_split.ranks import (
+    TINY_GPT,
+    tiny_gpt_workload,
+    tiny_vit_workload,
+    train_plans,
+)
 from tunekit.plugins.layer_split.runtime import PlanExecutor
 from tunekit.plugins.layer_split.units import split_graph
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, run_ranks
 
 GPT = "tunekit.plugins.layer_split.ranks:tiny_gpt_workload"
+VIT = "tunekit.plugins.layer_split.ranks:tiny_vit_workload"
 
 
 def _graph(model, tokens):
@@ -48,13 +54,15 @@ def test_gpt_layers_and_configs():
     assert "c2" in [c.label() for c in config_space(specs["add_1"], 2)]
 
 
-def test_gpt_executor_matches_autograd_in_one_process():
+@pytest.mark.parametrize("factory", [tiny_gpt_workload, tiny_vit_workload])
+def test_executor_matches_autograd_in_one_process(factory):
     """One rank, every layer on it: the executor's loss and gradients are autograd's."""
     f64 = torch.float64
-    w = tiny_gpt_workload()
+    w = factory()
     torch.manual_seed(0)
     model = w.model().to(f64)
     tokens, targets = w.example_batch(4)
+    tokens = tokens.to(f64) if tokens.is_floating_point() else tokens
     graph = _graph(model, tokens)
     specs = specs_from_graph(graph, 4)
     executor = PlanExecutor(model, graph, {v: SplitConfig() for v in specs}, 4, 0, 1)
@@ -66,6 +74,25 @@ def test_gpt_executor_matches_autograd_in_one_process():
     assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-12)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_split_timer_times_transformer_layers_at_the_global_batch():
+    """The timer runs a per-model constant whole and shape arithmetic at the slice's batch
+    (it used to stretch the position embedding to the batch: "size of tensor a (64) must
+    match the size of tensor b (8)", and time ``torch.arange`` nowhere)."""
+    from tunekit.observe.layer_profile import SplitTimer
+
+    w = tiny_gpt_workload()
+    model = w.model()
+    tokens, _ = w.example_batch(4)
+    graph = _graph(model, tokens)
+    timer = SplitTimer(model, graph, batch_size=6, warmup=0, repeats=1)  # 6: no other dim
+    seq, width = TINY_GPT["seq"], TINY_GPT["width"]
+    assert timer.time("arange", (1, 1, 1, 1)).output_shape == [seq]
+    assert timer.time("positions", (1, 1, 1, 1)).output_shape == [seq, width]
+    assert timer.time("add", (2, 1, 1, 1)).output_shape == [3, seq, width]
+    assert timer.time("blocks_0_attn", (2, 1, 1, 1)).output_shape == [3, seq, width]
+    assert timer.time("blocks_0_attn", (1, 1, 1, 1)).output_shape == [6, seq, width]
 
 
 def test_region_refuses_sample_mixing():
@@ -126,24 +153,52 @@ MIXED = {
 }
 
 
+def _vit_mixed() -> dict[str, str]:
+    """The ViT's layers split by samples but for: the patch embedding and the final
+    LayerNorm on one rank, the class-token concat split along the tokens, an attention core
+    on one rank and the head split by its output features."""
+    w = tiny_vit_workload()
+    images, _ = w.example_batch(4)
+    specs = specs_from_graph(_graph(w.model(), images), 8)
+    plan = {v: "n2" for v, s in specs.items() if not s.replicated}
+    plan.update(patches="1", cat="c2", blocks_1_attn="1", ln="1", head="c2")
+    return plan
+
+
 @pytest.mark.slow
 @pytest.mark.equivalence
-def test_gpt_plans_train_like_ddp():
+def test_transformer_plans_train_like_ddp():
     """On 2 gloo ranks in float64, with AdamW, warm-up + cosine and clipping at 1.0: the
-    image plan and a mixed plan reach DDP's parameters and losses."""
+    image plan and a mixed plan of the tiny GPT and the tiny ViT reach DDP's parameters
+    and losses."""
     steps = 3
-    cases = [(GPT, "ddp", steps), (GPT, "image", steps), (GPT, json.dumps(MIXED), steps)]
+    cases = [
+        (GPT, "ddp", steps),
+        (GPT, "image", steps),
+        (GPT, json.dumps(MIXED), steps),
+        (VIT, "ddp", steps),
+        (VIT, "image", steps),
+        (VIT, json.dumps(_vit_mixed()), steps),
+    ]
     results = run_ranks(train_plans, 2, (cases,), timeout_s=600, dtype=torch.float64)
+    for ddp, what in ((0, "gpt"), (3, "vit")):
+        _check_like_ddp(results, ddp, what)
+    # It trained: the parameters moved.
+    start = tiny_gpt_workload().model().state_dict()
     ref = results[0][0]
+    assert any(not torch.allclose(start[k].double(), ref["params"][k]) for k in start)
+
+
+def _check_like_ddp(results, ddp: int, model: str) -> None:
+    ref = results[0][ddp]
     # DDP reports each rank's own loss; the global loss is their mean (equal shares).
-    global_losses = [(a + b) / 2 for a, b in zip(ref["losses"], results[1][0]["losses"], strict=True)]
-    for i, what in ((1, "image plan"), (2, "mixed plan")):
+    global_losses = [
+        (a + b) / 2 for a, b in zip(ref["losses"], results[1][ddp]["losses"], strict=True)
+    ]
+    for i, what in ((ddp + 1, f"{model}: image plan"), (ddp + 2, f"{model}: mixed plan")):
         ranks = [results[0][i], results[1][i]]
         for r in ranks:
             assert_states_close(r["params"], ref["params"], what)
         for name in ref["params"]:
             assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
         assert ranks[0]["losses"] == pytest.approx(global_losses, rel=EQUIVALENCE_RTOL), what
-    # It trained: the parameters moved.
-    start = tiny_gpt_workload().model().state_dict()
-    assert any(not torch.allclose(start[k].double(), ref["params"][k]) for k in start)
