@@ -202,3 +202,47 @@ def _check_like_ddp(results, ddp: int, model: str) -> None:
         for name in ref["params"]:
             assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
         assert ranks[0]["losses"] == pytest.approx(global_losses, rel=EQUIVALENCE_RTOL), what
+
+
+def _local_observation():
+    from tunekit.observe.local import describe_local_machine
+    from tunekit.observe.observation import Observation, summarize_model
+
+    w = tiny_gpt_workload()
+    x = w.example_batch(2)[0]
+    hw = describe_local_machine(2, "cpu")
+    return Observation("tiny_gpt", w, 2, "gloo", "cpu", hw, summarize_model(w.model(), x))
+
+
+def test_diagnosis_plans_the_tiny_gpt_on_this_machine():
+    """Measured compute for every layer (none dropped), and a plan of runnable configs."""
+    from tunekit.plugins.layer_split.plugin import LayerSplit
+
+    tuner = LayerSplit()
+    obs = _local_observation()
+    tuner.diagnose(obs)
+    assert tuner.unsupported == []
+    tables = tuner.tables(obs)
+    assert [c.label() for c in tables.spaces["blocks_0_attn"]] == ["1", "n2"]
+    assert tables.spaces["positions"] == [SplitConfig()]
+    assert (tables.compute["blocks_0_attn"] > 0).all()
+
+
+def test_a_layer_the_timer_cannot_run_is_named(monkeypatch):
+    """A layer none of whose configs the split timer can run is refused by name (it used to
+    end the search with "node 'arange' has no configurations")."""
+    from tunekit.observe.layer_profile import SplitTimer
+    from tunekit.plugins.layer_split.plugin import LayerSplit
+
+    real = SplitTimer.time
+
+    def time(self, layer, split):
+        if layer == "arange":
+            raise RuntimeError("cannot")
+        return real(self, layer, split)
+
+    monkeypatch.setattr(SplitTimer, "time", time)
+    tuner = LayerSplit()
+    diag = tuner.diagnose(_local_observation())
+    assert not diag.applies
+    assert "layer 'arange' (other): the split timer cannot run any of its configs" in diag.summary
