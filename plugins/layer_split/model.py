@@ -181,7 +181,15 @@ class OpSpec:
     groups: int = 1
     uses: list[Use] = field(default_factory=list)
     replicated: bool = False
-    """Held whole by every device (the input batch: every rank builds it)."""
+    """Held whole by every device (the input batch: every rank builds it; a layer without a
+    batch dimension, such as ``torch.arange(seq)`` or a position embedding: every rank
+    computes it whole)."""
+    batched: bool = True
+    subgraph: bool = False
+    """The executor runs it as its fx subgraph (``units.runs_as_subgraph``): sample splits."""
+    dtype: str | None = None
+    """The recorded dtype of the layer's output (``int64`` for token ids, ``float32`` ...)."""
+    """The tensor's first dim is the batch (False: a per-model constant, ``shape`` as is)."""
 
     @property
     def numel(self) -> int:
@@ -244,8 +252,12 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
 
     Shapes, bytes and FLOPs are rescaled from the trace batch to ``global_batch``.
     """
+    from tunekit.observe.graph import _layer_output
+    from tunekit.plugins.layer_split.units import runs_as_subgraph
+
     scale = global_batch / graph.batch_size
     nodes = graph.nodes
+    batched = graph.batched_nodes()
 
     def at_batch(shape) -> tuple[int, ...]:
         return (global_batch, *shape[1:]) if shape else (global_batch,)
@@ -253,6 +265,12 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
     specs: dict[str, OpSpec] = {}
     for layer in graph.layers.values():
         anchor = nodes[layer.nodes[0]]
+        const = (
+            layer.kind not in ("input", "output")
+            and _layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name
+            not in batched
+        )
+        subgraph = runs_as_subgraph(graph, layer, batched)
         if layer.kind == "output":
             srcs = [nodes[i] for i in anchor.inputs]
             if not srcs or srcs[0].output_shape is None:
@@ -261,6 +279,10 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             out_shape = split_shape
         elif layer.kind == "input":
             split_shape = out_shape = at_batch(anchor.output_shape)
+        elif const:  # no batch dimension: every rank computes it whole
+            split_shape = out_shape = tuple(layer.output_shape or (1,))
+        elif subgraph:  # run as a subgraph: split where it ends
+            split_shape = out_shape = at_batch(layer.output_shape)
         else:
             # The split tensor is the last member before any reshape; consumers read the layer output.
             last = anchor
@@ -285,7 +307,20 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             flops=float(layer.flops) * scale,
             elem_bytes=elem,
             replicated=layer.kind == "input",
+            dtype=_layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).output_dtype
+            if layer.kind != "output"
+            else None,
         )
+        if const:
+            spec.replicated, spec.batched = True, False
+            spec.flops = float(layer.flops)
+            spec.subgraph = True
+            specs[layer.name] = spec
+            continue
+        if subgraph:  # samples only; a worker reads its samples of every input
+            spec.subgraph = True
+            specs[layer.name] = spec
+            continue
         _set_rules(spec, layer, anchor, nodes, at_batch)
         specs[layer.name] = spec
     _set_uses(specs, graph, at_batch)
@@ -340,34 +375,52 @@ def _set_rules(spec: OpSpec, layer, anchor, nodes, at_batch) -> None:
         spec.splittable = (True, False, False, False)
 
 
-def _set_uses(specs: dict[str, OpSpec], graph, at_batch) -> None:
+def _set_uses(specs: dict[str, OpSpec], graph, batch_shape) -> None:
     nodes = graph.nodes
+    batched = graph.batched_nodes()
+
+    def at_batch(shape, name=None):  # a per-model constant keeps its own first dim
+        return batch_shape(shape) if name is None or name in batched else tuple(shape)
     for layer in graph.layers.values():
         spec = specs[layer.name]
         anchor = nodes[layer.nodes[0]]
         srcs = [nodes[i] for i in anchor.inputs if nodes[i].layer is not None]
+        if spec.subgraph:  # every member's inputs
+            srcs = external_inputs(graph, layer)
         cat_dim = None
         offsets = []
         if spec.kind == "concat" and srcs:
             cat_dim, offsets = _concat_layout(
-                spec.shape, [canonical(at_batch(s.output_shape)) for s in srcs]
+                spec.shape, [canonical(at_batch(s.output_shape, s.name)) for s in srcs]
             )
         uses = []
         for j, src in enumerate(srcs):
             prod = specs[src.layer]
             # Direct: the consumer reads the producer's split tensor element for element
             # (no flatten or view in between that would mix dims).
-            view = canonical(at_batch(src.output_shape)) if src.output_shape else None
+            view = canonical(at_batch(src.output_shape, src.name)) if src.output_shape else None
+            if not prod.batched:  # read whole by every worker: only samples split
+                spec.splittable = (spec.splittable[0], False, False, False)
             uses.append(
                 Use(
                     src.layer,
                     view == prod.shape,
                     cat_dim,
                     offsets[j] if offsets else 0,
-                    tuple(at_batch(src.output_shape)) if src.output_shape else (),
+                    tuple(at_batch(src.output_shape, src.name)) if src.output_shape else (),
                 )
             )
         spec.uses = uses
+
+
+def external_inputs(graph, layer) -> list:
+    """The data inputs (graph nodes of other layers) a layer's members read, in order."""
+    nodes, out = graph.nodes, []
+    for m in layer.nodes:
+        for i in nodes[m].inputs:
+            if nodes[i].layer not in (None, layer.name) and nodes[i] not in out:
+                out.append(nodes[i])
+    return out
 
 
 def _concat_layout(out: tuple[int, ...], parts: list[tuple[int, ...]]) -> tuple[int, list[int]]:
@@ -451,7 +504,9 @@ def input_boxes(
     full = np.array([[0, s] for s in producer.shape], dtype=np.int64)
     need = np.broadcast_to(full, out.shape).copy()
     kind = consumer.kind
-    if not use.direct or kind == "linear":
+    if not producer.batched:  # a per-model constant: every worker reads all of it
+        pass
+    elif consumer.subgraph or not use.direct or kind == "linear":
         # A reshape keeps samples apart, and an FC layer reads all features: own samples, all else.
         need[..., 0, :] = out[..., 0, :]
     elif kind in ("conv", "pool"):

@@ -95,12 +95,15 @@ class LayerSplit(Tuner):
     # -- observe ------------------------------------------------------------------------
 
     def _graph(self, obs: Observation):
+        """The traced model with each attention core one layer (:func:`split_graph`)."""
+        from tunekit.plugins.layer_split.units import split_graph
+
         if obs.graph is not None:
-            return obs.graph
+            return split_graph(obs.graph)
         from tunekit.observe.graph import trace_model
 
         inputs = obs.workload.example_batch(2)[0]
-        return trace_model(obs.workload.model(), inputs)
+        return split_graph(trace_model(obs.workload.model(), inputs))
 
     def tables(self, obs: Observation) -> Tables:
         """Eq. 1's tables for the observed job (memoised per observation)."""
@@ -118,6 +121,18 @@ class LayerSplit(Tuner):
         local = hw.source in ("local", "probe")
         if local:
             compute, spaces, source = measured_compute(obs, graph, specs, spaces)
+            untimed = [v for v, cs in spaces.items() if not cs]
+            for v in untimed:  # refused by name, not "node has no configurations"
+                self.unsupported.append(
+                    f"layer_split: layer {v!r} ({specs[v].kind}): the split timer cannot run "
+                    "any of its configs on this machine"
+                )
+                spaces[v] = [SplitConfig()]
+            if untimed:
+                timed = compute
+
+                def compute(spec, cfg, timed=timed, untimed=frozenset(untimed)):
+                    return 0.0 if spec.name in untimed else timed(spec, cfg)
         else:
             compute, source = (
                 analytic_compute(hw, self.options),
@@ -321,8 +336,10 @@ def measured_compute(obs: Observation, graph, specs, spaces):
 
     threads = rank_threads(obs)
     device = "cuda" if obs.device_type == "cuda" else "cpu"
+    # v3: fused attention layers, and per-model constants timed whole (v2 cached them as
+    # untimeable, which dropped their consumers' configs)
     key = (
-        f"layer_split:compute:v2:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
+        f"layer_split:compute:v3:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
     )
     cached = obs.cache.get(key) if obs.cache is not None else None
     table: dict[str, dict[str, float | None]] = cached or {}

@@ -50,6 +50,7 @@ from tunekit.plugins.layer_split.model import (
     specs_from_graph,
 )
 from tunekit.plugins.layer_split.slices import build_programs
+from tunekit.plugins.layer_split.units import split_graph
 
 # -- redistribution --------------------------------------------------------------------------
 
@@ -130,7 +131,9 @@ class PlanExecutor:
             )
         out = {}
         for v, spec in self.specs.items():
-            if spec.kind == "input":
+            if spec.replicated:  # the input batch, a layer without a batch dimension
+                if spec.kind != "input":
+                    self.ops.check(self.programs[v], SplitConfig())
                 out[v] = SplitConfig()
                 continue
             if spec.kind == "output" and len(spec.uses) != 1:
@@ -173,6 +176,8 @@ class PlanExecutor:
 
     def _owned(self, v: str) -> list[Any]:
         cfg = self.plan[v]
+        if self.specs[v].replicated:  # every rank holds (computes) all of it
+            return [[[0, s] for s in self.specs[v].shape] for _ in range(self.world)]
         boxes = owned_boxes(self.specs[v], cfg)
         return [boxes[r].tolist() if r < cfg.workers else None for r in range(self.world)]
 
@@ -199,6 +204,14 @@ class PlanExecutor:
 
     # -- messages ----------------------------------------------------------------------------
 
+    def _dtype_of(self, layer: str) -> torch.dtype:
+        """What a layer's output travels as: its recorded dtype when not floating point (token
+        ids), else the step's floating-point dtype (float64 in a float64 run)."""
+        recorded = self.specs[layer].dtype
+        if recorded and not getattr(torch, recorded).is_floating_point:
+            return getattr(torch, recorded)
+        return self._float
+
     def _next_tag(self) -> int:
         self._tag += 1
         return self._tag
@@ -210,12 +223,8 @@ class PlanExecutor:
         """This rank's needed region of the producer's output, assembled from its owners."""
         me = self.rank
         need = ex.need[me]
-        if ex.replicated:  # every rank built the whole batch
-            return (
-                None
-                if need is None
-                else _region(full_input, need, [(0, s) for s in full_input.shape])
-            )
+        if ex.replicated:  # every rank built the whole batch (or computed the whole layer)
+            return None if need is None else _region(local, need, [(0, s) for s in local.shape])
         tag = self._next_tag()
         works, buffers = [], []
         mine = ex.owned[me]
@@ -230,7 +239,7 @@ class PlanExecutor:
         out = None
         if need is not None:
             shape = [int(hi - lo) for lo, hi in need]
-            out = torch.empty(shape, dtype=self._dtype, device=self._device)
+            out = torch.empty(shape, dtype=self._dtype_of(ex.producer), device=self._device)
             for s in range(self.world):
                 part = _intersect(ex.owned[s], need)
                 if part is None:
@@ -253,7 +262,10 @@ class PlanExecutor:
         self, ex: _Exchange, grad_in: torch.Tensor | None, grad_out: torch.Tensor | None
     ):
         """Send the gradient of this rank's received region back to its owners; add theirs to ours."""
-        if ex.replicated:
+        if ex.replicated:  # a layer every rank computed whole: this rank's share of its gradient
+            need = ex.need[self.rank]
+            if grad_in is not None and grad_out is not None and need is not None:
+                _region(grad_out, need, [(0, s) for s in grad_out.shape]).add_(grad_in)
             return
         me = self.rank
         need, mine = ex.need[me], ex.owned[me]
@@ -297,6 +309,15 @@ class PlanExecutor:
         if not isinstance(inputs, torch.Tensor):
             raise PluginError("layer_split: the executor needs a single input tensor")
         self._dtype, self._device = inputs.dtype, inputs.device
+        self.ops.device = inputs.device
+        self._float = (
+            inputs.dtype
+            if inputs.dtype.is_floating_point
+            else next(
+                (p.dtype for p in self.model.parameters() if p.is_floating_point()),
+                torch.get_default_dtype(),
+            )
+        )
         self._tag = 0
         full_input = inputs.reshape(canonical(inputs.shape))
         outs: dict[str, torch.Tensor | None] = {}
@@ -320,7 +341,8 @@ class PlanExecutor:
             for ex, use, g in zip(self.exchanges[v], spec.uses, gathered, strict=True):
                 if g is None:  # an empty region (a concat input this worker does not cover)
                     g = torch.zeros([0, 0, 0, 0], dtype=self._dtype, device=self._device)
-                leaf = g.detach().requires_grad_(not ex.replicated)
+                trainable = not ex.replicated or self.specs[ex.producer].kind != "input"
+                leaf = g.detach().requires_grad_(trainable and g.is_floating_point())
                 leaf_list.append(leaf)
                 xs.append(self._consumer_view(leaf, use, box))
             leaves[v] = leaf_list
@@ -380,7 +402,7 @@ class PlanExecutor:
                 self.exchanges[v], mine or [None] * len(self.exchanges[v]), strict=True
             ):
                 g = None
-                if leaf is not None and not ex.replicated:
+                if leaf is not None and leaf.requires_grad:
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._backward_exchange(ex, g, grads.get(ex.producer))
 
@@ -436,7 +458,9 @@ def named_plan(session, name: str, trace_batch: int = 2) -> dict[str, SplitConfi
     from tunekit.observe.graph import trace_model
     from tunekit.plugins.layer_split.search import named_configs
 
-    graph = trace_model(session.model, session.workload.example_batch(trace_batch)[0])
+    graph = split_graph(
+        trace_model(session.model, session.workload.example_batch(trace_batch)[0])
+    )
     specs = specs_from_graph(graph, session.batch_size * session.world_size)
     spaces = {v: config_space(s, session.world_size) for v, s in specs.items()}
     return named_configs(specs, spaces, name)
@@ -453,7 +477,9 @@ def apply_plan(session, plan: Mapping[str, SplitConfig], trace_batch: int = 2) -
     from tunekit.observe.graph import trace_model
     from tunekit.runtime.sync import LocalSync
 
-    graph = trace_model(session.model, session.workload.example_batch(trace_batch)[0])
+    graph = split_graph(
+        trace_model(session.model, session.workload.example_batch(trace_batch)[0])
+    )
     built: dict[int, PlanExecutor] = {}
 
     def executor_for(sess) -> PlanExecutor:

@@ -63,6 +63,13 @@ _ELEMENTWISE_FUNCTIONS = {
     "dropout",
     "identity",
 }
+_PER_SAMPLE_MODULES = (nn.LayerNorm, nn.Embedding, nn.GroupNorm)
+"""Modules exact on any subset of samples, with all features: a sample split runs them as is."""
+_PER_SAMPLE_FUNCTIONS = {"layer_norm", "embedding", "group_norm"}
+_SHAPE_ONLY = {"ones_like", "zeros_like", "empty_like", "full_like", "size", "getattr", "dim"}
+"""Ops that read only their input's shape (a causal mask from ``scores[0, 0]``)."""
+_RANDOM = {"dropout", "rand", "randn", "rand_like", "randn_like", "bernoulli", "normal"}
+_REORDERS = {"transpose", "permute", "movedim", "swapaxes", "t"}
 _RESHAPES = {"flatten", "view", "reshape", "contiguous", "squeeze", "unsqueeze"}
 _BINARY = {
     operator.add: torch.add,
@@ -106,6 +113,17 @@ class LayerProgram:
     """The anchor's tensor arguments, in the order of ``spec.uses``."""
     problem: str = ""
     """Why the executor cannot run this layer at all (empty: it can)."""
+    region: list[torch.fx.Node] = field(default_factory=list)
+    """A subgraph run node by node on the worker's samples (a fused attention core, a layer
+    without a batch dimension): its shape arithmetic and its members, in graph order.
+    Empty: the layer runs as its anchor op and folded members."""
+    shape_refs: dict[torch.fx.Node, tuple[list[int], str | None, bool]] = field(
+        default_factory=dict
+    )
+    """Tensors of other layers the region reads only for their shape (``x.shape``): recorded
+    shape, dtype, and whether its first dim is the batch."""
+    region_out: torch.fx.Node | None = None
+    """The region's output node (what its consumers read)."""
 
 
 class SliceOps:
@@ -114,6 +132,8 @@ class SliceOps:
     def __init__(self, model: nn.Module, gm: torch.fx.GraphModule):
         self.model = model
         self.modules = dict(gm.named_modules())
+        self.device = torch.device("cpu")
+        """Where the step runs (set by the executor each step)."""
 
     def module(self, node: torch.fx.Node) -> nn.Module:
         # The live model's module (the traced GraphModule shares it, but be explicit).
@@ -130,10 +150,20 @@ class SliceOps:
             return
         if prog.problem:
             raise PluginError(f"{where}: {prog.problem}")
+        if prog.region:
+            if cfg.c > 1 or spatial:
+                raise PluginError(f"{where}: a {spec.kind} subgraph splits by samples only")
+            return
         for member in prog.members:
             if not self._elementwise(member):
+                name = _op_name(member, self.modules)
+                if name in _REORDERS:  # a ViT's patch embedding: conv, flatten(2), transpose(1, 2)
+                    raise PluginError(
+                        f"{where}: folded op {name} reorders the layer's dims after the tensor "
+                        "the executor splits; it cannot run it"
+                    )
                 raise PluginError(
-                    f"{where}: folded op {_op_name(member, self.modules)} is not supported by the executor"
+                    f"{where}: folded op {name} is not supported by the executor"
                 )
             if (
                 cfg.c > 1
@@ -141,7 +171,9 @@ class SliceOps:
                 and isinstance(self.module(member), nn.LocalResponseNorm)
             ):
                 raise PluginError(f"{where}: local response norm mixes channels; no channel split")
-        if node.op == "get_attr" or any(n.op == "get_attr" for n in node.all_input_nodes):
+        if node.op == "get_attr" or any(
+            n.op == "get_attr" and n not in prog.use_nodes for n in node.all_input_nodes
+        ):
             raise PluginError(
                 f"{where}: ops on raw tensor attributes are not supported by the executor"
             )
@@ -164,6 +196,12 @@ class SliceOps:
                 return
             if isinstance(mod, nn.Linear):
                 return
+            if isinstance(mod, _PER_SAMPLE_MODULES):
+                if cfg.c > 1 or spatial:
+                    raise PluginError(
+                        f"{where}: {type(mod).__name__} mixes its features; sample splits only"
+                    )
+                return
             if isinstance(
                 mod, nn.MaxPool2d | nn.AvgPool2d | nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d
             ):
@@ -179,6 +217,10 @@ class SliceOps:
                 self._check_pool(where, self._kwargs(node), name == "avg_pool2d", spatial)
                 return
             if name in ("cat", "concat") or node.target in _BINARY or self._elementwise(node):
+                return
+            if name in _PER_SAMPLE_FUNCTIONS:
+                if cfg.c > 1 or spatial:
+                    raise PluginError(f"{where}: {name} mixes its features; sample splits only")
                 return
         raise PluginError(
             f"{where}: op {_op_name(node, self.modules)} is not supported by the executor"
@@ -227,6 +269,8 @@ class SliceOps:
         says how far the needed region reaches past the image border (top, bottom,
         left, right), to be filled with the op's padding value.
         """
+        if prog.region:
+            return self._region(prog, out_box, xs)
         c0, c1 = int(out_box[1][0]), int(out_box[1][1])
         spatial = cfg.h > 1 or cfg.w > 1
         x = self._anchor(prog, cfg, xs, pads, c0, c1, spatial)
@@ -252,8 +296,12 @@ class SliceOps:
                     return F.conv2d(x, w, b, mod.stride, 0, mod.dilation, groups)
                 return F.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, groups)
             if isinstance(mod, nn.Linear):
+                if prog.spec.rank != 2:  # (N, T, features): dim 1 is not the features; whole
+                    c0, c1 = 0, mod.out_features
                 b = mod.bias[c0:c1] if mod.bias is not None else None
                 return F.linear(xs[0], mod.weight[c0:c1], b)
+            if isinstance(mod, _PER_SAMPLE_MODULES):  # whole features, this worker's samples
+                return mod(xs[0])
             if isinstance(
                 mod, nn.MaxPool2d | nn.AvgPool2d | nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d
             ):
@@ -277,7 +325,38 @@ class SliceOps:
         if node.target in _BINARY:
             args = _substitute(node.args, dict(zip(prog.use_nodes, xs, strict=True)))
             return _BINARY[node.target](*args)
+        if name in _PER_SAMPLE_FUNCTIONS:
+            mapping = dict(zip(prog.use_nodes, xs, strict=True))
+            return node.target(
+                *_substitute(node.args, mapping), **_substitute(node.kwargs, mapping)
+            )
         return self._elementwise_op(node, xs[0], c0, c1)
+
+    def _region(self, prog: LayerProgram, out_box, xs: list[torch.Tensor]) -> torch.Tensor:
+        """Run the region's nodes on this worker's samples, with the live model's modules."""
+        samples = int(out_box[0][1]) - int(out_box[0][0])
+        env: dict[torch.fx.Node, object] = dict(zip(prog.use_nodes, xs, strict=True))
+        for ref, (shape, dtype, batched) in prog.shape_refs.items():
+            shape = [samples, *shape[1:]] if batched else list(shape)
+            # read for its shape and device only: a zero-stride view of one element
+            one = torch.empty((), dtype=getattr(torch, dtype or "float32"), device=self.device)
+            env[ref] = one.expand(shape)
+        out = None
+        for node in prog.region:
+            args = _substitute(node.args, env)
+            kwargs = _substitute(node.kwargs, env)
+            if node.op == "call_module":
+                out = self.module(node)(*args, **kwargs)
+            elif node.op == "call_function":
+                out = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                out = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "get_attr":
+                out = _live_attr(self.model, node.target)
+            else:
+                raise PluginError(f"layer_split: cannot run a {node.op} node in a subgraph")
+            env[node] = out
+        return env[prog.region_out]
 
     def _spatial_pool(self, name: str, attrs: Mapping, prog: LayerProgram, x, pad):
         is_max = "max" in name.lower()
@@ -312,6 +391,13 @@ class SliceOps:
         raise PluginError(
             f"layer_split: op {_op_name(node, self.modules)} in a layer is not supported by the executor"
         )
+
+
+def _live_attr(model: nn.Module, path: str):
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _torch_pad(pad: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -360,7 +446,12 @@ def build_programs(
         raise PluginError("layer_split: the model traced differently than when it was planned")
     ops = SliceOps(model, gm)
     programs = {}
+    batched = graph.batched_nodes()
     for layer in graph.layers.values():
+        spec = specs[layer.name]
+        if spec.subgraph:
+            programs[layer.name] = _region_program(graph, layer, spec, fx_nodes, batched)
+            continue
         anchor = fx_nodes[layer.nodes[0]]
         members, problem = [], ""
         seen_reshape = False
@@ -383,3 +474,87 @@ def build_programs(
         ]
         programs[layer.name] = LayerProgram(specs[layer.name], anchor, members, use_nodes, problem)
     return programs, ops
+
+
+_TUPLE_OPS = {"split", "chunk", "unbind", "split_with_sizes", "tensor_split"}
+
+
+def _moves_samples(node: torch.fx.Node, g, gnodes) -> bool:
+    """Whether a reorder or index touches dim 0 (the samples) of a batched tensor."""
+    rank = len(g.output_shape or ()) or 1
+    args = list(node.args)
+
+    def dim0(d) -> bool:
+        return isinstance(d, int) and d % max(rank, 1) == 0
+
+    if g.op in ("transpose", "swapaxes", "movedim"):
+        return any(dim0(d) for d in args[1:3])
+    if g.op == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
+        return not dims or not dim0(dims[0])
+    if g.op == "getitem" and len(args) == 2:
+        src = gnodes.get(g.inputs[0]) if g.inputs else None
+        if src is not None and src.op in _TUPLE_OPS:
+            return False  # one tensor of a split's tuple
+        first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+        return not (first is Ellipsis or first == slice(None))
+    return False
+
+
+def _region_program(graph, layer, spec: OpSpec, fx_nodes, batched: set[str]) -> LayerProgram:
+    """A layer run as its fx subgraph (see :attr:`LayerProgram.region`), and why it cannot be,
+    if it cannot: an op that draws random numbers, or one that reads some samples' values
+    into a tensor without a batch dimension (anything but a shape-only op)."""
+    from tunekit.observe.graph import _layer_output
+    from tunekit.plugins.layer_split.model import external_inputs
+
+    gnodes = graph.nodes
+    members = set(layer.nodes)
+    uses = [fx_nodes[n.name] for n in external_inputs(graph, layer)]
+    order = {name: i for i, name in enumerate(gnodes)}
+    needed: set[str] = set(members)
+    refs: dict[torch.fx.Node, tuple[list[int], str | None, bool]] = {}
+    todo = list(layer.nodes)
+    while todo:  # shape arithmetic (x.shape, // heads) the members read, back to tensors
+        for p in fx_nodes[todo.pop()].all_input_nodes:
+            if p.name in needed or p in uses:
+                continue
+            g = gnodes[p.name]
+            if g.layer is None and g.op != "input":
+                needed.add(p.name)
+                todo.append(p.name)
+            else:
+                refs[p] = (list(g.output_shape or []), g.output_dtype, p.name in batched)
+    region = [fx_nodes[n] for n in sorted(needed, key=order.__getitem__)]
+    problem = ""
+    readers: dict[str, list[str]] = {}
+    for n in layer.nodes:
+        for i in gnodes[n].inputs:
+            readers.setdefault(i, []).append(gnodes[n].op)
+    for n in layer.nodes:
+        g = gnodes[n]
+        if g.op in _RANDOM:
+            problem = problem or f"{g.op} draws random numbers; each rank would draw its own"
+        if spec.batched and n in batched and _moves_samples(fx_nodes[n], g, gnodes):
+            problem = problem or f"{g.op} ({n}) moves the batch dimension: it mixes samples"
+        if (
+            spec.batched
+            and n not in batched
+            and any(i in batched for i in g.inputs)
+            and not set(readers.get(n, [])) <= _SHAPE_ONLY
+        ):
+            problem = problem or (
+                f"{g.op} ({n}) reads some samples' values into a tensor without a batch "
+                "dimension: it mixes samples"
+            )
+    out = _layer_output([gnodes[n] for n in layer.nodes], layer.name, gnodes)
+    return LayerProgram(
+        spec,
+        fx_nodes[layer.nodes[0]],
+        [],
+        uses,
+        problem,
+        region=region,
+        shape_refs=refs,
+        region_out=fx_nodes[out.name],
+    )

@@ -38,7 +38,12 @@ from tunekit.plugins.overlap_chunking.explain import (
     exposure_is_measured,
     measured_exposed,
 )
-from tunekit.plugins.overlap_chunking.layers import PaperLayer, fc_layers, paper_layers
+from tunekit.plugins.overlap_chunking.layers import (
+    PaperLayer,
+    block_boundaries,
+    fc_layers,
+    paper_layers,
+)
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
     LayerCost,
@@ -263,7 +268,10 @@ class OverlapChunking(Tuner):
             "profile": profile,
             "layers": layers,
             "baseline": fitted.baseline,
-            "ranked": rank_settings(fitted.costs, ddp_supports_bucket_list()),
+            # Chunk 1 starts at a transformer block's border (any layer on a CNN).
+            "ranked": rank_settings(
+                fitted.costs, ddp_supports_bucket_list(), block_boundaries(layers)
+            ),
         }
 
     # -- diagnose / plan ---------------------------------------------------------------

@@ -9,6 +9,7 @@ layer to chunk 1 and so only posts it later) are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,16 +70,24 @@ def ddp_settings(costs: StepCosts, first_bucket_settable: bool = True) -> list[S
     return out
 
 
-def two_chunk_settings(costs: StepCosts) -> list[Setting]:
-    """Every k from the output end and every f the profile prices."""
+def two_chunk_settings(
+    costs: StepCosts, boundaries: Sequence[bool] | None = None
+) -> list[Setting]:
+    """Every k from the output end and every f the profile prices; with ``boundaries``
+    (:func:`~tunekit.plugins.overlap_chunking.layers.block_boundaries`), only the k whose
+    chunk 1 starts where ``boundaries`` allows: at a transformer block's border."""
     layers = costs.layers
     n = len(layers)
+    if boundaries is not None and len(boundaries) != n:
+        raise ValueError(f"{len(boundaries)} block boundaries for {n} layers")
     fcs = [i for i, c in enumerate(layers) if c.fc is not None]
     out = []
     for f in range(len(fcs) + 1):
         replicated = set(fcs[:f])
         seen: set[int] = set()
         for k in range(1, n + 1):
+            if boundaries is not None and not boundaries[n - k]:
+                continue  # chunk 1 would cut a transformer block
             chunk1 = sum(layers[i].nbytes for i in range(n - k, n) if i not in replicated)
             if chunk1 == 0 or chunk1 in seen:
                 continue  # empty chunk 1, or the same chunk as a smaller k, posted later
@@ -92,7 +101,11 @@ TIE_TOLERANCE = 0.005
 """Predicted steps this close (relative) are a tie for the model."""
 
 
-def rank_settings(costs: StepCosts, first_bucket_settable: bool = True) -> list[Setting]:
+def rank_settings(
+    costs: StepCosts,
+    first_bucket_settable: bool = True,
+    boundaries: Sequence[bool] | None = None,
+) -> list[Setting]:
     """All settings, best predicted first.
 
     Settings within :data:`TIE_TOLERANCE` of each other are a tie for the
@@ -105,7 +118,10 @@ def rank_settings(costs: StepCosts, first_bucket_settable: bool = True) -> list[
         r = s.prediction.overlap_R or 0.0
         return s.prediction.step_s * (1 - TIE_TOLERANCE * r / 100), len(s.prediction.comms)
 
-    return sorted(ddp_settings(costs, first_bucket_settable) + two_chunk_settings(costs), key=key)
+    return sorted(
+        ddp_settings(costs, first_bucket_settable) + two_chunk_settings(costs, boundaries),
+        key=key,
+    )
 
 
 def is_default_ddp(knobs: dict[str, Any]) -> bool:

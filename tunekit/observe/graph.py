@@ -160,6 +160,25 @@ class ModelGraph:
         }
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
+    def batched_nodes(self) -> set[str]:
+        """Tensor nodes whose first dim is the batch (one row per sample).
+
+        A node is batched when its first dim equals the trace batch and it is a
+        model input or reads a tensor: ``torch.arange(seq)``, a position
+        embedding of it or an attention mask built from ``scores[0, 0]`` are not
+        (they are per-model constants every sample shares). The test is by
+        shape, so a per-model constant whose first dim happens to equal the
+        trace batch reads as batched; trace at a batch no other dim equals.
+        """
+        out: set[str] = set()
+        for n in self.nodes.values():
+            shape = n.output_shape
+            if not shape or shape[0] != self.batch_size:
+                continue
+            if n.op == "input" or n.inputs:
+                out.add(n.name)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,

@@ -701,6 +701,8 @@ class SplitTimer:
         self.threads = threads
         self.runner = _LayerRunner(self.model, graph, self.device)
         self._env: dict[str, Any] | None = None
+        self._shape_envs: dict[int, dict[str, Any]] = {}
+        self._batched = graph.batched_nodes()
 
     def time(self, layer: str, split: Mapping[str, int] | Sequence[int]) -> SplitTiming:
         """One worker's forward and backward time of ``layer`` under ``split``."""
@@ -715,7 +717,14 @@ class SplitTimer:
         steps = [plan.step(s, self.graph.nodes[s.name]) for s in self.runner.steps(layer)]
         inputs = {}
         for name in self.runner.external_inputs(layer):
-            inputs[name] = plan.input_value(name, self._input_value(name))
+            node = self.graph.nodes.get(name)
+            if node is not None and node.output_shape is None and node.op != "input":
+                # shape arithmetic (x.shape[0], width // heads): its value at the slice's batch
+                inputs[name] = self._shape_value(name, _ceil_div(self.batch_size, sp["n"]))
+                continue
+            inputs[name] = plan.input_value(
+                name, self._input_value(name), batched=name in self._batched
+            )
         with _Threads(self.threads):
             _, fwd, bwd, _, _, _ = _measure(
                 self.runner, layer, steps, inputs, self.warmup, self.repeats, memory=False
@@ -746,7 +755,7 @@ class SplitTimer:
         )
         if single:
             shape = list(node.output_shape)
-            if shape and self.batch_size != self.graph.batch_size:
+            if shape and self.batch_size != self.graph.batch_size and name in self._batched:
                 shape[0] = self.batch_size
             dtype = _dtype(node.output_dtype)
             if dtype.is_floating_point:
@@ -757,15 +766,30 @@ class SplitTimer:
                 raise ValueError(
                     f"layer input {name!r} is not a single tensor; time it at the traced batch"
                 )
-            src = [n for n in self.graph.nodes.values() if n.op == "input"]
-            example = tuple(
-                torch.randn(n.output_shape, dtype=_dtype(n.output_dtype), device=self.device)
-                if _dtype(n.output_dtype).is_floating_point
-                else torch.zeros(n.output_shape, dtype=_dtype(n.output_dtype), device=self.device)
-                for n in src
-            )
-            self._env = self.runner.capture_env(example)
+            self._env = self.runner.capture_env(self._example(self.graph.batch_size))
         return self._env[name]
+
+    def _example(self, batch: int) -> tuple:
+        """Model inputs of the recorded shapes and dtypes at ``batch`` samples."""
+        out = []
+        for n in self.graph.nodes.values():
+            if n.op != "input":
+                continue
+            shape = [batch, *n.output_shape[1:]]
+            dtype = _dtype(n.output_dtype)
+            if dtype.is_floating_point:
+                out.append(torch.randn(shape, dtype=dtype, device=self.device))
+            else:
+                out.append(torch.zeros(shape, dtype=dtype, device=self.device))
+        return tuple(out)
+
+    def _shape_value(self, name: str, batch: int):
+        """A shape-arithmetic node's value (an int, a size) in a forward pass at ``batch``."""
+        if self.runner.gm is None:
+            raise ValueError(f"layer input {name!r} is shape arithmetic, which needs an fx graph")
+        if batch not in self._shape_envs:
+            self._shape_envs[batch] = self.runner.capture_env(self._example(batch))
+        return self._shape_envs[batch][name]
 
 
 def time_layer_split(
@@ -827,10 +851,13 @@ class _SlicePlan:
             raise ValueError(f"layer {anchor.name!r} output {self.out_shape} has no h/w dims")
         # Output slice the worker computes, dim by dim (n, c, then spatial).
         self.spatial_split = [split["h"], split["w"]][: max(0, len(self.out_shape) - 2)]
+        self.workers = split["n"] * split["c"] * split["h"] * split["w"]
 
     # inputs -------------------------------------------------------------------------------
-    def input_value(self, name: str, value):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+    def input_value(self, name: str, value, batched: bool = True):
+        """``value`` cut to one worker's slice; a tensor without a batch dimension (a position
+        embedding, a mask) is read whole by every worker."""
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or not batched:
             return value
         shape = list(value.shape)
         sl = [slice(None)] * value.dim()
@@ -904,7 +931,7 @@ class _SlicePlan:
                 kwargs["padding"] = self._spatial_padding(kwargs.get("padding", 0))
                 return _Step(s.name, s.kind, s.target, (), kwargs)
             return s
-        if s.kind == "call_method" and s.target in ("view", "reshape"):
+        if s.kind == "call_method" and s.target in ("view", "reshape") and sp["n"] != self.workers:
             if node.output_shape is None or len(node.output_shape) != 2:
                 raise ValueError(
                     f"layer {self.anchor.name!r}: cannot slice a {s.target} to {node.output_shape}"
