@@ -311,7 +311,8 @@ def render_rich(details: Mapping[str, Any]):
         f"(batch {details['batch']}, {details['xfer_model']} transfers)"
     )
     for i, h in enumerate(header):
-        table.add_column(h, justify="right" if 3 <= i <= 7 else "left")
+        # Wrap, never cut: a label or a number a user reads is never "…" (issue 19).
+        table.add_column(h, justify="right" if 3 <= i <= 7 else "left", overflow="fold")
     for r in rows:
         table.add_row(*r)
     table.add_section()

@@ -158,13 +158,14 @@ def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(
     #  - an unchanged config predicted at 10 s/step: 19 steps do not fit, 4 do: it runs shortened
     #    (its real steps take milliseconds, so the test waits for none of the 10 s);
     #  - one predicted at 1000 s/step: even 4 steps would not fit: skipped, never started.
-    # --no-rerank: the plan runs as planned (re-ranking would drop both, predicted slower).
-    plan = [{"mode": "ok", "predicted_s": 10.0}, {"mode": "slow", "predicted_s": 1000.0}]
+    # --no-rerank: the plan runs as planned (re-ranking would drop both, predicted slower). The
+    # skipped one first: after a measured trial, feedback would correct the other's prediction.
+    plan = [{"mode": "slow", "predicted_s": 1000.0}, {"mode": "ok", "predicted_s": 10.0}]
     res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", "--trials", "2", "--timeout", "2m",
               "--min-effect", "0.5", "--no-probe", "--no-rerank",
               env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)})
     assert res.returncode == 0, res.stderr + res.stdout
-    shortened, skipped = (r for r in _trials(workdir) if r["role"] == "candidate")
+    skipped, shortened = (r for r in _trials(workdir) if r["role"] == "candidate")
 
     result = json.loads(shortened["result"])
     length = result["length"]

@@ -4,9 +4,11 @@ Equivalence tests compare two numerical paths (a tuner's runtime against DDP or
 one process). A tolerance tuned to one CPU's kernels fails on the next CPU (see
 tunekit.testing.EQUIVALENCE_RTOL); this runs every test marked ``equivalence``
 again with ATen's portable scalar kernels and two intra-op threads per rank, so
-such a tolerance cannot come back unnoticed. ``scripts/equivalence_code_paths.sh``
-runs the whole sweep (every ATen capability and oneDNN ISA this CPU has, 1 and 2
-threads).
+such a tolerance cannot come back unnoticed: the tuners' runtime equivalence tests
+(one file per tuner) and the training features' (the suite's other equivalence
+tests use the same helpers and tolerance, and would only double its time).
+``scripts/equivalence_code_paths.sh`` runs every equivalence test over the whole
+sweep (every ATen capability and oneDNN ISA this CPU has, 1 and 2 threads).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+FILES = [
+    "plugins/overlap_chunking/tests/test_overlap_chunking_equivalence.py",
+    "plugins/cgdp/tests/test_cgdp_equivalence.py",
+    "plugins/hybrid_mp/tests/test_hybrid_mp_runtime.py",
+    "plugins/layer_split/tests/test_layer_split_runtime.py",
+    "tests/integration/test_training_features_ranks.py",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.busy_ok]
 
@@ -32,7 +41,7 @@ def test_equivalence_tests_pass_with_scalar_kernels_and_two_threads():
     }
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "equivalence and not gpu", "-n", "0", "-q",
+        [sys.executable, "-m", "pytest", *FILES, "-m", "equivalence and not gpu and not timed", "-n", "0", "-q",
          "-p", "no:cacheprovider"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )

@@ -10,6 +10,7 @@ TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunki
 
 
 @pytest.mark.slow
+@pytest.mark.busy_ok  # it checks the pipeline end to end, not timings
 @pytest.mark.timeout(900)  # torch.export capture, a layer profile and 4+ torchrun trials on 2 ranks
 def test_auto_tunes_hf_gpt2_with_all_five_tuners_diagnosing_it(cli, workdir):
     res = cli("auto", "example:hf-gpt2", "--nproc", "2", "--trials", "2", "--steps", "6",

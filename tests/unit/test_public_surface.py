@@ -147,9 +147,9 @@ CLI_SURFACE = {
     "hardware probe": ["--nproc", "--repeats", "--save", "--store", "--no-store"],
     "hardware show": ["PROFILE", "--nproc", "--device", "--store"],
     "new-plugin": ["NAME", "--dir"],
-    "plan": ["PLUGIN", "WORKLOAD", "--nproc", "--hardware", "--limit", "--out", "--json", "--store"],
+    "plan": ["PLUGIN", "WORKLOAD", "--nproc", "--hardware", "--limit", "--out", "--json", "--timeout", "--store"],
     "plugins": ["--knobs"],
-    "profile": ["WORKLOAD", "--nproc", "--steps", "--warmup", "--out", "--device", "--top"],
+    "profile": ["WORKLOAD", "--nproc", "--steps", "--warmup", "--out", "--device", "--top", "--timeout"],
     "report": ["STUDY", "--store", "--out", "--json", "--list"],
     "rollback": ["RUN", "--store"],
     "run": [

@@ -521,7 +521,7 @@ def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], 
     gm = export_module(model, args)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         prop = _CountingShapeProp(gm, counter)
-        prop.propagate(*flat_inputs(args))
+        prop.run(*flat_inputs(args))
     ledger = _ParamLedger()
     nodes: dict[str, GraphNode] = {}
     skipped: set[str] = set()

@@ -65,6 +65,7 @@ def test_same_parameters_as_ddp_for_several_chunk_sizes():
     )
 
 
+@pytest.mark.timed  # the search times steps: it must not share the machine
 def test_in_job_search_decides_the_same_on_every_rank():
     knobs = {"search_step": 2, "search_range": 1, "search_interval": 3}
     r0, r1 = run_ranks(run_search, 2, (DEEP, knobs, 60))  # float32: no reference to match
