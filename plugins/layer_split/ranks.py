@@ -13,6 +13,12 @@ import torch.distributed as dist
 
 from tunekit.runtime.data import BatchSource
 from tunekit.runtime.session import Session
+from tunekit.testing import (  # noqa: F401  (toy transformers, named here for workload specs)
+    TINY_GPT,
+    TINY_VIT,
+    tiny_gpt_workload,
+    tiny_vit_workload,
+)
 from tunekit.workload import load_workload
 
 
@@ -158,60 +164,3 @@ def branchy_workload():
 
     return Workload(name="branchy", model=_Branchy, make_batch=make_batch, batch_size=8, lr=0.05)
 
-
-# -- a small GPT for the executor's transformer paths ---------------------------------------
-
-
-TINY_GPT = {"vocab": 64, "width": 16, "heads": 4, "blocks": 2, "seq": 8}
-
-
-def tiny_gpt_workload():
-    """:class:`~tunekit.examples.transformers.GPTModel` at toy size (4 sequences of 8 tokens
-    per rank), trained as ``example:gpt`` is: AdamW, warm-up + cosine, clipping at 1.0."""
-    from tunekit.examples.transformers import GPTModel, _adamw, _lm_loss, warmup_cosine
-    from tunekit.workload import Workload
-
-    vocab, seq = TINY_GPT["vocab"], TINY_GPT["seq"]
-
-    def make_batch(n, gen):
-        start = torch.randint(vocab, (n, 1), generator=gen)
-        stride = torch.randint(1, 4, (n, 1), generator=gen)
-        text = (start + stride * torch.arange(seq + 1)) % vocab
-        return text[:, :-1], text[:, 1:]
-
-    return Workload(
-        name="tiny_gpt",
-        model=lambda: GPTModel(**TINY_GPT),
-        make_batch=make_batch,
-        loss=_lm_loss,
-        optimizer=_adamw,
-        batch_size=4,
-        lr=3e-3,
-        scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
-        clip_grad_norm=1.0,
-    )
-
-
-TINY_VIT = {"image": 8, "patch": 4, "width": 16, "heads": 2, "blocks": 2, "classes": 10}
-
-
-def tiny_vit_workload():
-    """:class:`~tunekit.examples.transformers.ViT` at toy size (4 images of 8x8 in 4x4
-    patches per rank), AdamW, warm-up + cosine, clipping at 1.0."""
-    from tunekit.examples.transformers import ViT, _adamw, warmup_cosine
-    from tunekit.workload import Workload
-
-    def make_batch(n, gen):
-        x = torch.randn(n, 3, TINY_VIT["image"], TINY_VIT["image"], generator=gen)
-        return x, torch.randint(TINY_VIT["classes"], (n,), generator=gen)
-
-    return Workload(
-        name="tiny_vit",
-        model=lambda: ViT(**TINY_VIT),
-        make_batch=make_batch,
-        optimizer=_adamw,
-        batch_size=4,
-        lr=3e-3,
-        scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
-        clip_grad_norm=1.0,
-    )

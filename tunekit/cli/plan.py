@@ -8,7 +8,6 @@ import shlex
 from pathlib import Path
 
 import click
-from rich.markdown import Markdown
 
 from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, trials_table
 from tunekit.config import TuningConfig
@@ -96,7 +95,10 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
         console.print(trials_table(tried, title=f"{tuner.name}'s trials in study {study.id}"))
     text = tuner.explain(candidates[0])
     if text:
-        console.print(Markdown(f"**Best candidate in detail**\n\n{text}"))
+        # As written (Markdown source): rich's Markdown tables end cells in "…" when the
+        # terminal is narrow, and a figure a user reads is never cut (issue 19).
+        console.print("Best candidate in detail", style="bold")
+        console.print(text, markup=False, soft_wrap=True)
 
 
 LONGEST_COMMAND_ARGS = 160

@@ -83,13 +83,30 @@ def supervising(rd: RunDir) -> Iterator[FileLock]:
     except OSError as exc:
         raise TunekitError(f"cannot lock run {rd.run_id} ({exc.strerror}: {exc.filename})") from None
     try:
-        holder = holder_if_held(rd.rank0_lock)
+        holder = rank0_still_held(rd)
         if holder is not None:  # a job whose supervisor died, still training
             raise TunekitError(f"run {rd.run_id} is still training: its rank 0 is {describe_holder(holder)}; "
                                f"stop it with `tunekit stop {rd.run_id}` before resuming it")
         yield lock
     finally:
         lock.release()
+
+
+RANK0_EXIT_GRACE_S = 30.0
+"""How long a job that says it ended may take to let go of its rank-0 lock (its rank 0 writes
+the final status, then tears its process group down and exits)."""
+
+
+def rank0_still_held(rd: RunDir, grace_s: float = RANK0_EXIT_GRACE_S) -> dict[str, Any] | None:
+    """Who holds the run's rank-0 lock, or None. A job whose status says it ended is given
+    ``grace_s`` to exit, so that `tunekit stop RUN && tunekit run --resume RUN` resumes."""
+    deadline = time.monotonic() + grace_s
+    while (holder := holder_if_held(rd.rank0_lock)) is not None:
+        ended = rd.read_status().get("status") in ("stopped", "finished", "crashed", "relaunching")
+        if not ended or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.2)
+    return None
 
 
 def prepare_resume(rd: RunDir) -> Path:

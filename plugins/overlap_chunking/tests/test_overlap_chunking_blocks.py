@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from tunekit.observe.observation import summarize_model
-from tunekit.plugins.layer_split.ranks import tiny_gpt_workload
 from tunekit.plugins.overlap_chunking.layers import block_boundaries, block_of, paper_layers
 from tunekit.plugins.overlap_chunking.model import LayerCost, StepCosts
 from tunekit.plugins.overlap_chunking.search import two_chunk_settings
+from tunekit.testing import tiny_gpt_workload
 from tunekit.workload import load_workload
 
 
