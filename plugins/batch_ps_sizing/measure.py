@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
+from tunekit.runtime.data import to_device
 from tunekit.workload import Workload
 
 _CPU_OOM_MESSAGES = (
@@ -270,12 +271,12 @@ def measure_locally(
         def step(b: int, meter: PeakMeter | None = None) -> StepMemory:
             if meter is None:
                 inputs, targets = workload.example_batch(b)
-                _train(model, optimizer, workload, _to(inputs, device), _to(targets, device))
+                _train(model, optimizer, workload, to_device(inputs, device), to_device(targets, device))
                 return StepMemory(b, None, 0)
             with meter:  # the batch counts: a real step holds its input too
                 inputs, targets = workload.example_batch(b)
                 run = functools.partial(
-                    _train, model, optimizer, workload, _to(inputs, device), _to(targets, device)
+                    _train, model, optimizer, workload, to_device(inputs, device), to_device(targets, device)
                 )
                 saved = saved_activation_bytes(model, run)
                 del run, inputs, targets
@@ -381,7 +382,7 @@ def _timed_step(model, optimizer, workload: Workload, batch: int, device, seed: 
     _sync(device)
     t0 = time.perf_counter()
     inputs, targets = workload.example_batch(batch, seed=seed)
-    inputs, targets = _to(inputs, device), _to(targets, device)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)
     _sync(device)
     t1 = time.perf_counter()
     loss = workload.loss(model(inputs), targets)
@@ -420,11 +421,3 @@ def _train(model, optimizer, workload: Workload, inputs, targets) -> torch.Tenso
     return loss
 
 
-def _to(x, device: torch.device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, tuple | list):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x

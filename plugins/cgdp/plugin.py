@@ -46,6 +46,7 @@ from tunekit.plugins.cgdp.model import (
 )
 from tunekit.plugins.cgdp.runtime import CgdpSync, search_in_job
 from tunekit.plugins.cgdp.search import Algorithm1, NoiseAwareChunkSearch, chunk_layout
+from tunekit.runtime.data import to_device
 from tunekit.runtime.session import Session
 
 MEASURED_SOURCES = ("local", "probe")
@@ -75,15 +76,6 @@ def rank_threads(nproc: int) -> int:
     return max(1, (psutil.cpu_count(logical=False) or 1) // max(nproc, 1))
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    """A batch part (tensor, tuple/list or dict of tensors) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to(v, device) for v in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
 
 
 def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str, Any]:
@@ -100,7 +92,7 @@ def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[st
     work, target = obs.workload, obs.hardware.devices[0]
     model = work.model().to(device)
     inputs, targets = work.example_batch(work.batch_size)
-    inputs, targets = _to(inputs, device), _to(targets, device)  # inputs may be a dict (HF)
+    inputs, targets = to_device(inputs, device), to_device(targets, device)  # inputs may be a dict (HF)
     if local:
         times = time_layer_backward(
             model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)

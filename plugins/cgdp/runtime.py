@@ -22,7 +22,6 @@ style); only the updated parameters are copied to the device.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import queue
 import threading
@@ -40,7 +39,7 @@ from tunekit.contract import SearchResult
 from tunekit.errors import PluginError
 from tunekit.plugins.cgdp.search import chunk_layout
 from tunekit.runtime.dist import broadcast_object
-from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 
 if TYPE_CHECKING:
     from tunekit.runtime.session import Session
@@ -261,7 +260,7 @@ class _Chunk:
     slices: list[torch.Tensor] = field(default_factory=list)
 
 
-class CgdpSync(GradSync):
+class CgdpSync(HookedAccumulation, GradSync):
     """CPU-GPU data parallel gradient synchronisation (Le et al.), one chunk at a time.
 
     ``chunk_size`` is the paper's ``k`` (layers per chunk; the last layers of
@@ -441,16 +440,6 @@ class CgdpSync(GradSync):
     def before_forward(self) -> None:
         # DDP's default broadcast_buffers: every rank runs with rank 0's buffers.
         self._broadcast(self._buffers_to_sync)
-
-    @contextlib.contextmanager
-    def accumulating(self):
-        """A micro-batch before the step's last: gradients only accumulate in ``.grad``;
-        the last micro-batch's hooks post the chunks of the accumulated sum."""
-        self._accumulating = True
-        try:
-            yield
-        finally:
-            self._accumulating = False
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         if self._accumulating:

@@ -25,6 +25,7 @@ import torch
 
 from tunekit.observe.grad_timing import Clock, time_groups
 from tunekit.plugins.overlap_chunking.layers import PaperLayer
+from tunekit.runtime.data import to_device
 from tunekit.workload import Workload
 
 
@@ -125,8 +126,8 @@ def measure_layer_times(
                 ]
             )
             inputs, targets = workload.example_batch(batch, seed=1)
-            inputs = _to(inputs, device)
-            targets = _to(targets, device)
+            inputs = to_device(inputs, device)
+            targets = to_device(targets, device)
             return (
                 *_profile_model(
                     model, optimizer, workload, layers, inputs, targets, device, warmup, repeats
@@ -135,10 +136,6 @@ def measure_layer_times(
             )
         finally:
             torch.set_rng_state(rng)
-
-
-def _to(x, device):
-    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def _profile_model(model, optimizer, workload, layers, inputs, targets, device, warmup, repeats):

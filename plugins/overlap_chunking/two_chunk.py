@@ -26,7 +26,6 @@ On NCCL the completion callback is a host-side approximation.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -40,7 +39,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tunekit.errors import ConfigError
 from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
-from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
+from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 
 if TYPE_CHECKING:
     from tunekit.runtime.session import Session
@@ -126,7 +125,7 @@ class _Replicated:
     handles: list = field(default_factory=list)
 
 
-class TwoChunkSync(GradSync):
+class TwoChunkSync(HookedAccumulation, GradSync):
     """Lee et al.'s two gradient chunks, with replicated fully-connected gradients.
 
     ``chunk1`` names the parameters reduced first (the last k layers, from
@@ -266,16 +265,6 @@ class TwoChunkSync(GradSync):
         fc.errors = grad.detach().reshape(-1, fc.module.out_features).contiguous()
 
     # -- backward ------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def accumulating(self):
-        """A micro-batch before the step's last: gradients only accumulate, nothing is posted;
-        the last micro-batch's hooks post the chunks of the accumulated sum."""
-        self._accumulating = True
-        try:
-            yield
-        finally:
-            self._accumulating = False
 
     def _grad_ready(self, index: int, _param) -> None:
         if self._accumulating:

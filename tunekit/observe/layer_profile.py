@@ -83,6 +83,7 @@ from torch.fx.node import map_arg
 from torch.fx.operator_schemas import normalize_function
 
 from tunekit.observe.graph import ModelGraph, trace_model
+from tunekit.runtime.data import to_device
 
 __all__ = [
     "LayerTiming",
@@ -538,14 +539,6 @@ def _leaves(value) -> list[torch.Tensor]:
     return []
 
 
-def _to_device(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple | list):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
 
 
 def _measure(
@@ -633,7 +626,7 @@ def _profile_layers(
     if graph is None or (graph.method == "export" and graph.module is None):
         graph = trace_model(model, args)  # an export graph from the store: capture it again
     model.to(device)
-    args = _to_device(args, device)
+    args = to_device(args, device)
     runner = _LayerRunner(model, graph, device)
     env = runner.capture_env(args)
     model.train()

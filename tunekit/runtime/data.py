@@ -107,13 +107,13 @@ class BatchSource:
             inputs, targets = self._shard(step, self.rank)
         else:
             inputs, targets = self._from_loader(step)
-        return _to(inputs, self.device), _to(targets, self.device)
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def global_batch(self, step: int) -> Batch:
         """The whole step's batch (every rank's shard, in rank order), on the device."""
         parts = [self._shard(step, r) for r in range(self.world_size)]
         inputs, targets = _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
-        return _to(inputs, self.device), _to(targets, self.device)
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def _shard(self, step: int, rank: int) -> Batch:
         """Rank ``rank``'s shard of step ``step``, on the CPU, without touching the loader."""
@@ -149,13 +149,14 @@ class BatchSource:
         self._iter = None
 
 
-def _to(x, device: torch.device):
+def to_device(x, device: torch.device):
+    """A batch part (a tensor, or tuples, lists and dicts of them) on ``device``."""
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=x.is_pinned())
     if isinstance(x, tuple | list):
-        return type(x)(_to(v, device) for v in x)
+        return type(x)(to_device(v, device) for v in x)
     if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
+        return {k: to_device(v, device) for k, v in x.items()}
     return x
 
 

@@ -116,6 +116,22 @@ class GradSync:
         return []
 
 
+class HookedAccumulation:
+    """``accumulating()`` for a strategy whose gradient hooks post communication: inside it,
+    ``self._accumulating`` tells the hooks a micro-batch before the step's last is running, so
+    gradients only accumulate in ``.grad`` and the last micro-batch's hooks post their sum."""
+
+    _accumulating = False
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+
 class LocalSync(GradSync):
     """One rank: nothing to synchronise."""
 
