@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from tunekit.config import TuningConfig, resolve
@@ -77,7 +76,7 @@ from tunekit.trials.decide import (
     schedule,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
-from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, rank_threads, run_trial
 from tunekit.trials.length import trial_length
 from tunekit.trials.output import OutputRecord
 from tunekit.workload import Workload, load_workload, resolve_spec
@@ -202,10 +201,6 @@ def _device_type(device: str) -> str:
     return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
-def _rank_threads(world_size: int, threads_per_rank: int | None) -> int:
-    return threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // max(world_size, 1))
-
-
 def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str:
     return f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
 
@@ -273,7 +268,7 @@ async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware
     if cached := store.cache_get(key):
         return LayerProfile.from_dict(cached)
     timed = await observe_call(child, "profile_layers", "timing the model's layers", device=device_type,
-                       threads=_rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
+                       threads=rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
     if not timed["layer_profile"]:
         notices.append(timed["notice"])
         return None
@@ -308,7 +303,7 @@ def observe_static(
         if cached:
             profile = LayerProfile.from_dict(cached)
         else:
-            threads = _rank_threads(world_size, threads_per_rank)
+            threads = rank_threads(world_size, threads_per_rank)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:

@@ -86,7 +86,7 @@ class LaunchOptions:
     loopback_nodes: int = 1
     """Run this many torchrun agents on this machine as separate "nodes"."""
     threads_per_rank: int | None = None
-    """``OMP_NUM_THREADS`` for each rank; default: cores / ranks on this machine."""
+    """``OMP_NUM_THREADS`` for each rank; default: the caller's ``OMP_NUM_THREADS``, else cores / ranks here."""
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -189,10 +189,20 @@ def die_with_parent(cmd: list[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
+def rank_threads(local_ranks: int, threads_per_rank: int | None = None) -> int:
+    """Compute threads per rank: as asked, else as the caller's ``OMP_NUM_THREADS`` says
+    (someone sharing the machine sets it), else this machine's cores split among the ranks."""
+    if threads_per_rank:
+        return threads_per_rank
+    asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if asked.isdigit() and int(asked) > 0:
+        return int(asked)
+    return max(1, (psutil.cpu_count(logical=False) or 1) // max(local_ranks, 1))
+
+
 def launch_env(opts: LaunchOptions) -> dict[str, str]:
     env = dict(os.environ)
-    local_ranks = opts.nproc * opts.loopback_nodes
-    threads = opts.threads_per_rank or max(1, (psutil.cpu_count(logical=False) or 1) // local_ranks)
+    threads = rank_threads(opts.nproc * opts.loopback_nodes, opts.threads_per_rank)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
