@@ -16,7 +16,7 @@ FEATURES = Path(__file__).parent / "data" / "feature_workloads.py"
 
 
 def spec(variant: str) -> str:
-    return f"{FEATURES}:{variant if variant.startswith('tied') else f'mlp_{variant}'}"
+    return f"{FEATURES}:{variant if variant.startswith(('tied', 'mlp_')) else f'mlp_{variant}'}"
 
 
 def _install(session: Session, how: str, knobs: dict[str, Any]) -> None:
@@ -36,6 +36,10 @@ def _install(session: Session, how: str, knobs: dict[str, Any]) -> None:
         tuner = LayerSplit()
         tuner.apply(session, tuner.validate({"plan": knobs["plan"]}))
         session.check_features("the placement's training step", session.step_fn.handles)
+    elif how == "batch_ps_sizing":
+        from tunekit.plugins.batch_ps_sizing.runtime import apply_batch_knobs
+
+        apply_batch_knobs(session, knobs)
     elif how == "hybrid_mp":
         from tunekit.plugins.hybrid_mp.runtime import install_hybrid
 

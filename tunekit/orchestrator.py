@@ -44,6 +44,7 @@ from tunekit.events import (
 )
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.locks import describe_holder
+from tunekit.observe.blocks import block_table, graph_units
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
@@ -558,11 +559,27 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         "breakdown": obs.breakdown.summary() if obs.breakdown is not None else None,
         "truth": _truth_dict(obs),
         "telemetry": obs.telemetry,
-        "top_layers": [
-            {"name": t.name, "kind": t.kind, "forward_s": t.forward_s, "backward_s": t.backward_s}
-            for t in obs.layer_profile.top(5)
-        ] if obs.layer_profile is not None else [],
+        "top_layers": [_layer_row(obs, t) for t in obs.layer_profile.top(5)]
+        if obs.layer_profile is not None else [],
+        "blocks": _blocks(obs),
     }
+
+
+def _blocks(obs: Observation) -> list[dict[str, Any]] | None:
+    """The profiled layers summed per transformer block, when the model has blocks."""
+    units = graph_units(obs.graph) if obs.graph is not None else None
+    if units is None or obs.layer_profile is None:
+        return None
+    return block_table([_layer_row(obs, t) for t in obs.layer_profile.layers.values()], units)
+
+
+def _layer_row(obs: Observation, t) -> dict[str, Any]:
+    """One timed layer for the report, with its forward FLOPs per rank at the job's batch."""
+    graph, flops = obs.graph, None
+    if graph is not None and t.name in graph.layers and graph.batch_size:
+        flops = graph.layers[t.name].flops * obs.workload.batch_size / graph.batch_size
+    return {"name": t.name, "kind": t.kind, "forward_s": t.forward_s, "backward_s": t.backward_s,
+            "flops": flops}
 
 
 @dataclass

@@ -46,6 +46,10 @@ from tunekit.plugins.batch_ps_sizing.search import (
 from tunekit.runtime.session import Session
 
 MAX_BATCH = 1 << 20
+MAX_ACCUMULATION = 1 << 10
+MIN_TRADE_GAIN = 0.01
+"""A trade of micro-batches keeps the samples per step (the training's mathematics):
+proposed when predicted this much faster."""
 MiB = 2**20
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -74,6 +78,9 @@ class Analysis:
     unpredicted: dict[int, str] = field(default_factory=dict)
     """Batches of the ladder with no prediction, and why (too far beyond the timed ones)."""
     knee: int | None = None
+    trades: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Fewer, larger micro-batches at the same samples per step, by accumulation (see
+    :func:`_accumulation_trades`)."""
     eq5: dict[str, Any] | None = None
     lemma31: dict[str, Any] = field(default_factory=dict)
     lemma32: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +128,16 @@ class BatchPsSizing(Tuner):
                 "per-rank batch; 0 keeps the workload's own (only within its batch_range)",
                 low=0,
                 high=MAX_BATCH,
+                changes_math=True,
+            ),
+            Knob(
+                "accumulation",
+                "int",
+                0,
+                "micro-batches per optimizer step; 0 keeps the workload's (with batch_size: "
+                "fewer, larger micro-batches at the same samples per step)",
+                low=0,
+                high=MAX_ACCUMULATION,
                 changes_math=True,
             ),
             Knob("cudnn_benchmark", "bool", False, "let cuDNN time its algorithms per shape (GPU)"),
@@ -176,7 +193,11 @@ class BatchPsSizing(Tuner):
             else "memory is no limit"
         )
         worth = _worth_trying(a, self.settings.knee_tolerance)
-        if not worth:
+        trade = _best_trade(a)
+        if not worth and trade is not None:
+            gain = 1 - trade["step_s"] / a.predictions[a.batch]["step_s"]
+            verdict = _trade_phrase(obs, a, trade)
+        elif not worth:
             gain = 0.0
             verdict = (
                 f"no batch is predicted to beat batch {a.batch} by more than "
@@ -190,6 +211,8 @@ class BatchPsSizing(Tuner):
                 f"samples/s over the {_baseline_word(a)} {now:,.0f} (predicted "
                 f"{_ms(first['step_s'])} per step{_extrapolated(a, worth[0])})"
             )
+            if trade is not None:
+                verdict += f"; or, keeping the training's mathematics, {_trade_phrase(obs, a, trade)}"
         if a.unpredicted:
             verdict += f"; {_unpredicted_line(a)}"
         summary = (
@@ -206,7 +229,8 @@ class BatchPsSizing(Tuner):
             return []
         base = a.predictions[a.batch]["samples_per_s"]
         order = _worth_trying(a, self.settings.knee_tolerance)
-        out = []
+        # Trades first: they keep the samples per step, so the model converges as it did.
+        out = [_trade_candidate(obs, a, t) for t in _ranked_trades(a)]
         for b in order:
             p = a.predictions[b]
             knee = ", the knee" if b == a.knee else ""
@@ -309,9 +333,14 @@ class BatchPsSizing(Tuner):
 
     def snippet(self, knobs: Mapping[str, Any]) -> str | None:
         batch = int(knobs.get("batch_size", 0))
+        acc = int(knobs.get("accumulation", 0))
         lines = []
         if batch:
             lines.append(f"batch_size = {batch}  # per rank; scale the learning rate by your rule")
+        if acc:
+            lines.append(
+                f"accumulation = {acc}  # micro-batches per optimizer step (loss / accumulation each)"
+            )
         if knobs.get("cudnn_benchmark"):
             lines.append("torch.backends.cudnn.benchmark = True")
         return "\n".join(lines) or None
@@ -411,7 +440,7 @@ def _analyse(
     if truth is None:
         truth = _model_truth(obs, local)
     spread = obs.baseline.spread_s if obs.baseline is not None else 0.0
-    steps = BatchStepModel.build(b0, local.timing, truth, spread, measured)
+    steps = BatchStepModel.build(b0, local.timing, truth, spread, measured, w.accumulation)
     overhead, compute, ratio, source = _overhead(obs, local.step_s[b0])
     analysis = Analysis(
         b0,
@@ -452,6 +481,7 @@ def _analyse(
         (b, p["samples_per_s"]) for b, p in analysis.predictions.items() if p["fits"] or b == b0
     ]
     analysis.knee = choose_knee(fitting, settings.knee_tolerance)
+    analysis.trades = _accumulation_trades(obs, steps, largest, local)
     analysis.eq5 = _eq5(obs, device_mem, settings.memory_margin, batches)
     analysis.lemma31 = _lemma31(ratio, target_eff, target_speedup)
     analysis.lemma32 = _lemma32(obs, compute)
@@ -471,6 +501,8 @@ def _model_truth(obs: Observation, local: LocalMeasurement) -> StepTruth:
     b0 = obs.workload.batch_size
     rows = local.timing.samples[b0]
     parts = {p: statistics.median(r[p] for r in rows) for p in ("data", "compute", "optimizer")}
+    for p in ("data", "compute"):  # timed per micro-batch; the job runs `accumulation` of them
+        parts[p] *= obs.workload.accumulation
     comm = 0.0
     if obs.nproc > 1:
         try:
@@ -641,6 +673,7 @@ def _details(a: Analysis) -> dict[str, Any]:
         "predictions": {str(b): p for b, p in a.predictions.items()},
         "unpredicted": {str(b): why for b, why in a.unpredicted.items()},
         "knee": a.knee,
+        "trades": {str(acc): t for acc, t in a.trades.items()},
         "eq5": a.eq5,
         "lemma31": a.lemma31,
         "lemma32": a.lemma32,
@@ -657,6 +690,75 @@ def _worth_trying(a: Analysis, tolerance: float) -> list[int]:
         if b != a.batch and p["fits"] and p["samples_per_s"] > base * (1 + tolerance)
     ]
     return sorted(worth, key=lambda b: (b != a.knee, -a.predictions[b]["samples_per_s"]))
+
+
+def _accumulation_trades(
+    obs: Observation, steps: BatchStepModel, largest: int, local: LocalMeasurement
+) -> dict[int, dict[str, Any]]:
+    """A job that accumulates A micro-batches of b0 per optimizer step can run A' < A
+    micro-batches of b0·A/A' instead: the same samples per step, so the same update,
+    in fewer and larger passes (each pass's fixed costs paid less often, larger
+    kernels). Zou's memory bound decides how large a micro-batch may be: the
+    measured memory line's largest fitting batch. Keyed by A'."""
+    w = obs.workload
+    per_step = w.batch_size * w.accumulation
+    if w.accumulation <= 1 or w.batch_range is None:
+        return {}
+    lo, hi = w.batch_range
+    out: dict[int, dict[str, Any]] = {}
+    for acc in range(1, w.accumulation):
+        b = per_step // acc
+        if per_step % acc or not lo <= b <= hi or b > largest or not steps.predictable(b):
+            continue
+        step = steps.step_s(b, acc)
+        out[acc] = {
+            "batch": b,
+            "accumulation": acc,
+            "step_s": step,
+            "range_s": list(steps.range_s(b, acc)),
+            "samples_per_s": obs.global_batch / step,
+            "parts_s": steps.parts_s(b, acc),
+            "extrapolation": steps.extrapolation(b),
+            "peak_bytes": local.memory.peak_bytes(b),
+        }
+    return out
+
+
+def _ranked_trades(a: Analysis) -> list[dict[str, Any]]:
+    """Trades predicted at least MIN_TRADE_GAIN faster than the job, fastest first."""
+    now = a.predictions[a.batch]["step_s"]
+    fast = [t for t in a.trades.values() if t["step_s"] < now * (1 - MIN_TRADE_GAIN)]
+    return sorted(fast, key=lambda t: t["step_s"])
+
+
+def _best_trade(a: Analysis) -> dict[str, Any] | None:
+    ranked = _ranked_trades(a)
+    return ranked[0] if ranked else None
+
+
+def _trade_phrase(obs: Observation, a: Analysis, t: dict[str, Any]) -> str:
+    now = a.predictions[a.batch]["step_s"]
+    return (
+        f"batch {t['batch']}/rank x {t['accumulation']} micro-batch"
+        f"{'es' if t['accumulation'] > 1 else ''} (now {a.batch} x {obs.workload.accumulation}, "
+        f"the same {obs.global_batch} samples per step) should save ~{1 - t['step_s'] / now:.0%} "
+        f"(predicted {_ms(t['step_s'])} per step; ~{t['peak_bytes'] / MiB:,.0f} MiB peak fits)"
+    )
+
+
+def _trade_candidate(obs: Observation, a: Analysis, t: dict[str, Any]) -> Candidate:
+    low, high = t["range_s"]
+    return Candidate(
+        knobs={"batch_size": t["batch"], "accumulation": t["accumulation"]},
+        predicted_step_s=t["step_s"],
+        predicted_range_s=(low, high),
+        global_batch=obs.global_batch,
+        rationale=(
+            f"{_trade_phrase(obs, a, t)}; {_ms(low)}-{_ms(high)}"
+            f"{'; extrapolated' if t['extrapolation'] > 1 else ''}; the learning rate stays"
+        ),
+        details={**t, "trade": True},
+    )
 
 
 def _evidence(obs: Observation, a: Analysis) -> str:

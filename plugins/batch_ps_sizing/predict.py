@@ -60,6 +60,8 @@ class BatchStepModel:
     """Batches not timed (measuring budget), and why."""
     measured: bool = True
     """Whether ``calibration.truth`` was measured (else it is the model's own step)."""
+    accumulation: int = 1
+    """The job's micro-batches per optimizer step: the scaling parts run once per micro-batch."""
 
     @classmethod
     def build(
@@ -69,12 +71,13 @@ class BatchStepModel:
         truth: StepTruth,
         spread_s: float,
         measured: bool = True,
+        accumulation: int = 1,
     ) -> BatchStepModel:
         fits = {p: StepTimeFit.fit(_positive(timing.part_samples(p))) for p in SCALING_PARTS}
         optimizer_s = statistics.median(
             s for rows in timing.part_samples("optimizer").values() for s in rows
         )
-        model_base = {p: fits[p].seconds(batch) for p in SCALING_PARTS}
+        model_base = {p: accumulation * fits[p].seconds(batch) for p in SCALING_PARTS}
         model_base["optimizer"] = optimizer_s
         return cls(
             batch,
@@ -85,23 +88,27 @@ class BatchStepModel:
             spread_s,
             dict(timing.skipped),
             measured,
+            accumulation,
         )
 
     # -- predictions -----------------------------------------------------------------
 
-    def model_parts(self, batch: int) -> dict[str, float]:
-        """The fits' seconds per step of each scaling part at ``batch`` (model figures)."""
-        return {p: self.fits[p].seconds(batch) for p in SCALING_PARTS}
+    def model_parts(self, batch: int, accumulation: int | None = None) -> dict[str, float]:
+        """The fits' seconds per step of each scaling part at micro-batch ``batch`` run
+        ``accumulation`` times (default: the job's) per step (model figures)."""
+        acc = self.accumulation if accumulation is None else accumulation
+        return {p: acc * self.fits[p].seconds(batch) for p in SCALING_PARTS}
 
-    def step_s(self, batch: int) -> float:
-        """Predicted step at ``batch``: the measured step plus the scaled change of each scaling part."""
-        return self.calibration.predict(self.model_parts(batch))
+    def step_s(self, batch: int, accumulation: int | None = None) -> float:
+        """Predicted step at ``batch`` (× ``accumulation`` micro-batches, default the job's):
+        the measured step plus the scaled change of each scaling part."""
+        return self.calibration.predict(self.model_parts(batch, accumulation))
 
-    def parts_s(self, batch: int) -> dict[str, float]:
+    def parts_s(self, batch: int, accumulation: int | None = None) -> dict[str, float]:
         """The predicted step at ``batch`` part by part (scaling parts changed, the rest as measured)."""
         truth = self.calibration.truth
         base = dict(truth.parts_s) if truth.profiled else {}
-        for p, seconds in self.model_parts(batch).items():
+        for p, seconds in self.model_parts(batch, accumulation).items():
             if p in base:
                 base[p] += self.calibration.scales[p] * (seconds - self.calibration.baseline[p])
         return base
@@ -113,19 +120,20 @@ class BatchStepModel:
     def predictable(self, batch: int) -> bool:
         return self.extrapolation(batch) <= MAX_EXTRAPOLATION
 
-    def range_s(self, batch: int) -> tuple[float, float]:
+    def range_s(self, batch: int, accumulation: int | None = None) -> tuple[float, float]:
         """(low, high) of :meth:`step_s`: the baseline's spread, plus the fit's error on the change.
 
         The change rests on a ratio of two fitted values, each uncertain by the
         fit's residual (or the medians' noise, if larger); beyond the timed
         batches that error grows in proportion to the distance.
         """
-        predicted = self.step_s(batch)
+        acc = self.accumulation if accumulation is None else accumulation
+        predicted = self.step_s(batch, acc)
         low, high = self.calibration.predicted_range(predicted, self.spread_s)
         fit = self.fits["compute"]
         rel = max(fit.residual, fit.noise, 0.01) * math.sqrt(2) * self.extrapolation(batch)
-        scaled = self.calibration.scales["compute"] * self.fits["compute"].seconds(batch)
-        margin = rel * scaled if batch != self.batch else 0.0
+        scaled = self.calibration.scales["compute"] * acc * self.fits["compute"].seconds(batch)
+        margin = rel * scaled if (batch, acc) != (self.batch, self.accumulation) else 0.0
         return max(1e-9, low - margin), high + margin
 
     # -- words -----------------------------------------------------------------------
@@ -147,6 +155,7 @@ class BatchStepModel:
     def to_dict(self) -> dict[str, Any]:
         return {
             "batch": self.batch,
+            "accumulation": self.accumulation,
             "fits": {p: f.to_dict() for p, f in self.fits.items()},
             "optimizer_s": self.optimizer_s,
             "threads": self.threads,

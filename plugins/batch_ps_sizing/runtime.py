@@ -15,12 +15,17 @@ from tunekit.runtime.session import Session
 
 
 def apply_batch_knobs(session: Session, knobs: Mapping[str, Any]) -> None:
-    """Set the per-rank batch (0 keeps the workload's) and cuDNN benchmarking.
+    """Set the micro-batches per step and the per-rank batch (0 keeps the workload's) and
+    cuDNN benchmarking.
 
     ``Session.set_batch_size`` refuses a batch outside the workload's
     ``batch_range``, rebuilds the data source and rescales the learning rate
-    by the workload's rule; the session's reset restores both.
+    by the workload's rule; the session's reset restores both. A batch and an
+    accumulation whose product is the job's keep the samples of every step.
     """
+    acc = int(knobs.get("accumulation", 0))
+    if acc and acc != session.accumulation:
+        session.set_accumulation(acc)
     batch = int(knobs.get("batch_size", 0))
     if batch and batch != session.batch_size:
         session.set_batch_size(batch)

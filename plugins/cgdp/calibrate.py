@@ -51,6 +51,7 @@ from tunekit.plugins.cgdp.model import (
     ddp_timeline,
     fit_after_latency,
 )
+from tunekit.plugins.cgdp.search import Layout
 
 # -- the baseline trace's all-reduces ----------------------------------------------------------
 
@@ -188,7 +189,7 @@ class CalibratedCgdp:
     def ddp(self) -> Timeline:
         return ddp_timeline(self.t_bp, self.nbytes, self.costs)
 
-    def cgdp(self, k: int) -> Timeline:
+    def cgdp(self, k: int | Layout) -> Timeline:
         return cgdp_timeline(
             self.t_bp, self.nbytes, k, self.host.chunk_costs or self.costs,
             post_s=self.host.post_s * self.contention,
@@ -217,7 +218,7 @@ class CalibratedCgdp:
             "optimizer": self.optimizer_s(False),
         }
 
-    def cgdp_parts(self, k: int, offload: bool = False) -> dict[str, float]:
+    def cgdp_parts(self, k: int | Layout, offload: bool = False) -> dict[str, float]:
         t = self.cgdp(k)
         return {
             "compute": self.forward_s + t.backward_s - self.ddp_copy_back_s,
@@ -225,8 +226,9 @@ class CalibratedCgdp:
             "optimizer": self.optimizer_s(offload),
         }
 
-    def predict(self, k: int, offload: bool = False) -> float:
-        """Step time of CGDP with chunks of ``k`` (and offload), from the measured baseline."""
+    def predict(self, k: int | Layout, offload: bool = False) -> float:
+        """Step time of CGDP with chunks of ``k`` layers, or a layout (and offload), from the
+        measured baseline."""
         return self.calibration.predict(self.cgdp_parts(k, offload))
 
     def reproduces_baseline(self) -> float:

@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tunekit.plugins.cgdp.search import chunk_layout
+from tunekit.plugins.cgdp.search import Layout, as_layout
 
 MiB = 1024 * 1024
 
@@ -90,7 +90,7 @@ def typical_overhead(costs: Sequence[LayerCost]) -> float:
 # -- chunks and the queued bound ----------------------------------------------------------
 
 
-def chunk_costs(costs: Sequence[LayerCost], k: int) -> list[LayerCost]:
+def chunk_costs(costs: Sequence[LayerCost], k: int | Layout) -> list[LayerCost]:
     """Per-chunk costs of :func:`~tunekit.plugins.cgdp.search.chunk_layout` ``(l, k)``.
 
     A chunk's backward and host work are its layers' sums; it synchronises
@@ -99,7 +99,7 @@ def chunk_costs(costs: Sequence[LayerCost], k: int) -> list[LayerCost]:
     """
     n = len(costs)
     out = []
-    for chunk in chunk_layout(n, k):
+    for chunk in as_layout(n, k):
         members = [costs[n - layer] for layer in chunk]  # paper layer l is index 0
         out.append(
             LayerCost(
@@ -277,7 +277,7 @@ def ddp_timeline(
 def cgdp_timeline(
     t_bp: Sequence[float],
     nbytes: Sequence[float],
-    k: int,
+    k: int | Layout,
     costs: ReduceCosts,
     post_s: float = 0.0,
     copy_back_s_per_byte: float = 0.0,
@@ -287,7 +287,7 @@ def cgdp_timeline(
     all-reduced in layout order and copied back on the host pipeline."""
     n = len(t_bp)
     msgs, clock, done = [], 0.0, 0
-    for chunk in chunk_layout(n, k):
+    for chunk in as_layout(n, k):
         idx = [n - layer for layer in chunk]  # paper layer l is index 0
         for i in range(done, max(idx) + 1):
             clock += t_bp[i]
@@ -388,7 +388,7 @@ def layer_costs(
 
 
 def chunked_layer_costs(
-    t_bp: Sequence[float], nbytes: Sequence[float], rates: HostRates, k: int
+    t_bp: Sequence[float], nbytes: Sequence[float], rates: HostRates, k: int | Layout
 ) -> list[LayerCost]:
     """Per-chunk costs from rates: one synchronisation and one reduction per chunk.
 
@@ -397,7 +397,7 @@ def chunked_layer_costs(
     """
     n = len(t_bp)
     out = []
-    for chunk in chunk_layout(n, k):
+    for chunk in as_layout(n, k):
         idx = [n - layer for layer in chunk]
         size = sum(nbytes[i] for i in idx)
         out.append(

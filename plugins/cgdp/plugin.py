@@ -29,6 +29,7 @@ import torch
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
 from tunekit.hardware import GB, Hardware
+from tunekit.observe.blocks import block_units
 from tunekit.observe.observation import Observation
 from tunekit.observe.timing import Estimate, bandwidth_estimate
 from tunekit.observe.truth import StepTruth
@@ -44,8 +45,13 @@ from tunekit.plugins.cgdp.model import (
     memory_estimates,
     predict,
 )
-from tunekit.plugins.cgdp.runtime import CgdpSync, search_in_job
-from tunekit.plugins.cgdp.search import Algorithm1, NoiseAwareChunkSearch, chunk_layout
+from tunekit.plugins.cgdp.runtime import CHUNK_BY, CgdpSync, search_in_job
+from tunekit.plugins.cgdp.search import (
+    Algorithm1,
+    NoiseAwareChunkSearch,
+    chunk_layout,
+    unit_layout,
+)
 from tunekit.runtime.data import to_device
 from tunekit.runtime.session import Session
 
@@ -295,6 +301,13 @@ def _model_text(f: _Fit, best: _Row) -> str:
     return text
 
 
+def layer_units(obs: Observation, backward_names: list[str]) -> list[str] | None:
+    """The transformer block of each timed layer (forward order), or None without blocks.
+    The layers' classes come from the observed model's summary."""
+    kinds = {layer.name: layer.type for layer in obs.model.layers}
+    return block_units([(name, kinds.get(name, "")) for name in reversed(backward_names)])
+
+
 def _verdict(gain: float, low: float, high: float) -> str:
     """``gain``, ``no_gain`` or ``too_close`` (the range holds the threshold: a trial decides)."""
     if Estimate(gain, low, high).straddles(MIN_GAIN):
@@ -307,17 +320,23 @@ class _Row:
 
     def __init__(self, fit: _Fit, k: int, offload: bool):
         self.k, self.offload = k, offload
-        self.label = f"chunks of {k}" + (" with the optimizer on the host" if offload else "")
+        units = fit.units
+        self.chunk_by = "layers" if units is None else "blocks"
+        what = "" if units is None else (" block" if k == 1 else " blocks")
+        self.label = f"chunks of {k}{what}" + (
+            " with the optimizer on the host" if offload else ""
+        )
+        layout = k if units is None else unit_layout(units, k)
         model = fit.model
-        self.timeline = model.cgdp(k)
-        self.parts = model.cgdp_parts(k, offload)
-        self.predicted = model.predict(k, offload)
+        self.timeline = model.cgdp(layout)
+        self.parts = model.cgdp_parts(layout, offload)
+        self.predicted = model.predict(layout, offload)
         ddp = model.ddp_parts()
         self.host_work_s = (self.parts["compute"] - ddp["compute"]) + (
             self.parts["optimizer"] - ddp["optimizer"]
         )
-        variants = [m.predict(k, offload) for m in fit.ends]
-        passes = sorted(m.predict(k, offload) for m in fit.passes)
+        variants = [m.predict(layout, offload) for m in fit.ends]
+        passes = sorted(m.predict(layout, offload) for m in fit.passes)
         if len(passes) >= 4:
             q = statistics.quantiles(passes, n=4)
             variants += [q[0], q[2]]
@@ -338,10 +357,13 @@ class _Fit:
         self.passes: list[CalibratedCgdp] = passes
         """Calibrated on each timed backward pass's layer times."""
         self.measured, self.device = measured, device
+        self.units = layer_units(obs, times.names)
+        """Each layer's transformer block (forward order) when the model has them: chunks
+        then hold whole blocks (``chunk_by="blocks"``). None: chunks of layers."""
 
     def rows(self) -> list[_Row]:
         """Every distinct chunk layout, and offload at the best one; fastest first."""
-        n = len(self.times.t_bp)
+        n = len(self.times.t_bp) if self.units is None else len(set(self.units))
         seen, rows = set(), []
         for k in candidate_chunk_sizes(n):
             layout = tuple(map(tuple, chunk_layout(n, k)))
@@ -401,6 +423,13 @@ class Cgdp(Tuner):
         return [
             Knob(
                 "chunk_size", "int", 1, "layers per chunk sent to the host together (k)", 1, 100_000
+            ),
+            Knob(
+                "chunk_by",
+                "choice",
+                "layers",
+                "what chunk_size counts: layers (the paper's k) or whole transformer blocks",
+                choices=CHUNK_BY,
             ),
             Knob(
                 "offload_optimizer",
@@ -551,6 +580,7 @@ class Cgdp(Tuner):
             "gain_vs_ddp_interval": [low, high],
             "verdict": verdict,
             "best_chunk": best.k,
+            "chunk_by": best.chunk_by,
             "best_offload": best.offload,
             "memory_bytes": {
                 k: {"device": m.device_bytes, "host": m.host_bytes} for k, m in mem.items()
@@ -577,6 +607,7 @@ class Cgdp(Tuner):
                 Candidate(
                     knobs={
                         "chunk_size": row.k,
+                        **({"chunk_by": "blocks"} if row.chunk_by == "blocks" else {}),
                         **({"offload_optimizer": True} if row.offload else {}),
                     },
                     predicted_step_s=row.predicted,
@@ -789,7 +820,11 @@ class Cgdp(Tuner):
 
     def apply(self, session: Session, knobs: Mapping[str, Any]) -> None:
         session.set_grad_sync(
-            CgdpSync(chunk_size=knobs["chunk_size"], offload_optimizer=knobs["offload_optimizer"])
+            CgdpSync(
+                chunk_size=knobs["chunk_size"],
+                offload_optimizer=knobs["offload_optimizer"],
+                chunk_by=knobs["chunk_by"],
+            )
         )
 
     def search(self, session: Session, knobs: Mapping[str, Any], max_steps: int) -> SearchResult:

@@ -37,13 +37,17 @@ from torch import nn
 
 from tunekit.contract import SearchResult
 from tunekit.errors import PluginError
-from tunekit.plugins.cgdp.search import chunk_layout
+from tunekit.observe.blocks import block_units
+from tunekit.plugins.cgdp.search import chunk_layout, unit_layout
 from tunekit.runtime.dist import broadcast_object
 from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 
 if TYPE_CHECKING:
     from tunekit.runtime.session import Session
 
+
+CHUNK_BY = ("layers", "blocks")
+"""What ``chunk_size`` counts: layers (the paper's k), or whole transformer blocks."""
 
 # -- layers -------------------------------------------------------------------------------
 
@@ -56,6 +60,8 @@ class Layer:
     params: list[nn.Parameter]
     path: str = ""
     """Module path in the model ("" for the root; ``name`` then shows its class)."""
+    kind: str = ""
+    """The module's class name (``Linear``, ``LayerNorm``)."""
 
 
 def parameterised_layers(model: nn.Module) -> list[Layer]:
@@ -72,7 +78,7 @@ def parameterised_layers(model: nn.Module) -> list[Layer]:
                 seen.add(id(p))
                 own.append(p)
         if own:
-            layers.append(Layer(name or type(module).__name__, own, name))
+            layers.append(Layer(name or type(module).__name__, own, name, type(module).__name__))
     return layers
 
 
@@ -264,17 +270,24 @@ class CgdpSync(HookedAccumulation, GradSync):
     """CPU-GPU data parallel gradient synchronisation (Le et al.), one chunk at a time.
 
     ``chunk_size`` is the paper's ``k`` (layers per chunk; the last layers of
-    backward are singletons). ``offload_optimizer`` keeps the optimizer's
+    backward are singletons); with ``chunk_by="blocks"`` it counts whole
+    transformer blocks instead (layers outside the blocks count one each), so
+    no chunk ends inside a block. ``offload_optimizer`` keeps the optimizer's
     state and step on the host. Change ``k`` at a step boundary with
     :meth:`set_chunk_size`.
     """
 
     name = "cgdp"
 
-    def __init__(self, chunk_size: int = 1, offload_optimizer: bool = False):
+    def __init__(
+        self, chunk_size: int = 1, offload_optimizer: bool = False, chunk_by: str = "layers"
+    ):
         if chunk_size < 1:
             raise PluginError(f"cgdp: chunk_size must be at least 1, not {chunk_size}")
+        if chunk_by not in CHUNK_BY:
+            raise PluginError(f"cgdp: chunk_by must be one of {', '.join(CHUNK_BY)}, not {chunk_by!r}")
         self.chunk_size = int(chunk_size)
+        self.chunk_by = chunk_by
         self.offload_optimizer = offload_optimizer
         # Every chunk is reduced before the one update (Session.optimizer_step: unscale,
         # clip by the global norm, step, schedule). With offload the update runs on the
@@ -358,7 +371,19 @@ class CgdpSync(HookedAccumulation, GradSync):
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """Units the chunk size counts: layers, or with ``chunk_by="blocks"`` blocks and the
+        layers outside them."""
+        units = self.units()
+        return len(self.layers) if units is None else len(set(units))
+
+    def units(self) -> list[str] | None:
+        """Each layer's unit in forward order when chunking by blocks (None: by layers)."""
+        if self.chunk_by != "blocks":
+            return None
+        forward = [(layer.name, layer.kind) for layer in reversed(self.layers)]
+        units = block_units(forward)
+        # A model without transformer blocks: every layer is its own unit (chunks of layers).
+        return units if units is not None else [name for name, _ in forward]
 
     def set_chunk_size(self, k: int) -> None:
         """Use chunks of ``k`` layers from the next iteration (call at a step boundary)."""
@@ -376,7 +401,9 @@ class CgdpSync(HookedAccumulation, GradSync):
             first_param.append(first_param[-1] + len(layer.params))
         self.chunks: list[_Chunk] = []
         self.chunk_of = [0] * len(self.params)
-        for ci, members in enumerate(chunk_layout(n, k)):
+        units = self.units()
+        layout = chunk_layout(n, k) if units is None else unit_layout(units, k)
+        for ci, members in enumerate(layout):
             lo, hi = n - members[0], n - members[-1]  # paper layer l is index 0
             first, last = first_param[lo], first_param[hi + 1]
             for i in range(first, last):

@@ -37,6 +37,36 @@ def chunk_layout(num_layers: int, k: int) -> list[list[int]]:
     return chunks
 
 
+Layout = list[list[int]]
+"""Chunks in backward order, each a list of paper layer numbers (see :func:`chunk_layout`)."""
+
+
+def unit_layout(units: Sequence[str], k: int) -> Layout:
+    """:func:`chunk_layout` over units instead of layers: ``units`` names each layer's unit
+    (its transformer block, or the layer itself; forward order, as
+    :func:`tunekit.observe.blocks.block_units` gives them) and a chunk holds ``k`` whole
+    units, so that no chunk ends inside a block."""
+    groups: list[list[int]] = []  # paper layer numbers of each unit, forward order
+    for layer, unit in enumerate(units, start=1):
+        if groups and units[layer - 2] == unit:
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+    return [
+        [layer for g in chunk for layer in reversed(groups[g - 1])]
+        for chunk in chunk_layout(len(groups), k)
+    ]
+
+
+def as_layout(num_layers: int, k: int | Layout) -> Layout:
+    """``k`` layers per chunk as a layout; a layout as it is (checked: every layer once)."""
+    if isinstance(k, int):
+        return chunk_layout(num_layers, k)
+    if sorted(layer for chunk in k for layer in chunk) != list(range(1, num_layers + 1)):
+        raise ValueError(f"a chunk layout must hold each of the {num_layers} layers once")
+    return k
+
+
 def chunk_sizes(num_layers: int, k: int) -> tuple[int, ...]:
     """Sizes of :func:`chunk_layout`'s chunks: equal tuples mean equal layouts."""
     return tuple(len(c) for c in chunk_layout(num_layers, k))

@@ -564,6 +564,9 @@ class HybridStepModel:
     spread_s: float
     times_source: str
     notes: list[str] = field(default_factory=list)
+    accumulation: int = 1
+    """Micro-batches per optimizer step: each runs the split model's forward and
+    backward (its messages included); the exchanges and the update run once."""
 
     @property
     def compute_scale(self) -> float:
@@ -600,6 +603,7 @@ class HybridStepModel:
         allreduce: Callable[[float, int], float],
         overheads: ExecutorOverheads | None = None,
         threads_per_rank: int = 1,
+        accumulation: int = 1,
     ) -> HybridStepModel | str:
         """The model, or why there is none (a sentence for "no prediction: ...")."""
         why = cls.missing(truth, hardware)
@@ -612,7 +616,10 @@ class HybridStepModel:
             # FLOPs at the rate the baseline reached (not the device's peak): Σ Δ is
             # the measured compute up to what FLOPs do not count
             fwd_flops = (
-                sum(lay.flops for lay in graph.layers.values()) * batch_size / graph.batch_size
+                sum(lay.flops for lay in graph.layers.values())
+                * batch_size
+                * accumulation
+                / graph.batch_size
             )
             rate = ComputeRate.measured(fwd_flops, truth.parts_s["compute"])
             if rate is not None:
@@ -624,7 +631,7 @@ class HybridStepModel:
                 }
                 times_source = f"FLOPs at the baseline's rate ({rate.source})"
         baseline = {
-            "compute": sum(f + b for f, b in layer_s.values()),
+            "compute": accumulation * sum(f + b for f, b in layer_s.values()),
             # DDP's exchange and its optimizer step are taken as measured: the hybrid
             # replaces the one with its own exchange and steps a share of the other
             "comm_exposed": truth.parts_s["comm_exposed"],
@@ -653,6 +660,7 @@ class HybridStepModel:
             spread_s=spread_s,
             times_source=TIMES_SOURCES.get(times_source, times_source),
             notes=notes,
+            accumulation=accumulation,
         )
 
     # -- predicting -------------------------------------------------------------------------
@@ -685,10 +693,12 @@ class HybridStepModel:
         """The step of an N × M hybrid running ``program`` (one worker's split model).
 
         ``param_bytes`` maps id(parameter) -> its bytes, for the parameters
-        ``program.param_devices`` knows.
+        ``program.param_devices`` knows. ``mp_step`` is one micro-batch's pass;
+        the step runs ``accumulation`` of them.
         """
         m = program.mp
         n = self.world // m
+        acc = self.accumulation
         modelled = self.simulate(program)
         mp_step = modelled.scaled(self.compute_scale)
         total = sum(param_bytes.values()) or 1.0
@@ -709,23 +719,25 @@ class HybridStepModel:
         # Calibration takes each part in the model's units: the executor's step as
         # simulated; the exchanges after backward in seconds (measured fits; nothing hides
         # them as backprop hid part of DDP's), in place of DDP's measured exposed part.
-        parts = {"compute": modelled.makespan_s, "comm_exposed": sync, "optimizer": optimizer}
+        parts = {"compute": acc * modelled.makespan_s, "comm_exposed": sync, "optimizer": optimizer}
         step = cal.predict(parts)
         return HybridPrediction(
             step_s=step,
-            range_s=self.range(step, mp_step),
-            global_batch=n * self.batch_size,
+            range_s=self.range(step, mp_step, acc),
+            global_batch=n * self.batch_size * acc,
             mp_step=mp_step,
             grad_sync_s=sync,
             optimizer_s=optimizer,
             parts=parts,
-            baseline_per_sample_s=self.truth.step_s / (self.world * self.batch_size),
+            baseline_per_sample_s=self.truth.step_s / (self.world * self.batch_size * acc),
         )
 
-    def range(self, step_s: float, mp_step: ExecutorStep) -> tuple[float, float]:
+    def range(
+        self, step_s: float, mp_step: ExecutorStep, micro_batches: int = 1
+    ) -> tuple[float, float]:
         """The baseline's spread, widened by how far the link's fit strays on the transfers."""
         low, high = self.calibration.predicted_range(step_s, self.spread_s)
-        stray = self.link.residual * mp_step.transfer_s
+        stray = self.link.residual * mp_step.transfer_s * micro_batches
         return max(low - stray, 1e-9), high + stray
 
     def describe(self) -> str:

@@ -62,8 +62,9 @@ def measure_epochs(
 ) -> tuple[EpochTable, list[EpochRun]]:
     """Train to ``target_loss`` at each global batch ``N × B`` by gradient accumulation.
 
-    Each width starts from the same initial parameters; a step accumulates
-    the N shards an N-rank job would see (:class:`~tunekit.runtime.data.BatchSource`
+    B is a replica's samples per optimizer step: the workload's batch times its
+    ``accumulation``. Each width starts from the same initial parameters; a step
+    accumulates the N shards (of ``accumulation`` micro-batches each) an N-rank job would see (:class:`~tunekit.runtime.data.BatchSource`
     with world N) and the learning rate follows the workload's rule for the
     N-fold batch, as the paper scaled it. The loss is smoothed by an
     exponential moving average before it is compared with the target. E_N =
@@ -73,7 +74,8 @@ def measure_epochs(
     """
     if not widths:
         raise ConfigError("measure_epochs: give at least one width")
-    b = workload.batch_size
+    micro, acc = workload.batch_size, workload.accumulation
+    b = micro * acc
     if epoch_samples is None:
         epoch_samples = len(workload.dataset()) if workload.dataset is not None else 1000 * b
     runs: list[EpochRun] = []
@@ -81,10 +83,15 @@ def measure_epochs(
         torch.manual_seed(workload.seed if seed is None else seed)
         model = workload.model()
         model.train()
-        opt = workload.optimizer(model.parameters(), workload.scaled_lr(n * b))
+        opt = workload.optimizer(model.parameters(), workload.lr_for_ratio(n))
         sources = [
             BatchSource(
-                workload, rank=r, world_size=n, device=torch.device("cpu"), batch_size=b, seed=seed
+                workload,
+                rank=r,
+                world_size=n,
+                device=torch.device("cpu"),
+                batch_size=micro,
+                seed=seed,
             )
             for r in range(n)
         ]
@@ -93,10 +100,11 @@ def measure_epochs(
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for src in sources:
-                x, y = src.batch(steps)
-                loss = workload.loss(model(x), y) / n
-                loss.backward()
-                total += float(loss.detach())
+                for k in range(acc):
+                    x, y = src.batch(steps * acc + k)
+                    loss = workload.loss(model(x), y) / (n * acc)
+                    loss.backward()
+                    total += float(loss.detach())
             opt.step()
             steps += 1
             ema = total if ema is None else smoothing * ema + (1 - smoothing) * total

@@ -214,7 +214,7 @@ def epoch_table(obs: Observation, opts: HybridOptions, widths: list[int]) -> Epo
         return EpochTable(opts.epochs, source="user") if opts.epochs else None
     if opts.epochs_from == "noise_scale":
         noise = estimate_noise_scale(obs.workload)
-        return noise_scale_epochs(noise.b_noise, obs.workload.batch_size, widths)
+        return noise_scale_epochs(noise.b_noise, step_batch(obs), widths)
     table, _ = measure_epochs(obs.workload, widths, opts.target_loss)
     return table
 
@@ -315,11 +315,18 @@ def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | 
         hardware=obs.hardware,
         world=obs.nproc,
         batch_size=obs.workload.batch_size,
+        accumulation=obs.workload.accumulation,
         spread_s=obs.baseline.spread_s if obs.baseline is not None else 0.0,
         allreduce=allreduce_model(obs.hardware),
         overheads=overheads,
         threads_per_rank=threads_per_rank(obs),
     )
+
+
+def step_batch(obs: Observation) -> int:
+    """Samples a data-parallel replica trains per optimizer step: the batch times the
+    micro-batches accumulated (B in the paper's global batch N × B)."""
+    return obs.workload.batch_size * obs.workload.accumulation
 
 
 def threads_per_rank(obs: Observation) -> int:
@@ -607,7 +614,7 @@ class HybridMp(Tuner):
             return []  # diagnose said why
         if speedup_bound(og) < MIN_USEFUL_SPEEDUP:
             return []
-        g, b = obs.nproc, obs.workload.batch_size
+        g, b = obs.nproc, step_batch(obs)
         best = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
         best = {m: p for m, p in best.items() if p.speedup >= MIN_USEFUL_SPEEDUP}
         if not best:
@@ -643,7 +650,7 @@ class HybridMp(Tuner):
 
     def _candidate(self, obs, m, p, model, step_1, se, source) -> Candidate:
         """One N × M placement with the calibrated prediction (or why there is none)."""
-        g, b = obs.nproc, obs.workload.batch_size
+        g, b = obs.nproc, step_batch(obs)
         n = g // m
         details: dict[str, Any] = {
             "mp_degree": m,

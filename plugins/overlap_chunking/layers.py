@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tunekit.errors import ConfigError
+from tunekit.observe.blocks import block_units, unit_starts
 from tunekit.observe.observation import LayerInfo, ModelSummary
 
 FC_TYPE = "Linear"
@@ -160,35 +161,10 @@ def chunk_plan(layers: list[PaperLayer], k: int, f: int) -> ChunkPlan:
     )
 
 
-NORM_TYPES = ("LayerNorm", "RMSNorm")
-"""A repeated block holding one of these is a transformer block (chunks end at its borders)."""
-
-
-def block_of(name: str) -> str | None:
-    """The repeated block a module path lies in: ``blocks.3`` for ``blocks.3.attn.qkv`` (the
-    path up to its first numeric part), None for a module outside any (``ln``, ``head``)."""
-    parts = name.split(".")
-    for j, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: j + 1])
-    return None
-
-
 def block_boundaries(layers: list[PaperLayer]) -> tuple[bool, ...] | None:
     """Per layer: whether a chunk may start there -- chunk 1 = ``layers[i:]`` ends at a
     transformer block's border (the layer is outside any block, or starts one) -- or None
     when the model has no transformer blocks (any ``k`` is a boundary: CNNs as Lee et al.
-    chunk them). A transformer block: a repeated block (``blocks.<i>``) of two or more
-    layers with a LayerNorm (RMSNorm) among them."""
-    blocks = [block_of(layer.name) for layer in layers]
-    members: dict[str, list[PaperLayer]] = {}
-    for block, layer in zip(blocks, layers, strict=True):
-        if block is not None:
-            members.setdefault(block, []).append(layer)
-    if not any(
-        len(ls) >= 2 and any(layer.type in NORM_TYPES for layer in ls) for ls in members.values()
-    ):
-        return None
-    return tuple(
-        b is None or i == 0 or b != blocks[i - 1] for i, b in enumerate(blocks)
-    )
+    chunk them). See :mod:`tunekit.observe.blocks`."""
+    units = block_units([(layer.name, layer.type) for layer in layers])
+    return None if units is None else unit_starts(units)

@@ -5,7 +5,8 @@
 exactly like one process on the global batch). Variants: ``accum`` (2 micro-batches),
 ``sched`` (a warm-up LambdaLR), ``clip`` (global norm 0.05: every step clips),
 ``all`` (the three at once), ``bf16`` / ``fp16`` (autocast; fp16 with a GradScaler),
-``plain`` (none).
+``plain`` (none). ``mlp_data_accum``: 4 micro-batches of 4 from a map-style dataset,
+with a batch range (batch_ps_sizing's trade of micro-batches for accumulation).
 """
 
 from __future__ import annotations
@@ -85,3 +86,21 @@ def mlp(variant: str) -> Workload:
 
 for _v in VARIANTS:
     globals()[f"mlp_{_v}"] = lambda _v=_v: mlp(_v)
+
+
+class Points(torch.utils.data.Dataset):
+    """256 fixed samples of :func:`_batch`'s task, indexed (a map-style dataset)."""
+
+    def __init__(self):
+        self.x, self.y = _batch(256, torch.Generator().manual_seed(3))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def mlp_data_accum() -> Workload:
+    return Workload(name="mlp_data_accum", model=MLP, dataset=Points, batch_size=4, accumulation=4,
+                    batch_range=(2, 64), lr=0.1, lr_scaling="none")  # fmt: skip

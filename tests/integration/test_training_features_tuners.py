@@ -142,6 +142,28 @@ def test_layer_split_honours_accumulation_scheduler_and_clipping():
     _check_pairs(res, EXACT, "layer_split owt", global_loss=True)
 
 
+def test_batch_ps_sizing_trades_micro_batches_for_accumulation_with_the_same_updates():
+    # 4 micro-batches of 4 against 1 of 16 and 2 of 8: every step trains the same 32 samples
+    # (ranks share them differently, the mean gradient is the same), so DDP ends alike.
+    trades = [{"batch_size": 16, "accumulation": 1}, {"batch_size": 8, "accumulation": 2}]
+    control = {"batch_size": 8, "accumulation": 1}  # half the samples per step: not the same
+    runs = [("mlp_data_accum", "ddp", {}, STEPS)] + [
+        ("mlp_data_accum", "batch_ps_sizing", knobs, STEPS) for knobs in [*trades, control]
+    ]
+    res = run_ranks(train_many, 2, (runs,), dtype=F64)
+    for r, (ref, *tuned, other) in enumerate(res):
+        with pytest.raises(AssertionError):  # the comparison tells different updates apart
+            assert_states_close(other["params"], ref["params"], f"rank {r} {control}")
+        for knobs, t in zip(trades, tuned, strict=True):
+            assert_states_close(t["params"], ref["params"], f"rank {r} {knobs}")
+            assert t["lr"] == pytest.approx(ref["lr"], rel=EQUIVALENCE_RTOL)
+    # the global loss of each step: each rank's mean, averaged over the ranks
+    means = [[sum(x) / 2 for x in zip(res[0][i]["losses"], res[1][i]["losses"], strict=True)]
+             for i in range(len(runs))]  # fmt: skip
+    for i in (1, 2):
+        assert means[i] == pytest.approx(means[0], rel=1e-9)
+
+
 REFUSED = [
     ("clip", "two_chunk", {"k": 2, "f": 1}, "clipping"),
     ("accum", "two_chunk", {"k": 2, "f": 1}, "accumulation"),

@@ -109,6 +109,8 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(f"[yellow]notice:[/] {notice}")
     _breakdown_table(report["breakdown"])
     _layers_table(report["top_layers"], report["device"])
+    if report.get("blocks"):
+        _blocks_table(report["blocks"], report["device"])
     _telemetry_tables(report["telemetry"])
     files = report["files"]
     console.print(f"report: {files['report']} · telemetry: {files['telemetry']}")
@@ -175,6 +177,23 @@ def _layers_table(layers: list[dict[str, Any]], device: str) -> None:
             _ms(t["backward_s"]),
             _mb(t["activation_bytes"]),
             f"{t['flops'] / 1e9:.3f}",
+        )
+    console.print(table)
+
+
+def _blocks_table(blocks: list[dict[str, Any]], device: str) -> None:
+    table = Table(title=f"by transformer block (layers measured standalone on {device})", title_justify="left")
+    for c in ("block", "layers", "fwd ms", "bwd ms", "share", "GFLOP"):
+        table.add_column(c, justify="left" if c == "block" else "right")
+    total = sum(r["forward_s"] + r["backward_s"] for r in blocks) or 1.0
+    for r in blocks:
+        table.add_row(
+            r["unit"],
+            str(r["layers"]),
+            _ms(r["forward_s"]),
+            _ms(r["backward_s"]),
+            f"{(r['forward_s'] + r['backward_s']) / total:.0%}",
+            f"{r['flops'] / 1e9:.3f}",
         )
     console.print(table)
 

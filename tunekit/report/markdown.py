@@ -85,11 +85,28 @@ def _observation_section(obs: dict[str, Any]) -> list[str]:
                     "communication time hidden behind computation."]
         out.append("")
     if obs.get("top_layers"):
-        out += ["| slowest layers | kind | forward | backward |", "| --- | --- | --- | --- |"]
+        out += ["| slowest layers | kind | forward | backward | GFLOP (forward) |",
+                "| --- | --- | --- | --- | --- |"]
         for t in obs["top_layers"]:
-            out.append(f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} |")
+            out.append(f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} | "
+                       f"{_gflop(t.get('flops'))} |")
+        out.append("")
+    if obs.get("blocks"):
+        total = sum(r["forward_s"] + r["backward_s"] for r in obs["blocks"]) or 1.0
+        out += ["## By transformer block", "",
+                "| block | layers | forward | backward | share of layer time | GFLOP (forward) |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for r in obs["blocks"]:
+            share = (r["forward_s"] + r["backward_s"]) / total
+            out.append(f"| {r['unit']} | {r['layers']} | {_ms(r['forward_s'])} | {_ms(r['backward_s'])} | "
+                       f"{share:.0%} | {_gflop(r['flops'])} |")
+        out += ["", "Layers timed alone, at one rank's batch (the step breakdown above is the measured whole)."]
         out.append("")
     return out
+
+
+def _gflop(flops: float | None) -> str:
+    return "—" if flops is None else f"{flops / 1e9:.3f}"
 
 
 def _pct(x: float | None) -> str:

@@ -27,8 +27,9 @@ def test_registered_and_declares_batch_knobs():
     rec = {r.name: r for r in load_all()}["batch_ps_sizing"]
     assert rec.ok, rec.error
     knobs = BatchPsSizing().knob_map()
-    assert set(knobs) == {"batch_size", "cudnn_benchmark", "knee_tolerance"}
+    assert set(knobs) == {"batch_size", "accumulation", "cudnn_benchmark", "knee_tolerance"}
     assert knobs["batch_size"].changes_math and knobs["batch_size"].default == 0
+    assert knobs["accumulation"].changes_math and knobs["accumulation"].default == 0
     assert not knobs["cudnn_benchmark"].changes_math
     with pytest.raises(ConfigError):
         BatchPsSizing().validate({"batch_size": -4})

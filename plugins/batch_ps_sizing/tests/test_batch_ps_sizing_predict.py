@@ -118,6 +118,22 @@ def test_only_compute_and_data_scale_with_the_batch():
     assert model.step_s(16) < model.step_s(32) < model.step_s(64)
 
 
+def test_accumulated_micro_batches_each_run_the_scaling_parts():
+    # The job runs 4 micro-batches of 16 per step: its measured compute (60 ms) is 4 passes
+    # of the fitted 20 ms, so the machine's scale is 60 / 80; one pass of 64 costs 68 ms fitted.
+    model = BatchStepModel.build(
+        16, _timing(lambda b: 0.004 + 0.001 * b), _truth(), 0.004, accumulation=4
+    )
+    assert model.step_s(16) == pytest.approx(0.100, rel=1e-9)  # the baseline, reproduced
+    assert model.calibration.scales["compute"] == pytest.approx(0.060 / (4 * 0.020))
+    # 64 x 1 against 16 x 4: the same samples, three passes' fixed 4 ms saved (scaled)
+    parts = model.parts_s(64, accumulation=1)
+    assert parts["compute"] == pytest.approx(0.060 / 0.080 * 0.068, rel=1e-6)
+    assert model.step_s(64, 1) < model.step_s(16) < model.step_s(32)
+    low, high = model.range_s(64, 1)
+    assert low < model.step_s(64, 1) < high
+
+
 def test_range_holds_the_prediction_and_widens_when_extrapolating():
     model = BatchStepModel.build(16, _timing(lambda b: 0.004 + 0.001 * b), _truth(), 0.004)
     widths = {}
@@ -261,5 +277,42 @@ def test_candidates_count_samples_as_the_observation_counts_the_baseline():
     assert plan, "a tiny MLP's step is mostly per-step overhead: larger batches pay"
     for cand in plan:
         b = cand.knobs["batch_size"]
-        assert cand.global_batch == obs.global_batch * b // w.batch_size
+        if cand.details.get("trade"):  # fewer, larger micro-batches: the same samples
+            assert b * cand.knobs["accumulation"] == w.batch_size * w.accumulation
+            assert cand.global_batch == obs.global_batch
+        else:
+            assert cand.global_batch == obs.global_batch * b // w.batch_size
         assert cand.details["samples_per_s"] == pytest.approx(cand.global_batch / cand.predicted_step_s)
+
+
+def test_a_job_that_accumulates_is_offered_larger_micro_batches_at_the_same_samples_per_step():
+    # 4 micro-batches of 4: a tiny MLP's pass is mostly fixed overhead, so one pass of 16
+    # (which fits: the CPU has memory to spare) trains the same 16 samples per rank faster.
+    w = dataclasses.replace(tiny_workload(), batch_size=4, accumulation=4, batch_range=(2, 64))
+    obs = synthetic_observation(w, step_s=0.02, breakdown=FRACTIONS)
+    tuner = BatchPsSizing(measure_budget_s=5.0)
+    a = tuner.analyse(obs)
+    assert set(a.trades) == {1, 2}  # 16 x 1 and 8 x 2
+    assert a.trades[1]["batch"] == 16 and a.trades[2]["batch"] == 8
+    assert a.trades[1]["step_s"] < a.trades[2]["step_s"] < a.predictions[4]["step_s"]
+    plan = tuner.plan(obs, 8)
+    trades = [c for c in plan if c.details.get("trade")]
+    assert [c.knobs for c in trades[:1]] == [{"batch_size": 16, "accumulation": 1}]
+    assert plan[0] is trades[0]  # the same update, faster: tried first
+    assert all(c.global_batch == obs.global_batch for c in trades)
+    assert "the same 32 samples per step" in trades[0].rationale
+    diag = tuner.diagnose(obs)
+    assert diag.applies and "16/rank x 1 micro-batch (now 4 x 4" in diag.summary
+    assert tuner.snippet(trades[0].knobs) == (
+        "batch_size = 16  # per rank; scale the learning rate by your rule\n"
+        "accumulation = 1  # micro-batches per optimizer step (loss / accumulation each)"
+    )
+
+
+def test_a_job_without_accumulation_or_batch_range_gets_no_trade():
+    for w in (
+        tiny_workload(),
+        dataclasses.replace(tiny_workload(), accumulation=4, batch_range=None),
+    ):
+        obs = synthetic_observation(w, step_s=0.02, breakdown=FRACTIONS)
+        assert BatchPsSizing(measure_budget_s=5.0).analyse(obs).trades == {}

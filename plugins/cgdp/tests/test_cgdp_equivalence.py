@@ -41,6 +41,11 @@ def test_same_parameters_as_ddp_for_several_chunk_sizes():
             4,
         ),
         (DEEP, [{"chunk_size": 1}, {"chunk_size": 5}, {"chunk_size": 23}], 3),
+        (  # chunks of whole transformer blocks; AdamW, the schedule and clipping at 1.0
+            "tunekit.testing:tiny_gpt_workload",
+            [{"chunk_size": 1, "chunk_by": "blocks"}, {"chunk_size": 2, "chunk_by": "blocks"}],
+            3,
+        ),
     ]
     ranks = run_ranks(train_params_many, 2, (jobs,), dtype=F64)
     for job, (_spec, configs, _steps) in enumerate(jobs):

@@ -17,6 +17,7 @@ from tunekit.plugins.cgdp.plugin import Cgdp
 from tunekit.plugins.cgdp.runtime import CgdpSync
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import LocalSync
+from tunekit.testing import tiny_gpt_workload
 from tunekit.workload import load_workload
 
 TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
@@ -95,11 +96,13 @@ def test_noise_aware_search_skips_equivalent_layouts():
     session.close()
 
 
-def _obs(hardware, nproc: int, baseline: float | None = None, cache=None) -> Observation:
-    work = load_workload(TINY)
+def _obs(
+    hardware, nproc: int, baseline: float | None = None, cache=None, spec: str = TINY
+) -> Observation:
+    work = load_workload(spec)
     x, _ = work.example_batch(2)
     return Observation(
-        workload_spec=TINY,
+        workload_spec=spec,
         workload=work,
         nproc=nproc,
         backend="gloo",
@@ -221,3 +224,22 @@ def test_backward_times_come_from_gradient_readiness_over_several_passes():
     # not profiled: the baseline's backward is the layers' own, as timed
     assert sum(d.details["t_bp_s"]) == pytest.approx(d.details["layers_backward_s"])
     assert all(t >= 0 for t in d.details["t_bp_s"])
+
+
+def test_a_transformer_is_chunked_by_whole_blocks():
+    obs = _obs(
+        describe_local_machine(2, "cpu"), 2, baseline=0.02, spec="tunekit.testing:tiny_gpt_workload"
+    )
+    plan = Cgdp().plan(obs, 20)
+    assert plan and all(c.knobs["chunk_by"] == "blocks" for c in plan)
+    assert "chunks of 1 block" in " ".join(c.rationale for c in plan)
+    # each planned layout keeps every block in one chunk (the runtime builds the same layout)
+    assert {c.knobs["chunk_size"] for c in plan} >= {1, 2}
+    d = Cgdp().diagnose(obs)
+    assert d.details["chunk_by"] == "blocks"
+    # the knob validates and a planned config installs
+    full = Cgdp().validate(plan[0].knobs)
+    session = Session(tiny_gpt_workload())
+    Cgdp().apply(session, full)
+    assert session.grad_sync.chunk_by == "blocks"
+    session.close()

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from tunekit.errors import PluginError
+from tunekit.observe.blocks import block_of
 from tunekit.plugins.cgdp.runtime import CgdpSync, HostBuffers, parameterised_layers
 from tunekit.runtime.session import Session
 from tunekit.runtime.sync import LocalSync
+from tunekit.testing import tiny_gpt_workload
 from tunekit.workload import Workload, load_workload
 
 TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
@@ -54,6 +56,32 @@ def test_layers_are_parameterised_modules_in_backward_order():
     sync.set_chunk_size(100)
     assert sync.layout() == [["5"], ["4"], ["1"], ["0"]]
     session.close()
+
+
+def test_chunks_by_blocks_hold_whole_transformer_blocks():
+    session = Session(tiny_gpt_workload())
+    sync = CgdpSync(chunk_size=1, chunk_by="blocks")
+    session.set_grad_sync(sync)
+    layout = sync.layout()
+    blocks = {b for chunk in layout for name in chunk if (b := block_of(name))}
+    assert blocks == {"blocks.0", "blocks.1"}
+    for block in blocks:  # each block in one chunk, alone
+        (chunk,) = [c for c in layout if any(block_of(n) == block for n in c)]
+        assert {block_of(n) for n in chunk} == {block}
+    assert sync.num_layers == len(layout)  # the units the chunk size counts
+    sync.set_chunk_size(2)
+    assert all(len({block_of(n) for n in c if block_of(n)}) <= 2 for c in sync.layout())
+    assert len(sync.layout()) < len(layout)
+    session.train_step()
+    session.close()
+    # a model without blocks chunks by layers, whatever chunk_by says
+    session = Session(load_workload(TINY))
+    sync = CgdpSync(chunk_size=2, chunk_by="blocks")
+    session.set_grad_sync(sync)
+    assert sync.layout() == [["5", "4"], ["1"], ["0"]]
+    session.close()
+    with pytest.raises(PluginError, match="chunk_by"):
+        CgdpSync(chunk_by="heads")
 
 
 def test_records_one_communication_per_chunk_each_step():

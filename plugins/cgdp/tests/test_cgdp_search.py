@@ -7,8 +7,10 @@ import pytest
 from tunekit.plugins.cgdp.search import (
     Algorithm1,
     NoiseAwareChunkSearch,
+    as_layout,
     chunk_layout,
     chunk_sizes,
+    unit_layout,
 )
 
 # -- layouts -----------------------------------------------------------------------------
@@ -226,3 +228,37 @@ def test_rounds_too_noisy_alone_are_pooled_for_the_last_decision():
     runs = drive(search, times)
     assert [a for c, a in runs if c == 2] == ["undecided", "undecided", "accepted"]
     assert search.best_chunk == 2
+
+
+# -- chunks of whole transformer blocks ---------------------------------------------------------
+
+# An embedding, two blocks of three layers, the final norm and the head (forward order).
+UNITS = ["emb", "b0", "b0", "b0", "b1", "b1", "b1", "ln", "head"]
+
+
+def test_unit_layout_holds_whole_units_from_the_output_end():
+    # units: emb(1), b0(2-4), b1(5-7), ln(8), head(9); by units, chunk_layout(5, 2) is
+    # {5, 4}, {3, 2}, {1}: head+ln, both blocks, then emb alone
+    assert unit_layout(UNITS, 2) == [[9, 8], [7, 6, 5, 4, 3, 2], [1]]
+    assert unit_layout(UNITS, 1) == [[9], [8], [7, 6, 5], [4, 3, 2], [1]]
+    assert unit_layout(UNITS, 3) == [[9, 8, 7, 6, 5], [4, 3, 2], [1]]
+    for k in range(1, 7):
+        layout = unit_layout(UNITS, k)
+        assert sorted(x for c in layout for x in c) == list(range(1, 10))
+        for chunk in layout:  # a block's layers are never in two chunks
+            for block in ("b0", "b1"):
+                members = [x for x in chunk if UNITS[x - 1] == block]
+                assert members in ([], [x for x in range(1, 10) if UNITS[x - 1] == block][::-1])
+
+
+def test_unit_layout_of_single_layer_units_is_the_papers():
+    names = [f"l{i}" for i in range(7)]
+    for k in (1, 2, 3, 7):
+        assert unit_layout(names, k) == chunk_layout(7, k)
+
+
+def test_as_layout_takes_a_chunk_size_or_checks_a_layout():
+    assert as_layout(4, 2) == chunk_layout(4, 2)
+    assert as_layout(4, [[4, 3], [2, 1]]) == [[4, 3], [2, 1]]
+    with pytest.raises(ValueError, match="each of the 4 layers once"):
+        as_layout(4, [[4, 3], [2]])

@@ -204,6 +204,36 @@ def test_a_two_device_prediction_is_the_baseline_plus_its_changes():
     )
 
 
+def test_accumulated_micro_batches_each_run_the_split_model_and_count_in_the_batch():
+    # The same job stepping 4 micro-batches per update: the measured step (and its
+    # compute) covers 4 passes, so the calibrated layers are one pass's share, the
+    # hybrid's step runs its executor 4 times, and its step trains 4 B samples.
+    acc = 4
+    workload = dataclasses.replace(branchy(), accumulation=acc)
+    obs = observed(workload)
+    og, source = op_graph(obs, HybridOptions.of(obs))
+    model = step_model(obs, og, source)
+    assert model.accumulation == acc
+    assert model.calibration.reproduces_baseline() == pytest.approx(obs.truth.step_s)
+    layers = sum(f + b for f, b in model.layer_s.values())
+    assert model.compute_scale * acc * layers == pytest.approx(obs.truth.parts_s["compute"])
+
+    net = obs.workload.model()
+    graph = trace_model(net, obs.workload.example_batch(2)[0])
+    towers = {
+        name: int(any(f".{t}" in node.target for t in ("b2", "b4")))
+        for name, node in graph.nodes.items()
+    }
+    program = build_program(net, towers, mp=2)
+    pred = model.predict(program, param_bytes_of(net))
+    one_pass = model.simulate(program)
+    assert pred.parts["compute"] == pytest.approx(acc * one_pass.makespan_s)
+    assert pred.global_batch == acc * obs.workload.batch_size  # 1 x 2: one replica, 4 micro-batches
+    assert pred.baseline_per_sample_s == pytest.approx(obs.truth.step_s / obs.global_batch)
+    cands = HybridMp().plan(obs, 2)
+    assert cands and all(c.global_batch == acc * obs.workload.batch_size for c in cands)
+
+
 def test_diagnosis_quotes_the_measured_truth_and_labels_the_model():
     obs = observed()
     d = HybridMp().diagnose(obs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -69,6 +71,20 @@ def test_measured_epochs_come_from_accumulated_steps():
         assert table(r.width) == pytest.approx(r.samples / (1000 * 8))
     with pytest.raises(ConfigError, match="no width reached"):
         measure_epochs(regression(), [1], target_loss=-1.0, max_samples=64)
+
+
+def test_measured_epochs_count_accumulated_micro_batches_in_the_global_batch():
+    # batch 4 x 2 micro-batches: a replica trains 8 samples per optimizer step, as above
+    accumulated = dataclasses.replace(regression(batch=4), accumulation=2)
+    table, runs = measure_epochs(accumulated, [1, 4], target_loss=1.5, max_samples=20_000)
+    for r in runs:
+        assert r.reached
+        assert r.samples == r.steps * r.width * 8
+        assert table(r.width) == pytest.approx(r.samples / (1000 * 8))
+    plain, _ = measure_epochs(regression(batch=8), [1, 4], target_loss=1.5, max_samples=20_000)
+    # the same global batch needs about as many epochs, whatever its micro-batches
+    for n in (1, 4):
+        assert table(n) == pytest.approx(plain(n), rel=0.5)
 
 
 def test_allreduce_model_extends_a_profile_past_its_devices():

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tunekit.observe.blocks import block_of
 from tunekit.observe.observation import summarize_model
-from tunekit.plugins.overlap_chunking.layers import block_boundaries, block_of, paper_layers
+from tunekit.plugins.overlap_chunking.layers import block_boundaries, paper_layers
 from tunekit.plugins.overlap_chunking.model import LayerCost, StepCosts
 from tunekit.plugins.overlap_chunking.search import two_chunk_settings
 from tunekit.testing import tiny_gpt_workload

@@ -1,0 +1,89 @@
+"""Transformer blocks among a model's layers: the units that gradient chunks keep whole.
+
+A chunk of gradients that ends inside a transformer block splits the block's
+attention from its MLP (or a LayerNorm from the projection it feeds): the
+block's gradients then travel in two messages for no gain, and the chunk no
+longer matches what the profile and the report show per block. Tuners that
+group layers (overlap_chunking's two chunks, cgdp's chunks of k) group whole
+blocks on a model that has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+NORM_TYPES = ("LayerNorm", "RMSNorm")
+"""A repeated block holding one of these is a transformer block."""
+
+
+def block_of(name: str) -> str | None:
+    """The repeated block a module path lies in: ``blocks.3`` for ``blocks.3.attn.qkv`` (the
+    path up to its first numeric part), None for a module outside any (``ln``, ``head``)."""
+    parts = name.split(".")
+    for j, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: j + 1])
+    return None
+
+
+def block_units(layers: Sequence[tuple[str, str]]) -> list[str] | None:
+    """Per layer ``(name, type)``, in model order: the unit it belongs to -- its repeated
+    block (``blocks.3``), or its own name outside any -- or None when the model has no
+    transformer blocks (a repeated block of two or more layers with a LayerNorm or
+    RMSNorm among them). Consecutive layers of one unit stay together."""
+    return path_units([(name, name, kind) for name, kind in layers])
+
+
+def path_units(layers: Sequence[tuple[str, str | None, str]]) -> list[str] | None:
+    """:func:`block_units` for layers ``(name, module path or None, module type)`` of a traced
+    graph: a function (no module path: attention's matmuls, a residual add) belongs to the
+    block of the layer before it, the block it runs in."""
+    blocks: list[str | None] = []
+    for _, path, _ in layers:
+        blocks.append(block_of(path) if path else (blocks[-1] if blocks else None))
+    members: dict[str, list[str]] = {}
+    for block, (_, path, kind) in zip(blocks, layers, strict=True):
+        if block is not None and path:
+            members.setdefault(block, []).append(kind)
+    if not any(
+        len(kinds) >= 2 and any(k in NORM_TYPES for k in kinds) for kinds in members.values()
+    ):
+        return None
+    return [b if b is not None else name for b, (name, _, _) in zip(blocks, layers, strict=True)]
+
+
+def graph_units(graph: Any) -> dict[str, str] | None:
+    """Layer name -> unit for a traced :class:`~tunekit.observe.graph.ModelGraph` (its layers'
+    anchor modules), or None without transformer blocks."""
+    rows = []
+    for name, layer in graph.layers.items():
+        anchor = graph.nodes.get(layer.nodes[0]) if layer.nodes else None
+        module = anchor is not None and anchor.module_type is not None
+        rows.append((name, anchor.target if module else None, anchor.module_type if module else ""))
+    units = path_units(rows)
+    return None if units is None else dict(zip(graph.layers, units, strict=True))
+
+
+def unit_starts(units: Sequence[str]) -> tuple[bool, ...]:
+    """Per layer: whether it starts a unit (a chunk may begin there)."""
+    return tuple(i == 0 or u != units[i - 1] for i, u in enumerate(units))
+
+
+def block_table(
+    layers: Sequence[Mapping[str, Any]], units: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Per-layer rows (``name``, ``forward_s``, ``backward_s``, ``flops``; model order) summed
+    per unit (``units``: layer name -> unit, as :func:`graph_units` gives them; a layer
+    without one is its own)."""
+    out: list[dict[str, Any]] = []
+    for row in layers:
+        unit = units.get(row["name"], row["name"])
+        if not out or out[-1]["unit"] != unit:
+            out.append({"unit": unit, "layers": 0, "forward_s": 0.0, "backward_s": 0.0, "flops": 0})
+        last = out[-1]
+        last["layers"] += 1
+        last["forward_s"] += row["forward_s"]
+        last["backward_s"] += row["backward_s"]
+        last["flops"] += row.get("flops") or 0
+    return out
