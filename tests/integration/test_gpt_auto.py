@@ -44,7 +44,9 @@ def test_auto_on_example_gpt_hears_every_tuner_and_reports_by_block(cli, workdir
     attention = [t for t in layers if "_attn_" in t["name"]]
     mlp = [t for t in layers if "_mlp_" in t["name"]]
     assert attention and mlp, [t["name"] for t in layers]
-    # attention's projections and the MLP count FLOPs (matmuls); an embedding is a lookup
-    assert all(t["flops"] > 0 for t in attention + mlp)
+    # attention's projections and the MLP count FLOPs (matmuls), LayerNorm its 5 per
+    # element; an embedding is a lookup
+    norms = [t for t in layers if t["kind"] == "norm"]
+    assert all(t["flops"] > 0 for t in attention + mlp + norms)
     assert {f"blocks.{i}" for i in range(6)} <= {r["unit"] for r in profile["blocks"]}
     assert "by transformer block" in prof.stdout

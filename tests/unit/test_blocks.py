@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tunekit.observe.blocks import (
@@ -85,3 +87,11 @@ def test_the_report_shows_a_transformer_by_block_with_its_gflop(gpt_summary):
     line = next(x for x in md.splitlines() if x.startswith("| blocks.0 |"))
     assert f"{by_unit['blocks.0']['flops'] / 1e9:.3f} |" in line
     assert "GFLOP (forward)" in md
+
+
+def test_layer_norm_counts_five_flops_per_element():
+    obs = synthetic_observation(tiny_gpt_workload())
+    norms = {n: layer for n, layer in obs.graph.layers.items() if layer.kind == "norm"}
+    assert norms
+    for layer in norms.values():  # [batch, sequence, width], affine: 5 per element
+        assert layer.flops == 5 * math.prod(layer.output_shape)

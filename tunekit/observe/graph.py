@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -75,7 +76,8 @@ class GraphNode:
     """Bytes of every tensor this node outputs, at the trace batch size."""
     flops: int
     """Forward FLOPs at the trace batch size, as ``FlopCounterMode`` counts them
-    (matmuls, convolutions, attention; elementwise ops count 0)."""
+    (matmuls, convolutions, attention; LayerNorm by :func:`flop_counter`; other
+    elementwise ops count 0)."""
     layer: str | None = None
     """The :class:`Layer` this node belongs to (None for non-tensor shape arithmetic)."""
     attrs: dict[str, Any] = field(default_factory=dict)
@@ -438,9 +440,23 @@ class _CountingShapeProp(torch.fx.Interpreter):
         return result
 
 
+def _layer_norm_flops(x_shape, normalized_shape, weight=None, *args, out_shape=None, **kwargs) -> int:
+    """LayerNorm: 5 FLOPs per element with its affine scale and shift (mean, subtract,
+    variance, normalise, scale-and-shift), 4 without (fvcore's convention)."""
+    return math.prod(x_shape) * (5 if weight is not None else 4)
+
+
+def flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode`` counting matmuls, convolutions and attention as torch does, and
+    LayerNorm too (torch counts it 0, which left a transformer's norms at 0 GFLOP)."""
+    return FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten.native_layer_norm: _layer_norm_flops}
+    )
+
+
 def _trace_fx(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
     gm = torch.fx.symbolic_trace(model)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         prop = _CountingShapeProp(gm, counter)
         prop.run(*args)
     modules = dict(gm.named_modules())
@@ -519,7 +535,7 @@ def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], 
     from tunekit.observe.graph_export import export_module, flat_inputs, module_of, op_name
 
     gm = export_module(model, args)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         prop = _CountingShapeProp(gm, counter)
         prop.run(*flat_inputs(args))
     ledger = _ParamLedger()
@@ -578,7 +594,7 @@ def _trace_hooks(model: nn.Module, args: tuple) -> dict[str, GraphNode]:
     order: list[GraphNode] = []
     seen: set[str] = set()
     handles = []
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     start: dict[str, int] = {}
 
     def pre(name):
