@@ -125,3 +125,18 @@ def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
     losses = [session.train_step().loss for _ in range(steps)]
     session.close()
     return {"params": {n: p.detach().clone() for n, p in session.model.named_parameters()}, "losses": losses}
+
+
+BUILT_IN_TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+
+
+def assert_every_tuner_heard_and_no_trial_crashed(report: dict) -> None:
+    """A study's report.json: every built-in tuner diagnosed the job (a crash in diagnose
+    leaves it out of the report) and said something, and no trial crashed (a candidate the
+    job cannot run is not planned)."""
+    assert set(report["diagnoses"]) == BUILT_IN_TUNERS, report["diagnoses"].keys()
+    for name, d in report["diagnoses"].items():
+        assert d["summary"], name
+    trials = report["trials"]
+    assert trials[0]["role"] == "baseline" and trials[0]["status"] == "ok"
+    assert all(t["status"] != "crash" for t in trials), [(t["description"], t["error"]) for t in trials]
