@@ -44,7 +44,7 @@ from tunekit.events import (
 )
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.locks import describe_holder
-from tunekit.observe.blocks import block_table, graph_units
+from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
@@ -561,16 +561,8 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         "telemetry": obs.telemetry,
         "top_layers": [_layer_row(obs, t) for t in obs.layer_profile.top(5)]
         if obs.layer_profile is not None else [],
-        "blocks": _blocks(obs),
+        "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
     }
-
-
-def _blocks(obs: Observation) -> list[dict[str, Any]] | None:
-    """The profiled layers summed per transformer block, when the model has blocks."""
-    units = graph_units(obs.graph) if obs.graph is not None else None
-    if units is None or obs.layer_profile is None:
-        return None
-    return block_table([_layer_row(obs, t) for t in obs.layer_profile.layers.values()], units)
 
 
 def _layer_row(obs: Observation, t) -> dict[str, Any]:

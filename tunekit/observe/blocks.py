@@ -87,3 +87,19 @@ def block_table(
         last["backward_s"] += row["backward_s"]
         last["flops"] += row.get("flops") or 0
     return out
+
+
+def profile_blocks(graph: Any, profile: Any, batch_size: int | None = None) -> list[dict[str, Any]] | None:
+    """A layer profile's layers summed per transformer block (their forward FLOPs from
+    ``graph``, at ``batch_size`` samples, default the graph's), or None when the model
+    has no blocks or nothing was profiled."""
+    units = graph_units(graph) if graph is not None else None
+    if units is None or profile is None:
+        return None
+    scale = (batch_size or graph.batch_size) / graph.batch_size if graph.batch_size else 1.0
+    rows = [
+        {"name": t.name, "forward_s": t.forward_s, "backward_s": t.backward_s,
+         "flops": graph.layers[t.name].flops * scale if t.name in graph.layers else 0}
+        for t in profile.layers.values()
+    ]  # fmt: skip
+    return block_table(rows, units)

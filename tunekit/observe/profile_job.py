@@ -36,7 +36,7 @@ import psutil
 import torch
 
 from tunekit.errors import WorkloadError
-from tunekit.observe.blocks import block_table, graph_units
+from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import analyze_trial
 from tunekit.observe.graph import ModelGraph
 from tunekit.observe.layer_profile import LayerProfile
@@ -143,7 +143,7 @@ def profile_job(
             }
             for t in (layers.top(options.top_layers) if layers is not None else [])
         ],
-        "blocks": _blocks(graph, layers),
+        "blocks": profile_blocks(graph, layers),
         "layer_profile": layers.to_dict() if layers is not None else None,
         "measurement": outcome.measurement.to_dict() if outcome.measurement else None,
         "breakdown": breakdown.to_dict(),
@@ -187,12 +187,3 @@ async def _observe(
         return graph, None
     return graph, LayerProfile.from_dict(timed["layer_profile"])
 
-
-def _blocks(graph, layers) -> list[dict[str, Any]] | None:
-    """The profiled layers summed per transformer block, when the model has blocks."""
-    units = graph_units(graph)
-    if units is None or layers is None:
-        return None
-    rows = [{**vars(t), "flops": graph.layers[t.name].flops if t.name in graph.layers else 0}
-            for t in layers.layers.values()]  # fmt: skip
-    return block_table(rows, units)
