@@ -25,6 +25,7 @@ Options a workload may give in ``Workload.extra["hybrid_mp"]``:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ import torch
 
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError
+from tunekit.observe.blocks import graph_units
 from tunekit.observe.observation import Observation
 from tunekit.plugins.hybrid_mp.calibrated import (
     ExecutorOverheads,
@@ -391,6 +393,36 @@ def quick_placement(og: OpGraph, obs: Observation, m: int) -> Placement:
     return quick if quick is not None else solve_placement(og, obs, m, HybridOptions.of(obs))
 
 
+def op_units(og: OpGraph, graph) -> dict[str, str] | None:
+    """Op -> the transformer block it lies in (its own name outside one), or None when the
+    model has no transformer blocks (:func:`tunekit.observe.blocks.graph_units`)."""
+    units = graph_units(graph)
+    if units is None:
+        return None
+    return {op.name: units.get(op.members[0], op.name) for op in og.ops}
+
+
+def stage_placement(og: OpGraph, obs: Observation, m: int) -> Placement:
+    """Contiguous stages on ``m`` devices, cut between transformer blocks where the model has
+    them: what model parallelism can do with a chain."""
+    hw = HardwareGraph.from_hardware(obs.hardware, m)
+    return pipeline_placement(og, hw, op_units(og, model_graph(obs)))
+
+
+def describe_stages(og: OpGraph, placement: Placement, units: Mapping[str, str] | None) -> str:
+    """``device 0: tokens_1 .. blocks.2; device 1: blocks.3 .. head`` (first and last unit)."""
+    spans: dict[str, list[str]] = {}
+    for op in og.ops:
+        unit = units.get(op.name, op.name) if units else op.name
+        seen = spans.setdefault(placement.assignment[op.name], [])
+        if not seen or seen[-1] != unit:
+            seen.append(unit)
+    return "; ".join(
+        f"device {i}: {us[0]}" + (f" .. {us[-1]}" if len(us) > 1 else "")
+        for i, us in enumerate(spans[d] for d in placement.devices if d in spans)
+    )
+
+
 def alternatives(og: OpGraph, obs: Observation, m: int, best: Placement) -> list[Placement]:
     """DLPlacer's placement, then the list schedule it starts from and contiguous stages
     (the paper's comparison with a placement by hand), where they differ from it."""
@@ -400,7 +432,7 @@ def alternatives(og: OpGraph, obs: Observation, m: int, best: Placement) -> list
     if start is not None:
         found.append(improve(og, hw, start))
     try:
-        found.append(pipeline_placement(og, hw))
+        found.append(stage_placement(og, obs, m))
     except ConfigError:
         pass  # the stages do not fit: DLPlacer's placement is the only one
     out: list[Placement] = []
@@ -558,13 +590,7 @@ class HybridMp(Tuner):
         bound = speedup_bound(og)
         details: dict[str, Any] = {"su_bound": bound, "ops": len(og.ops), "times": source}
         if bound < MIN_USEFUL_SPEEDUP:
-            return Diagnosis(
-                False,
-                f"{evidence}; the model's layers form a chain (model: critical path = "
-                f"{1 / bound:.0%} of the layers' time): no branch parallelism for "
-                "model-parallel workers",
-                details=details,
-            )
+            return self._diagnose_chain(obs, og, source, evidence, details)
         m = next(iter(mp_degrees(obs, opts)), 2)
         quick = quick_placement(og, obs, m)
         details[f"su{m}_list_schedule"] = quick.speedup
@@ -602,6 +628,51 @@ class HybridMp(Tuner):
             )
         return Diagnosis(True, text, expected_gain=gain, details=details)
 
+    def _diagnose_chain(self, obs, og, source, evidence, details) -> Diagnosis:
+        """A chain has no branches to run side by side: what contiguous stages (whole
+        transformer blocks per device) would do, calibrated on the baseline. Without
+        micro-batches one device waits while the other works, so they pay only where the
+        replicas' all-reduce costs more than that wait."""
+        text = (
+            f"{evidence}; the model's layers form a chain (model: critical path = "
+            f"{1 / details['su_bound']:.0%} of the layers' time): no branch parallelism for "
+            "model-parallel workers"
+        )
+        degrees = mp_degrees(obs, HybridOptions.of(obs))
+        if not degrees:
+            return Diagnosis(False, text, details=details)
+        m = degrees[0]
+        try:
+            stages = stage_placement(og, obs, m)
+        except ConfigError as exc:
+            return Diagnosis(False, f"{text}; {exc}", details=details)
+        units = op_units(og, model_graph(obs))
+        where = describe_stages(og, stages, units)
+        text += (
+            f"; in {m} contiguous stages{' of whole transformer blocks' if units else ''} "
+            f"({where})"
+        )
+        details["stages"] = where
+        model = step_model(obs, og, source)
+        if isinstance(model, str):
+            return Diagnosis(False, f"{text}: no calibrated prediction: {model}", details=details)
+        pred = predict_placement(obs, model, stages)
+        details["calibrated"] = {**model.to_dict(), "prediction": pred.to_dict()}
+        text += f", {expectation(obs, pred, m)}"
+        gain = 1.0 - pred.per_sample_ratio
+        if pred.per_sample_ratio * MIN_USEFUL_SPEEDUP >= 1.0:
+            return Diagnosis(
+                False,
+                f"{text}: the device that waits costs more than the all-reduce it saves",
+                details=details,
+            )
+        return Diagnosis(
+            True,
+            f"{text}: the all-reduce it saves outweighs the device that waits",
+            expected_gain=gain,
+            details=details,
+        )
+
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return []
@@ -612,14 +683,23 @@ class HybridMp(Tuner):
             og, source = op_graph(obs, opts)
         except ConfigError:
             return []  # diagnose said why
-        if speedup_bound(og) < MIN_USEFUL_SPEEDUP:
-            return []
+        chain = speedup_bound(og) < MIN_USEFUL_SPEEDUP
         g, b = obs.nproc, step_batch(obs)
-        best = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
-        best = {m: p for m, p in best.items() if p.speedup >= MIN_USEFUL_SPEEDUP}
+        model = step_model(obs, og, source)
+        if chain:  # contiguous stages only, and only where the calibrated model says they pay
+            if isinstance(model, str):
+                return []
+            best = {}
+            for m in mp_degrees(obs, opts):
+                with contextlib.suppress(ConfigError):  # the stages do not fit: none for this M
+                    p = stage_placement(og, obs, m)
+                    if predict_placement(obs, model, p).per_sample_ratio * MIN_USEFUL_SPEEDUP < 1:
+                        best[m] = p
+        else:
+            best = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
+            best = {m: p for m, p in best.items() if p.speedup >= MIN_USEFUL_SPEEDUP}
         if not best:
             return []  # the best placements barely split: M devices would do one's work
-        model = step_model(obs, og, source)
         graph = model_graph(obs)
         grad_bytes = sum(lay.param_bytes for lay in graph.layers.values())
         step_1 = paper_step_1(obs, opts, og, grad_bytes)
@@ -628,7 +708,7 @@ class HybridMp(Tuner):
         epochs = epoch_table(obs, opts, widths)
         out: list[Candidate] = []
         for m, ilp in best.items():
-            for p in alternatives(og, obs, m, ilp):
+            for p in [ilp] if chain else alternatives(og, obs, m, ilp):
                 out.append(self._candidate(obs, m, p, model, step_1, se, source))
         if epochs is not None:
             su = {1: 1.0}
@@ -803,7 +883,7 @@ def worker_plan(session: Session, m: int, placer: str, time_limit_s: float) -> d
     )
     hwg = HardwareGraph.from_hardware(hw, m)
     if placer == "pipeline":
-        p = pipeline_placement(og, hwg)
+        p = pipeline_placement(og, hwg, op_units(og, graph))
     else:
         p = place(og, hwg, PlacerOptions(time_limit_s=time_limit_s))
     return nodes_of(graph, p)

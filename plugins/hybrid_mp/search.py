@@ -979,15 +979,25 @@ def speedup_bound(og: OpGraph) -> float:
     return og.serial_time() / crit if crit > 0 else 1.0
 
 
-def pipeline_placement(og: OpGraph, hw: HardwareGraph) -> Placement:
+def pipeline_placement(
+    og: OpGraph, hw: HardwareGraph, units: Mapping[str, str] | None = None
+) -> Placement:
     """Contiguous stages of the op order with balanced work (GPipe-style partitioning).
 
     Stage boundaries are placed where the running sum of forward + backward
     time crosses multiples of the total / M; a stage that would overflow its
     device's memory ends early. One mini-batch gains no speed from stages
     alone (that needs micro-batches); this placement is for models that do
-    not fit on one device, and as a baseline for DLPlacer.
+    not fit on one device, for jobs whose replicas' all-reduce costs more than
+    a waiting device, and as a baseline for DLPlacer.
+
+    With ``units`` (op -> the transformer block it lies in: the plugin's ``op_units``) a
+    stage ends only between two units, so no block is cut across devices (a cut
+    inside one sends the residual stream and the branch both); a unit goes to
+    the stage that holds most of its work.
     """
+    if units is not None:
+        return _unit_stages(og, hw, units)
     total = sum(_work(op) for op in og.ops) or 1.0
     n = len(hw.devices)
     assign: dict[str, str] = {}
@@ -1000,6 +1010,36 @@ def pipeline_placement(og: OpGraph, hw: HardwareGraph) -> Placement:
         assign[op.name] = hw.devices[stage]
         used += op.memory_bytes
         done += _work(op)
+    return _stages_placement(og, hw, assign)
+
+
+def _unit_stages(og: OpGraph, hw: HardwareGraph, units: Mapping[str, str]) -> Placement:
+    """:func:`pipeline_placement` cutting only between runs of ops of one unit."""
+    runs: list[list[Op]] = []
+    for op in og.ops:
+        if runs and units.get(op.name, op.name) == units.get(runs[-1][-1].name, runs[-1][-1].name):
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    total = sum(_work(op) for op in og.ops) or 1.0
+    n = len(hw.devices)
+    assign: dict[str, str] = {}
+    stage, done, used = 0, 0.0, 0.0
+    for run in runs:
+        work = sum(_work(op) for op in run)
+        memory = sum(op.memory_bytes for op in run)
+        over_mem = used + memory > hw.memory[stage] * (1 + 1e-9) and used > 0
+        past_half = done + work / 2 > total * (stage + 1) / n and done > 0
+        if (over_mem or past_half) and stage < n - 1:
+            stage, used = stage + 1, 0.0
+        for op in run:
+            assign[op.name] = hw.devices[stage]
+        used += memory
+        done += work
+    return _stages_placement(og, hw, assign)
+
+
+def _stages_placement(og: OpGraph, hw: HardwareGraph, assign: dict[str, str]) -> Placement:
     p = list_schedule(og, hw, assign)
     if p is None:
         raise ConfigError("pipeline placement: the stages do not fit in the devices' memory")

@@ -47,3 +47,13 @@ def _batch(n: int, gen: torch.Generator):
 
 def crossing() -> Workload:
     return Workload(name="crossing", model=Crossing, make_batch=_batch, batch_size=8, lr=0.1)
+
+
+def plain_gpt() -> Workload:
+    """The toy GPT without its schedule and clipping (the reference run steps neither;
+    the training features are checked against the session in the features tests)."""
+    import dataclasses
+
+    from tunekit.testing import tiny_gpt_workload
+
+    return dataclasses.replace(tiny_gpt_workload(), scheduler=None, clip_grad_norm=None)

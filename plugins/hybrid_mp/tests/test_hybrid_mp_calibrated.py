@@ -323,3 +323,46 @@ def test_measured_layer_times_are_labelled_by_the_clock_they_were_taken_on():
     _, source = op_graph(obs, HybridOptions.of(obs))
     assert source == "measured (CPU time)"
     assert step_model(obs, og, source).times_source == "layer profile measured in CPU time"
+
+
+# -- a chain of transformer blocks: contiguous stages, calibrated --------------------------------
+
+COMM_BOUND = {"compute": 0.30, "comm_exposed": 0.62, "data": 0.03, "optimizer": 0.04, "idle": 0.01}
+
+
+def _gpt():
+    from tunekit.testing import tiny_gpt_workload
+
+    return tiny_gpt_workload()
+
+
+def test_a_transformer_chain_is_placed_by_whole_blocks_and_calibrated():
+    """No branches: DLPlacer's SU^M bound is 1. The diagnosis still places the blocks in
+    contiguous stages (never cutting a block) and prices them on the measured baseline: with
+    the usual breakdown one waiting device costs more than the all-reduce saved."""
+    obs = observed(_gpt())
+    d = HybridMp().diagnose(obs)
+    assert not d.applies and "chain" in d.summary
+    assert "2 contiguous stages of whole transformer blocks" in d.summary
+    assert "device 0: tokens_1 .. blocks.0; device 1: blocks.1 .. head" in d.summary
+    pred = d.details["calibrated"]["prediction"]
+    assert pred["per_sample_ratio"] > 1 and "the device that waits costs more" in d.summary
+    assert HybridMp().plan(obs, 3) == []
+
+
+def test_stages_win_where_the_all_reduce_dominates_the_step():
+    """62% of the step exposed in the all-reduce: one replica of a 2-device worker has none to
+    do, and the calibrated model says so; the plan carries that placement."""
+    obs = observed(_gpt(), breakdown=COMM_BOUND)
+    d = HybridMp().diagnose(obs)
+    ratio = d.details["calibrated"]["prediction"]["per_sample_ratio"]
+    assert d.applies and ratio < 1 and d.expected_gain == pytest.approx(1 - ratio)
+    assert "the all-reduce it saves outweighs the device that waits" in d.summary
+    (cand,) = HybridMp().plan(obs, 3)
+    assert cand.details["placer"] == "pipeline" and cand.global_batch == obs.workload.batch_size
+    devices = cand.details["placement"]["assignment"]
+    blocks = {n: n.split("_")[1] for n in devices if n.startswith("blocks_")}
+    for block in set(blocks.values()):
+        assert len({devices[n] for n, b in blocks.items() if b == block}) == 1, block
+    assert cand.predicted_step_s == pytest.approx(cand.details["calibrated"]["step_s"])
+    assert cand.predicted_step_s / cand.global_batch < obs.truth.step_s / obs.global_batch

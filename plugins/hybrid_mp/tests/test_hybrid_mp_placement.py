@@ -259,6 +259,27 @@ def test_pipeline_stages_are_contiguous_and_balanced():
     check_schedule(og, linked(2, 1.0), p)
 
 
+def test_pipeline_stages_cut_only_between_units():
+    # three blocks of (1, 1, 2), (2, 2), (1, 1): the plain cut falls inside the second block;
+    # by units it falls where most of that block's work goes, and never inside a block
+    times = [1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0]
+    og = graph([(f"l{i}", t) for i, t in enumerate(times)], [(f"l{i}", f"l{i + 1}") for i in range(6)])
+    units = {f"l{i}": b for i, b in enumerate(["b0", "b0", "b0", "b1", "b1", "b2", "b2"])}
+    hw = linked(2, 1.0)
+    plain = pipeline_placement(og, hw)
+    assert plain.assignment["l3"] != plain.assignment["l4"]  # 5 of 10 done after l3: cut
+    p = pipeline_placement(og, hw, units)
+    for i in range(6):
+        if units[f"l{i}"] == units[f"l{i + 1}"]:
+            assert p.assignment[f"l{i}"] == p.assignment[f"l{i + 1}"], i
+    # block b1 (4 of 10) starts at 4: its midpoint 6 lies past half the work -> device 1
+    assert [p.assignment[f"l{i}"] for i in range(7)] == ["g0"] * 3 + ["g1"] * 4
+    check_schedule(og, hw, p)
+    # ops outside any unit are units of their own, each on the stage holding most of it
+    one_each = pipeline_placement(og, hw, {})
+    assert [one_each.assignment[f"l{i}"] for i in range(7)] == ["g0"] * 4 + ["g1"] * 3
+
+
 def test_speedup_bound_is_work_over_critical_path():
     assert speedup_bound(DIAMOND) == pytest.approx(10 / 6)
     assert speedup_bound(INCEPTION) == pytest.approx(10 / 5)

@@ -180,3 +180,20 @@ def test_values_consumed_out_of_send_order_still_match():
     for r in ranks:
         assert r["losses"] == pytest.approx(ref["losses"], rel=EQUIVALENCE_RTOL)
         assert_states_close(r["state"], ref["state"], "parameters")
+
+
+@pytest.mark.slow
+@pytest.mark.equivalence
+def test_transformer_blocks_in_two_stages_train_like_one_process():
+    # the worker's own stage plan (placer "pipeline") on a toy GPT: whole blocks per device,
+    # the embeddings on device 0 and the head on device 1
+    spec = "tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp:plain_gpt"
+    ranks = run_ranks(hybrid_rank, 2, args=(spec, 3, 2, None, {"placer": "pipeline"}), dtype=F64)
+    ref = reference(spec, 3, 1, ranks[0]["lr"])
+    for r in ranks:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=EQUIVALENCE_RTOL)
+        assert_states_close(r["state"], ref["state"], "parameters")
+    first, second = ranks[0]["segments"]  # one stage each, in order
+    assert (first["device"], second["device"]) == (0, 1)
+    assert first["nodes"][-1] == "add_2" and second["nodes"][0] == "blocks_1_ln1"  # block 0 | 1
+    assert sum(ranks[0]["comm_bytes"]) > 0
