@@ -582,7 +582,9 @@ class HybridMp(Tuner):
         opts = HybridOptions.of(obs)
         graph = model_graph(obs, strict=False)
         if graph.method != "fx":  # torch.export/hooks graphs: no fx nodes to place
-            return Diagnosis(False, f"{evidence}; needs the model as a torch.fx graph ({graph.notice})")
+            return Diagnosis(
+                False, f"{evidence}; needs the model as a torch.fx graph ({graph.notice})"
+            )
         try:
             og, source = op_graph(obs, opts)
         except ConfigError as exc:
@@ -649,8 +651,7 @@ class HybridMp(Tuner):
         units = op_units(og, model_graph(obs))
         where = describe_stages(og, stages, units)
         text += (
-            f"; in {m} contiguous stages{' of whole transformer blocks' if units else ''} "
-            f"({where})"
+            f"; in {m} contiguous stages{' of whole transformer blocks' if units else ''} ({where})"
         )
         details["stages"] = where
         model = step_model(obs, og, source)

@@ -263,7 +263,9 @@ def test_pipeline_stages_cut_only_between_units():
     # three blocks of (1, 1, 2), (2, 2), (1, 1): the plain cut falls inside the second block;
     # by units it falls where most of that block's work goes, and never inside a block
     times = [1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0]
-    og = graph([(f"l{i}", t) for i, t in enumerate(times)], [(f"l{i}", f"l{i + 1}") for i in range(6)])
+    og = graph(
+        [(f"l{i}", t) for i, t in enumerate(times)], [(f"l{i}", f"l{i + 1}") for i in range(6)]
+    )
     units = {f"l{i}": b for i, b in enumerate(["b0", "b0", "b0", "b1", "b1", "b2", "b2"])}
     hw = linked(2, 1.0)
     plain = pipeline_placement(og, hw)
