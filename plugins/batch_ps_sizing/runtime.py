@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunekit.plugins.batch_ps_sizing.measure import PeakMeter, is_out_of_memory, release_memory
+from tunekit.observe.step_timing import is_out_of_memory, release_memory
+from tunekit.plugins.batch_ps_sizing.measure import PeakMeter
 from tunekit.plugins.batch_ps_sizing.model import NoiseScale, noise_scale_from_norms
 from tunekit.runtime.session import Session
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tunekit.costmodel import ComputeRate, training_flops
 from tunekit.errors import ConfigError
-from tunekit.plugins.batch_ps_sizing.measure import is_out_of_memory, release_memory
+from tunekit.observe.step_timing import is_out_of_memory, release_memory
 from tunekit.plugins.batch_ps_sizing.model import CnnSpec, feature_shapes
 from tunekit.runtime.dist import broadcast_object
 

@@ -16,6 +16,9 @@ gradients the same way. This module predicts a candidate's step in four moves:
    scaled so that it equals the measured compute; DDP's exposed communication,
    the optimizer, data loading and idle time are taken as measured (the hybrid
    replaces DDP's exchange with its own and steps only its share of the optimizer).
+   On CPU ranks holding every core the layers are scaled to the model's own compute
+   (timed alone): the rest of the measured compute ran beside it on the same cores
+   (:func:`compute_beside_s`), and a hybrid device computing alone does not pay it.
 2. **The model-parallel step**: the executor's segments simulated on the
    calibrated Δ(k) (:func:`simulate_executor`): per-device run order, blocking
    receives, each value's transfer over the measured point-to-point link
@@ -492,6 +495,21 @@ TIMES_SOURCES = {
 }
 
 
+BESIDE_SHARE_LIMIT = 0.5
+"""At most this share of the measured compute is taken as added by what ran beside it."""
+
+
+def compute_beside_s(truth: StepTruth, own_compute_s: float | None) -> float:
+    """Seconds per step the baseline's measured compute spent above the model's own forward
+    and backward (``own_compute_s``: timed alone, at the job's batch, with a rank's
+    threads): the other ranks beside it and DDP's overlapped exchange, which gloo runs on
+    the same cores. 0 when the own time was not measured."""
+    if own_compute_s is None:
+        return 0.0
+    compute = truth.parts_s.get("compute", 0.0)
+    return min(max(0.0, compute - own_compute_s), BESIDE_SHARE_LIMIT * compute)
+
+
 def copies_on_cores(hardware, world: int, threads_per_rank: int) -> bool:
     """Whether messages between ranks are copied by cores the ranks' compute needs: CPU
     ranks whose threads take every core of the host."""
@@ -604,6 +622,7 @@ class HybridStepModel:
         overheads: ExecutorOverheads | None = None,
         threads_per_rank: int = 1,
         accumulation: int = 1,
+        own_compute_s: float | None = None,
     ) -> HybridStepModel | str:
         """The model, or why there is none (a sentence for "no prediction: ...")."""
         why = cls.missing(truth, hardware)
@@ -630,8 +649,22 @@ class HybridStepModel:
                     for name in layer_s
                 }
                 times_source = f"FLOPs at the baseline's rate ({rate.source})"
+        copies_on_ranks = copies_on_cores(hardware, world, threads_per_rank)
+        layers_total = accumulation * sum(f + b for f, b in layer_s.values())
+        beside_s = compute_beside_s(truth, own_compute_s) if copies_on_ranks else 0.0
+        if beside_s:
+            notes.append(
+                f"the baseline's compute is {beside_s * 1e3:.1f} ms above the model's own "
+                f"({own_compute_s * 1e3:.1f} ms timed alone): the other rank and DDP's "
+                "overlapped exchange on the same cores; the layers run at their own speed"
+            )
         baseline = {
-            "compute": accumulation * sum(f + b for f, b in layer_s.values()),
+            # in the model's units: the layers, plus what ran beside them in the baseline
+            # on the same cores (a hybrid device computing alone, its exchange after
+            # backward in its sync part, does not pay it)
+            "compute": layers_total
+            * truth.parts_s["compute"]
+            / (truth.parts_s["compute"] - beside_s),
             # DDP's exchange and its optimizer step are taken as measured: the hybrid
             # replaces the one with its own exchange and steps a share of the other
             "comm_exposed": truth.parts_s["comm_exposed"],
@@ -654,7 +687,7 @@ class HybridStepModel:
             link=link,
             overheads=overheads or ExecutorOverheads.measure(),
             allreduce=allreduce,
-            copies_on_ranks=copies_on_cores(hardware, world, threads_per_rank),
+            copies_on_ranks=copies_on_ranks,
             world=world,
             batch_size=batch_size,
             spread_s=spread_s,

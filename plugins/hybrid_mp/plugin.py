@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +39,12 @@ from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError
 from tunekit.observe.blocks import graph_units
 from tunekit.observe.observation import Observation
+from tunekit.observe.step_timing import intra_op_threads, time_steps
 from tunekit.plugins.hybrid_mp.calibrated import (
     ExecutorOverheads,
     HybridPrediction,
     HybridStepModel,
+    copies_on_cores,
 )
 from tunekit.plugins.hybrid_mp.convergence import (
     allreduce_model,
@@ -272,6 +275,7 @@ PLACER_NAMES = {
     "single": "one device",
 }
 OVERHEADS_KEY = "hybrid_mp:executor_overheads"
+OWN_COMPUTE_KEY = "hybrid_mp:own_compute_s"
 
 
 def seconds(t: float) -> str:
@@ -309,6 +313,10 @@ def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | 
         overheads = ExecutorOverheads.measure()
         if obs.cache is not None:
             obs.cache.put(OVERHEADS_KEY, overheads.to_dict())
+    threads = threads_per_rank(obs)
+    own = None
+    if copies_on_cores(obs.hardware, obs.nproc, threads):
+        own = own_compute_s(obs, threads)
     return HybridStepModel.build(
         truth=obs.truth,
         graph=model_graph(obs),
@@ -321,8 +329,25 @@ def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | 
         spread_s=obs.baseline.spread_s if obs.baseline is not None else 0.0,
         allreduce=allreduce_model(obs.hardware),
         overheads=overheads,
-        threads_per_rank=threads_per_rank(obs),
+        threads_per_rank=threads,
+        own_compute_s=own,
     )
+
+
+def own_compute_s(obs: Observation, threads: int) -> float:
+    """The job's forward and backward at its batch (its micro-batches), timed in this process
+    alone with a rank's threads (median of three after a warm-up; cached per observation):
+    the model's own compute, which the baseline's measured compute exceeds by what ran
+    beside it on the same cores."""
+    if obs.cache is not None and (hit := obs.cache.get(OWN_COMPUTE_KEY)) is not None:
+        return float(hit)
+    b = obs.workload.batch_size
+    with intra_op_threads(threads):
+        timing = time_steps(obs.workload, (b,), repeats=3)
+    own = statistics.median(timing.part_samples("compute")[b]) * obs.workload.accumulation
+    if obs.cache is not None:
+        obs.cache.put(OWN_COMPUTE_KEY, own)
+    return own
 
 
 def step_batch(obs: Observation) -> int:

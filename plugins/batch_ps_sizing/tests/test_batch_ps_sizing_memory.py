@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from tunekit.errors import ConfigError
+from tunekit.observe.step_timing import is_out_of_memory
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import (
     PeakMeter,
-    is_out_of_memory,
     measure_locally,
     saved_activation_bytes,
 )
@@ -159,7 +159,8 @@ def test_real_cpu_allocation_failure_counts_as_out_of_memory():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_prediction_brackets_a_real_out_of_memory():
     """On a real GPU: the largest batch the measured line predicts, against the largest that trains."""
-    from tunekit.plugins.batch_ps_sizing.measure import _train, release_memory
+    from tunekit.observe.step_timing import release_memory
+    from tunekit.plugins.batch_ps_sizing.measure import _train
 
     device = torch.device("cuda", 0)
     w = load_workload("example:cnn")

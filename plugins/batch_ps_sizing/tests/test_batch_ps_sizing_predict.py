@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tunekit.errors import ConfigError
+from tunekit.observe.step_timing import PARTS_TIMED, StepTiming, time_steps
 from tunekit.observe.truth import StepTruth
-from tunekit.plugins.batch_ps_sizing.measure import PARTS_TIMED, StepTiming, time_steps
 from tunekit.plugins.batch_ps_sizing.model import StepTimeFit
 from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.plugins.batch_ps_sizing.predict import MAX_EXTRAPOLATION, BatchStepModel

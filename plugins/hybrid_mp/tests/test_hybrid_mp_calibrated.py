@@ -14,11 +14,13 @@ from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.calibrated import (
     ExecutorOverheads,
     Link,
+    compute_beside_s,
     copies_on_cores,
     simulate_executor,
 )
 from tunekit.plugins.hybrid_mp.examples import Branchy, branchy
 from tunekit.plugins.hybrid_mp.plugin import (
+    OWN_COMPUTE_KEY,
     HybridMp,
     HybridOptions,
     op_graph,
@@ -149,17 +151,28 @@ def test_copies_take_the_ranks_cores_only_when_the_ranks_hold_every_core():
 # -- calibrated on the measured baseline --------------------------------------------------------
 
 
+def with_own_compute(obs, share: float = 0.75):
+    """The observation with the model's own compute (timed alone) set to ``share`` of the
+    baseline's measured compute, as :func:`own_compute_s` caches it."""
+    obs.cache.put(OWN_COMPUTE_KEY, share * obs.truth.parts_s["compute"])
+    return obs
+
+
 def test_calibrated_model_reproduces_the_measured_baseline():
-    obs = observed()
+    obs = with_own_compute(observed())
     og, source = op_graph(obs, HybridOptions.of(obs))
     model = step_model(obs, og, source)
     truth = obs.truth
     assert model.calibration.reproduces_baseline() == pytest.approx(truth.step_s)
-    # the layers' sum is the measured compute once scaled
+    # the layers' sum is the model's own compute once scaled: the measured compute less
+    # what ran beside it on the same cores (two CPU ranks holding both cores)
+    own = 0.75 * truth.parts_s["compute"]
+    assert model.copies_on_ranks
+    assert compute_beside_s(truth, own) == pytest.approx(truth.parts_s["compute"] - own)
     layers = sum(f + b for f, b in model.layer_s.values())
-    assert model.compute_scale * layers == pytest.approx(truth.parts_s["compute"])
+    assert model.compute_scale * layers == pytest.approx(own)
     # the executor on one device runs the layers back to back: its calibrated step is the
-    # measured compute, plus only what the interpreter adds per node
+    # layers' own time, plus only what the interpreter adds per node
     net = obs.workload.model()
     graph = trace_model(net, obs.workload.example_batch(2)[0])
     one_device = build_program(net, {n: 0 for n in graph.nodes}, mp=1)
@@ -167,8 +180,38 @@ def test_calibrated_model_reproduces_the_measured_baseline():
     nodes = sum(len(s.nodes) for s in one_device.segments)
     interpreter = model.overheads.node_s * nodes + model.overheads.backward_call_s
     assert model.compute_scale * one.makespan_s == pytest.approx(
-        truth.parts_s["compute"] + model.compute_scale * interpreter, rel=1e-6
+        own + model.compute_scale * interpreter, rel=1e-6
     )
+
+
+def test_what_ran_beside_the_compute_is_left_out_only_where_ranks_hold_every_core():
+    """Two CPU ranks on a 2-core host: the other rank and gloo's summing of DDP's buckets
+    ran on the cores that computed, so the baseline's compute exceeds the model's own (timed
+    alone); a hybrid device computing alone does not pay it. GPUs compute beside their
+    copies: the layers are the whole measured compute, and nothing is timed alone."""
+    gpus = tiny_hardware(2, "cuda")
+    nccl_p2p = dataclasses.replace(P2P, backend="nccl")
+    gpus = dataclasses.replace(gpus, collectives=gpus.collectives + (nccl_p2p,))
+    # timed for real, in this process, where it is needed
+    obs = observed()
+    step_model(obs, *op_graph(obs, HybridOptions.of(obs)))
+    assert obs.cache.get(OWN_COMPUTE_KEY) > 0
+    for kw, subtracted in (({}, True), ({"hardware": gpus, "device_type": "cuda"}, False)):
+        obs = with_own_compute(observed(**kw), 0.8)
+        og, source = op_graph(obs, HybridOptions.of(obs))
+        model = step_model(obs, og, source)
+        truth = obs.truth
+        layers = sum(f + b for f, b in model.layer_s.values())
+        beside = 0.2 * truth.parts_s["compute"] if subtracted else 0.0
+        assert model.copies_on_ranks is subtracted
+        assert model.compute_scale * layers == pytest.approx(truth.parts_s["compute"] - beside)
+        assert model.calibration.reproduces_baseline() == pytest.approx(truth.step_s)
+        assert any("timed alone" in n for n in model.notes) is subtracted
+    # a model that computes for longer alone than in the baseline: nothing is taken out;
+    # what was taken out is at most half the compute
+    assert compute_beside_s(truth, 2 * truth.parts_s["compute"]) == 0.0
+    assert compute_beside_s(truth, 0.0) == pytest.approx(0.5 * truth.parts_s["compute"])
+    assert compute_beside_s(truth, None) == 0.0
 
 
 def test_a_two_device_prediction_is_the_baseline_plus_its_changes():
@@ -210,13 +253,14 @@ def test_accumulated_micro_batches_each_run_the_split_model_and_count_in_the_bat
     # hybrid's step runs its executor 4 times, and its step trains 4 B samples.
     acc = 4
     workload = dataclasses.replace(branchy(), accumulation=acc)
-    obs = observed(workload)
+    obs = with_own_compute(observed(workload))
     og, source = op_graph(obs, HybridOptions.of(obs))
     model = step_model(obs, og, source)
     assert model.accumulation == acc
     assert model.calibration.reproduces_baseline() == pytest.approx(obs.truth.step_s)
     layers = sum(f + b for f, b in model.layer_s.values())
-    assert model.compute_scale * acc * layers == pytest.approx(obs.truth.parts_s["compute"])
+    own = 0.75 * obs.truth.parts_s["compute"]
+    assert model.compute_scale * acc * layers == pytest.approx(own)
 
     net = obs.workload.model()
     graph = trace_model(net, obs.workload.example_batch(2)[0])
@@ -340,7 +384,7 @@ def test_a_transformer_chain_is_placed_by_whole_blocks_and_calibrated():
     """No branches: DLPlacer's SU^M bound is 1. The diagnosis still places the blocks in
     contiguous stages (never cutting a block) and prices them on the measured baseline: with
     the usual breakdown one waiting device costs more than the all-reduce saved."""
-    obs = observed(_gpt())
+    obs = with_own_compute(observed(_gpt()), 0.9)
     d = HybridMp().diagnose(obs)
     assert not d.applies and "chain" in d.summary
     assert "2 contiguous stages of whole transformer blocks" in d.summary
@@ -353,7 +397,7 @@ def test_a_transformer_chain_is_placed_by_whole_blocks_and_calibrated():
 def test_stages_win_where_the_all_reduce_dominates_the_step():
     """62% of the step exposed in the all-reduce: one replica of a 2-device worker has none to
     do, and the calibrated model says so; the plan carries that placement."""
-    obs = observed(_gpt(), breakdown=COMM_BOUND)
+    obs = with_own_compute(observed(_gpt(), breakdown=COMM_BOUND), 0.9)
     d = HybridMp().diagnose(obs)
     ratio = d.details["calibrated"]["prediction"]["per_sample_ratio"]
     assert d.applies and ratio < 1 and d.expected_gain == pytest.approx(1 - ratio)
