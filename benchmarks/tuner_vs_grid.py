@@ -26,8 +26,10 @@ Per workload, on 2 gloo ranks:
    compared in one run on the same machine state.
 
 It prints the grid's best against the baseline, tunekit's pick against the
-grid's best (throughput ratio; within 5% is the target), and tunekit's trials
-as a share of the grid's (at most 25% is the target).
+grid's best (throughput ratio with its 95% bootstrap interval; within 5% is the
+target), the baseline's final rounds against each other (the noise floor a 5%
+criterion must clear), and tunekit's trials as a share of the grid's (at most
+25% is the target).
 """
 
 from __future__ import annotations
@@ -150,15 +152,21 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
             row = s.run(config)
             if "per_sample" in row:
                 final[arm].append(row["per_sample"])
-    ratio = None
+    ratio = interval = self_ratio = None
     if final["grid"] and final["tunekit"]:
-        ratio = speedup(final["grid"], final["tunekit"])  # > 1: tunekit's pick is faster
+        cmp = compare_runs(final["grid"], final["tunekit"], n_boot=500)  # > 1: tunekit is faster
+        ratio, interval = cmp.speedup, (cmp.ci_low, cmp.ci_high)
+    if len(final["baseline"]) >= 2:  # the noise floor: the baseline's rounds against each other
+        half = len(final["baseline"]) // 2
+        self_ratio = speedup(final["baseline"][:half], final["baseline"][half:])
     return {
         "workload": spec, "grid": results, "grid_trials": grid_trials,
         "grid_best": best["config"] if best else None,
         "grid_best_speedup": best["speedup"] if best else None,
         "tunekit_pick": pick, "tunekit_trials": auto_trials,
         "tunekit_vs_grid": ratio,
+        "tunekit_vs_grid_interval": interval,
+        "baseline_vs_itself": self_ratio,
         "final_grid_vs_baseline": speedup(final["baseline"], final["grid"]) if final["grid"] and final["baseline"] else None,
         "final_tunekit_vs_baseline": (speedup(final["baseline"], final["tunekit"])
                                       if final["tunekit"] and final["baseline"] else None),
@@ -169,16 +177,21 @@ def markdown(results: dict, command: str) -> str:
     def x(v):
         return "—" if v is None else f"{v:.2f}x"
 
+    def ci(v):
+        return "" if not v else f" ({v[0]:.2f}-{v[1]:.2f})"
+
     lines = [f"`{command}`", "",
-             "| workload | grid best | grid best vs baseline | tunekit's pick | tunekit vs grid best | "
-             "tunekit trials / grid trials |", "| --- | --- | --- | --- | --- | --- |"]
+             "| workload | grid best | grid best vs baseline | tunekit's pick | tunekit vs grid best "
+             "(95% interval) | baseline vs itself | tunekit trials / grid trials |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         def desc(cfg):
             return TuningConfig.from_dict(cfg).describe() if cfg and cfg.get("plugins") else "baseline"
 
         share = r["tunekit_trials"] / r["grid_trials"]
         lines.append(f"| {name} | {desc(r['grid_best'])} | {x(r['final_grid_vs_baseline'])} | "
-                     f"{desc(r['tunekit_pick'])} | {x(r['tunekit_vs_grid'])} | "
+                     f"{desc(r['tunekit_pick'])} | {x(r['tunekit_vs_grid'])}{ci(r.get('tunekit_vs_grid_interval'))} | "
+                     f"{x(r.get('baseline_vs_itself'))} | "
                      f"{r['tunekit_trials']}/{r['grid_trials']} ({share:.0%}) |")
     return "\n".join(lines) + "\n"
 
