@@ -186,7 +186,11 @@ class OpSpec:
     computes it whole)."""
     batched: bool = True
     subgraph: bool = False
-    """The executor runs it as its fx subgraph (``units.runs_as_subgraph``): sample splits."""
+    """The executor runs it as its fx subgraph (``units.runs_as_subgraph``): sample splits
+    (and head splits of an attention core: :attr:`heads`)."""
+    heads: int = 0
+    """A fused attention core's heads (:func:`~tunekit.plugins.layer_split.heads.heads_of`):
+    its output channels split by whole heads too (``h`` of a ``(N, T, C)`` tensor); 0: none."""
     dtype: str | None = None
     """The recorded dtype of the layer's output (``int64`` for token ids, ``float32`` ...)."""
     """The tensor's first dim is the batch (False: a per-model constant, ``shape`` as is)."""
@@ -253,6 +257,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
     Shapes, bytes and FLOPs are rescaled from the trace batch to ``global_batch``.
     """
     from tunekit.observe.graph import _layer_output
+    from tunekit.plugins.layer_split.heads import heads_of
     from tunekit.plugins.layer_split.units import runs_as_subgraph
 
     scale = global_batch / graph.batch_size
@@ -317,8 +322,12 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             spec.subgraph = True
             specs[layer.name] = spec
             continue
-        if subgraph:  # samples only; a worker reads its samples of every input
+        if subgraph:  # samples (and heads); a worker reads its samples of every input whole
             spec.subgraph = True
+            heads = heads_of(graph, layer)
+            if heads is not None:
+                spec.heads = heads.count
+                spec.splittable = (True, False, True, False)
             specs[layer.name] = spec
             continue
         _set_rules(spec, layer, anchor, nodes, at_batch)
@@ -381,6 +390,7 @@ def _set_uses(specs: dict[str, OpSpec], graph, batch_shape) -> None:
 
     def at_batch(shape, name=None):  # a per-model constant keeps its own first dim
         return batch_shape(shape) if name is None or name in batched else tuple(shape)
+
     for layer in graph.layers.values():
         spec = specs[layer.name]
         anchor = nodes[layer.nodes[0]]
@@ -453,6 +463,8 @@ def config_space(spec: OpSpec, ndev: int) -> list[SplitConfig]:
     per_dim = [
         [d for d in degs if d <= spec.shape[i]] if spec.splittable[i] else [1] for i in range(4)
     ]
+    if spec.heads:  # an attention core's channels split by whole heads
+        per_dim[2] = [d for d in per_dim[2] if spec.heads % d == 0]
     out = []
     for n in per_dim[0]:
         for c in per_dim[1]:

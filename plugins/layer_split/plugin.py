@@ -65,7 +65,9 @@ def check_plan(text: str) -> None:
     if text in NAMED_PLANS:
         return
     if not text.lstrip().startswith("{"):
-        raise ConfigError(f"plan must be one of {', '.join(NAMED_PLANS)} or a JSON object, not {text[:40]!r}")
+        raise ConfigError(
+            f"plan must be one of {', '.join(NAMED_PLANS)} or a JSON object, not {text[:40]!r}"
+        )
     decode_plan(text)
 
 
@@ -199,9 +201,7 @@ class LayerSplit(Tuner):
         changes = cal.changes(top_configs)
         overhead = cal.executor_work_s()
         allreduce = cal.model.allreduce_s
-        verdict = (
-            f"{gain:.0%} faster" if gain > 0 else f"{-gain:.0%} slower"
-        )
+        verdict = f"{gain:.0%} faster" if gain > 0 else f"{-gain:.0%} slower"
         # The measured figures come first, quoted from obs.truth; every figure after them is a
         # model's and says which (Eq. 1 as the paper prices DeePa; the calibrated model of this
         # executor, whose baseline is the measured step by construction).
@@ -234,8 +234,12 @@ class LayerSplit(Tuner):
         out: list[Candidate] = []
         for label, configs in analysis.ranked():
             paper = evaluate(analysis.tables, configs, label)
-            knob = "owt" if label == "owt" else encode_plan(
-                configs, skip={v for v, s in analysis.tables.specs.items() if s.replicated}
+            knob = (
+                "owt"
+                if label == "owt"
+                else encode_plan(
+                    configs, skip={v for v, s in analysis.tables.specs.items() if s.replicated}
+                )
             )
             details = plan_details({label: paper, **plans}, analysis.tables, focus=label)
             details["paper_cost_s"] = paper.cost_s
@@ -336,11 +340,9 @@ def measured_compute(obs: Observation, graph, specs, spaces):
 
     threads = rank_threads(obs)
     device = "cuda" if obs.device_type == "cuda" else "cpu"
-    # v3: fused attention layers, and per-model constants timed whole (v2 cached them as
-    # untimeable, which dropped their consumers' configs)
-    key = (
-        f"layer_split:compute:v3:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
-    )
+    # v4: attention cores split by heads (v3: fused attention layers, and per-model constants
+    # timed whole; v2 cached them as untimeable, which dropped their consumers' configs)
+    key = f"layer_split:compute:v4:{graph.graph_hash()}:{obs.global_batch}:{obs.nproc}:{threads}"
     cached = obs.cache.get(key) if obs.cache is not None else None
     table: dict[str, dict[str, float | None]] = cached or {}
     missing = [
@@ -357,9 +359,12 @@ def measured_compute(obs: Observation, graph, specs, spaces):
             device=device,
             threads=threads,
         )
-        for v, cfg in missing:
+        # head splits last: they reuse the timing of the sample split of as many workers
+        for v, cfg in sorted(missing, key=lambda m: bool(specs[m[0]].heads and m[1].h > 1)):
             try:
-                seconds: float | None = timer.time(v, cfg.degrees).total_s
+                seconds: float | None = _time_config(
+                    timer, specs[v], cfg, obs.global_batch, table.get(v, {})
+                )
             except ValueError:  # a split the timer refuses
                 seconds = None
             except RuntimeError:  # a slice torch cannot run: a 3x3 kernel on a 1-row slice
@@ -386,6 +391,27 @@ def measured_compute(obs: Observation, graph, specs, spaces):
     where = "measured on this machine" + (f", {threads} thread(s) per rank" if threads else "")
     where += ", CPU clock" if clock == "thread_cpu" else ""
     return compute, kept, where
+
+
+def _time_config(
+    timer, spec, cfg: SplitConfig, batch: int, timed: Mapping[str, float | None]
+) -> float:
+    """One worker's timed forward and backward of ``spec`` under ``cfg``. A head split of an
+    attention core does the work of the sample split with as many workers (each head is
+    as much work as each sample: the same matmuls on a share of the scores); it is timed
+    as that, or as the sample split it refines with its time shared among the heads' workers
+    where the batch has too few samples (``timed``: this layer's timings so far)."""
+    if not (spec.heads and cfg.h > 1):
+        return timer.time(spec.name, cfg.degrees).total_s
+    same, share = (
+        (SplitConfig(n=cfg.n * cfg.h), 1)
+        if cfg.n * cfg.h <= batch
+        else (SplitConfig(n=cfg.n), cfg.h)
+    )
+    seconds = timed.get(same.label())
+    if seconds is None:
+        seconds = timer.time(spec.name, same.degrees).total_s
+    return seconds / share
 
 
 def _threads(n: int | None):

@@ -31,6 +31,7 @@ from torch import nn
 from torch.fx.operator_schemas import normalize_function
 
 from tunekit.errors import PluginError
+from tunekit.plugins.layer_split.heads import Heads, attend, heads_of
 from tunekit.plugins.layer_split.model import OpSpec, SplitConfig, owned_boxes
 
 _ELEMENTWISE_MODULES = (
@@ -124,6 +125,8 @@ class LayerProgram:
     shape, dtype, and whether its first dim is the batch."""
     region_out: torch.fx.Node | None = None
     """The region's output node (what its consumers read)."""
+    heads: Heads | None = None
+    """A fused attention core's head layout: it may run a share of its heads (``h`` splits)."""
 
 
 class SliceOps:
@@ -134,6 +137,7 @@ class SliceOps:
         self.modules = dict(gm.named_modules())
         self.device = torch.device("cpu")
         """Where the step runs (set by the executor each step)."""
+        self._heads_verdicts: dict[str, bool] = {}
 
     def module(self, node: torch.fx.Node) -> nn.Module:
         # The live model's module (the traced GraphModule shares it, but be explicit).
@@ -151,6 +155,9 @@ class SliceOps:
         if prog.problem:
             raise PluginError(f"{where}: {prog.problem}")
         if prog.region:
+            if cfg.h > 1 and cfg.c == 1 and cfg.w == 1 and prog.heads is not None:
+                self._check_heads(prog, cfg, where)
+                return
             if cfg.c > 1 or spatial:
                 raise PluginError(f"{where}: a {spec.kind} subgraph splits by samples only")
             return
@@ -162,9 +169,7 @@ class SliceOps:
                         f"{where}: folded op {name} reorders the layer's dims after the tensor "
                         "the executor splits; it cannot run it"
                     )
-                raise PluginError(
-                    f"{where}: folded op {name} is not supported by the executor"
-                )
+                raise PluginError(f"{where}: folded op {name} is not supported by the executor")
             if (
                 cfg.c > 1
                 and member.op == "call_module"
@@ -226,6 +231,32 @@ class SliceOps:
             f"{where}: op {_op_name(node, self.modules)} is not supported by the executor"
         )
 
+    def _check_heads(self, prog: LayerProgram, cfg: SplitConfig, where: str) -> None:
+        """A head split runs :func:`attend`, not the user's code: allowed once the core is
+        seen to compute exactly that on every head (two random samples, compared once)."""
+        heads = prog.heads
+        if heads.count % cfg.h:
+            raise PluginError(f"{where}: {cfg.h} workers cannot share {heads.count} heads")
+        verdict = self._heads_verdicts.get(prog.spec.name)
+        if verdict is None:
+            dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+            gen = torch.Generator().manual_seed(0)
+            qkv = torch.randn(2, heads.seq, 3 * heads.width, generator=gen, dtype=dtype)
+            with torch.no_grad():
+                theirs = self._region(prog, [(0, 2), (0, heads.seq)], [qkv])
+                ours = attend(qkv, heads, 0, heads.count)
+            tol = 1e-10 if dtype == torch.float64 else 1e-4
+            verdict = theirs.shape == ours.shape and torch.allclose(
+                theirs, ours, rtol=tol, atol=tol
+            )
+            self._heads_verdicts[prog.spec.name] = verdict
+        if not verdict:
+            raise PluginError(
+                f"{where}: its attention is not plain multi-head attention over packed q|k|v "
+                f"(softmax(q k^T / sqrt(d){' + causal mask' if heads.causal else ''}) v), "
+                "which a head split computes; it splits by samples only"
+            )
+
     @staticmethod
     def _check_pool(where: str, attrs: Mapping, is_avg: bool, spatial: bool) -> None:
         if not spatial:
@@ -270,6 +301,9 @@ class SliceOps:
         left, right), to be filled with the op's padding value.
         """
         if prog.region:
+            if cfg.h > 1:  # a share of the heads, for the worker's samples
+                h0, h1 = prog.heads.span(int(out_box[2][0]), int(out_box[2][1]))
+                return attend(xs[0], prog.heads, h0, h1)
             return self._region(prog, out_box, xs)
         c0, c1 = int(out_box[1][0]), int(out_box[1][1])
         spatial = cfg.h > 1 or cfg.w > 1
@@ -451,6 +485,7 @@ def build_programs(
         spec = specs[layer.name]
         if spec.subgraph:
             programs[layer.name] = _region_program(graph, layer, spec, fx_nodes, batched)
+            programs[layer.name].heads = heads_of(graph, layer) if spec.heads else None
             continue
         anchor = fx_nodes[layer.nodes[0]]
         members, problem = [], ""

@@ -154,7 +154,8 @@ _FOLDABLE = frozenset(
 
 def runs_as_subgraph(graph: ModelGraph, layer: Layer, batched: set[str]) -> bool:
     """Whether the executor runs ``layer`` as its fx subgraph on a worker's samples (and so
-    plans it with sample splits only): a fused attention core; a layer without a batch
+    plans it with sample splits only, but for an attention core's head splits,
+    :mod:`~tunekit.plugins.layer_split.heads`): a fused attention core; a layer without a batch
     dimension; a layer whose folded ops reorder its dims after a reshape (a ViT's patch
     embedding: conv, ``flatten(2)``, ``transpose(1, 2)``); a broadcast of per-model constants
     to the batch (``cls.expand(n, -1, -1)``); and a norm or embedding with folded ops beyond

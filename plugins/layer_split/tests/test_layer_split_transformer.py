@@ -45,8 +45,19 @@ def test_gpt_layers_and_configs():
         assert specs[const].replicated and not specs[const].batched
         assert config_space(specs[const], 2) == [SplitConfig()]
     assert specs["positions"].shape == (TINY_GPT["seq"], TINY_GPT["width"], 1, 1)
-    for v in ("tokens_1", "blocks_0_ln1", "blocks_0_attn", "ln"):
+    for v in ("tokens_1", "blocks_0_ln1", "ln"):
         assert [c.label() for c in config_space(specs[v], 2)] == ["1", "n2"], v
+    # attention by samples or by whole heads (its channels: 4 heads of 4)
+    assert specs["blocks_0_attn"].heads == TINY_GPT["heads"]
+    assert [c.label() for c in config_space(specs["blocks_0_attn"], 2)] == ["1", "h2", "n2"]
+    assert [c.label() for c in config_space(specs["blocks_0_attn"], 4)] == [
+        "1",
+        "h2",
+        "h4",
+        "n2",
+        "n2h2",
+        "n4",
+    ]
     assert specs["add"].uses[1].shape == (TINY_GPT["seq"], TINY_GPT["width"])
     # Reading the position embedding whole, the add splits by samples only; the residual
     # adds split any way.
@@ -93,6 +104,53 @@ def test_split_timer_times_transformer_layers_at_the_global_batch():
     assert timer.time("add", (2, 1, 1, 1)).output_shape == [3, seq, width]
     assert timer.time("blocks_0_attn", (2, 1, 1, 1)).output_shape == [3, seq, width]
     assert timer.time("blocks_0_attn", (1, 1, 1, 1)).output_shape == [6, seq, width]
+
+
+def test_head_shares_make_the_core_and_other_attention_is_refused_by_name():
+    """Every worker's share of the heads, side by side, is the fused core's output; a core
+    that is not plain multi-head attention (here: another scale) keeps its sample splits."""
+    from tunekit.errors import PluginError
+    from tunekit.plugins.layer_split.heads import attend
+    from tunekit.plugins.layer_split.slices import build_programs
+
+    w = tiny_gpt_workload()
+    model = w.model()
+    tokens, _ = w.example_batch(4)
+    graph = _graph(model, tokens)
+    specs = specs_from_graph(graph, 4)
+    programs, ops = build_programs(model, graph, specs)
+    prog = programs["blocks_0_attn"]
+    ops.check(prog, SplitConfig(h=2))
+    assert prog.heads.causal and prog.heads.count == TINY_GPT["heads"]
+    qkv = torch.randn(3, TINY_GPT["seq"], 3 * TINY_GPT["width"])
+    whole = ops._region(prog, [(0, 3)], [qkv])
+    shares = [attend(qkv, prog.heads, h, h + 1) for h in range(prog.heads.count)]
+    torch.testing.assert_close(torch.cat(shares, dim=-1), whole)
+    with pytest.raises(PluginError, match="cannot share 4 heads"):
+        ops.check(prog, SplitConfig(h=3))
+
+    from tunekit.examples import transformers as tr
+
+    class Scaled(tr.Attention):  # scores scaled by 1/d, not 1/sqrt(d)
+        def forward(self, x):
+            n, t, c = x.shape
+            q, k, v = self.qkv(x).split(c, dim=2)
+            q, k, v = (z.view(n, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / (c // self.heads))
+            out = scores.softmax(dim=-1) @ v
+            return self.proj(out.transpose(1, 2).reshape(n, t, c))
+
+    odd = w.model()
+    for block in odd.blocks:
+        scaled = Scaled(TINY_GPT["width"], TINY_GPT["heads"], causal=False)
+        scaled.load_state_dict(block.attn.state_dict())
+        block.attn = scaled
+    graph = _graph(odd, tokens)
+    specs = specs_from_graph(graph, 4)
+    programs, ops = build_programs(odd, graph, specs)
+    with pytest.raises(PluginError, match="not plain multi-head attention"):
+        ops.check(programs["blocks_0_attn"], SplitConfig(h=2))
+    ops.check(programs["blocks_0_attn"], SplitConfig(n=2))
 
 
 def test_region_refuses_sample_mixing():
@@ -153,6 +211,18 @@ MIXED = {
 }
 
 
+def _gpt_by_heads() -> dict[str, str]:
+    """The tiny GPT split by samples, its attention cores by heads (two of four per rank):
+    each core gathers its samples' whole q|k|v, the projection after it gathers both
+    ranks' heads."""
+    w = tiny_gpt_workload()
+    tokens, _ = w.example_batch(4)
+    specs = specs_from_graph(_graph(w.model(), tokens), 8)
+    plan = {v: "n2" for v, s in specs.items() if not s.replicated}
+    plan.update(blocks_0_attn="h2", blocks_1_attn="h2")
+    return plan
+
+
 def _vit_mixed() -> dict[str, str]:
     """The ViT's layers split by samples but for: the patch embedding and the final
     LayerNorm on one rank, the class-token concat split along the tokens, an attention core
@@ -176,26 +246,28 @@ def test_transformer_plans_train_like_ddp():
         (GPT, "ddp", steps),
         (GPT, "image", steps),
         (GPT, json.dumps(MIXED), steps),
+        (GPT, json.dumps(_gpt_by_heads()), steps),
         (VIT, "ddp", steps),
         (VIT, "image", steps),
         (VIT, json.dumps(_vit_mixed()), steps),
     ]
     results = run_ranks(train_plans, 2, (cases,), timeout_s=600, dtype=torch.float64)
-    for ddp, what in ((0, "gpt"), (3, "vit")):
-        _check_like_ddp(results, ddp, what)
+    for ddp, what, plans in ((0, "gpt", 3), (4, "vit", 2)):
+        _check_like_ddp(results, ddp, what, plans)
     # It trained: the parameters moved.
     start = tiny_gpt_workload().model().state_dict()
     ref = results[0][0]
     assert any(not torch.allclose(start[k].double(), ref["params"][k]) for k in start)
 
 
-def _check_like_ddp(results, ddp: int, model: str) -> None:
+def _check_like_ddp(results, ddp: int, model: str, plans: int) -> None:
     ref = results[0][ddp]
     # DDP reports each rank's own loss; the global loss is their mean (equal shares).
     global_losses = [
         (a + b) / 2 for a, b in zip(ref["losses"], results[1][ddp]["losses"], strict=True)
     ]
-    for i, what in ((ddp + 1, f"{model}: image plan"), (ddp + 2, f"{model}: mixed plan")):
+    names = ("image plan", "mixed plan", "plan by heads")[:plans]
+    for i, what in ((ddp + 1 + j, f"{model}: {name}") for j, name in enumerate(names)):
         ranks = [results[0][i], results[1][i]]
         for r in ranks:
             assert_states_close(r["params"], ref["params"], what)
@@ -223,9 +295,14 @@ def test_diagnosis_plans_the_tiny_gpt_on_this_machine():
     tuner.diagnose(obs)
     assert tuner.unsupported == []
     tables = tuner.tables(obs)
-    assert [c.label() for c in tables.spaces["blocks_0_attn"]] == ["1", "n2"]
+    assert [c.label() for c in tables.spaces["blocks_0_attn"]] == ["1", "h2", "n2"]
     assert tables.spaces["positions"] == [SplitConfig()]
     assert (tables.compute["blocks_0_attn"] > 0).all()
+    # two heads of four per worker: the work of two samples of four
+    heads, samples = (
+        tables.spaces["blocks_0_attn"].index(SplitConfig(**k)) for k in ({"h": 2}, {"n": 2})
+    )
+    assert tables.compute["blocks_0_attn"][heads] == tables.compute["blocks_0_attn"][samples]
 
 
 def test_a_layer_the_timer_cannot_run_is_named(monkeypatch):
