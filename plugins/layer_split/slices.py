@@ -242,6 +242,7 @@ class SliceOps:
             dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
             gen = torch.Generator().manual_seed(0)
             qkv = torch.randn(2, heads.seq, 3 * heads.width, generator=gen, dtype=dtype)
+            qkv = qkv.to(self.device)
             with torch.no_grad():
                 theirs = self._region(prog, [(0, 2), (0, heads.seq)], [qkv])
                 ours = attend(qkv, heads, 0, heads.count)
