@@ -427,11 +427,12 @@ def op_units(og: OpGraph, graph) -> dict[str, str] | None:
     return {op.name: units.get(op.members[0], op.name) for op in og.ops}
 
 
-def stage_placement(og: OpGraph, obs: Observation, m: int) -> Placement:
-    """Contiguous stages on ``m`` devices, cut between transformer blocks where the model has
-    them: what model parallelism can do with a chain."""
-    hw = HardwareGraph.from_hardware(obs.hardware, m)
-    return pipeline_placement(og, hw, op_units(og, model_graph(obs)))
+def stage_placement(
+    og: OpGraph, obs: Observation, m: int, units: Mapping[str, str] | None
+) -> Placement:
+    """Contiguous stages on ``m`` devices, cut between the ``units`` (:func:`op_units`: the
+    transformer blocks) where the model has them: what model parallelism can do with a chain."""
+    return pipeline_placement(og, HardwareGraph.from_hardware(obs.hardware, m), units)
 
 
 def describe_stages(og: OpGraph, placement: Placement, units: Mapping[str, str] | None) -> str:
@@ -457,7 +458,7 @@ def alternatives(og: OpGraph, obs: Observation, m: int, best: Placement) -> list
     if start is not None:
         found.append(improve(og, hw, start))
     try:
-        found.append(stage_placement(og, obs, m))
+        found.append(stage_placement(og, obs, m, op_units(og, model_graph(obs))))
     except ConfigError:
         pass  # the stages do not fit: DLPlacer's placement is the only one
     out: list[Placement] = []
@@ -669,11 +670,11 @@ class HybridMp(Tuner):
         if not degrees:
             return Diagnosis(False, text, details=details)
         m = degrees[0]
+        units = op_units(og, model_graph(obs))
         try:
-            stages = stage_placement(og, obs, m)
+            stages = stage_placement(og, obs, m, units)
         except ConfigError as exc:
             return Diagnosis(False, f"{text}; {exc}", details=details)
-        units = op_units(og, model_graph(obs))
         where = describe_stages(og, stages, units)
         text += (
             f"; in {m} contiguous stages{' of whole transformer blocks' if units else ''} ({where})"
@@ -711,19 +712,21 @@ class HybridMp(Tuner):
             return []  # diagnose said why
         chain = speedup_bound(og) < MIN_USEFUL_SPEEDUP
         g, b = obs.nproc, step_batch(obs)
-        model = step_model(obs, og, source)
         if chain:  # contiguous stages only, and only where the calibrated model says they pay
+            model = step_model(obs, og, source)
             if isinstance(model, str):
                 return []
+            units = op_units(og, model_graph(obs))
             best = {}
             for m in mp_degrees(obs, opts):
                 with contextlib.suppress(ConfigError):  # the stages do not fit: none for this M
-                    p = stage_placement(og, obs, m)
+                    p = stage_placement(og, obs, m, units)
                     if predict_placement(obs, model, p).per_sample_ratio * MIN_USEFUL_SPEEDUP < 1:
                         best[m] = p
         else:
             best = {m: solve_placement(og, obs, m, opts) for m in mp_degrees(obs, opts)}
             best = {m: p for m, p in best.items() if p.speedup >= MIN_USEFUL_SPEEDUP}
+            model = step_model(obs, og, source) if best else None
         if not best:
             return []  # the best placements barely split: M devices would do one's work
         graph = model_graph(obs)

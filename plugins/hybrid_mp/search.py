@@ -993,29 +993,11 @@ def pipeline_placement(
 
     With ``units`` (op -> the transformer block it lies in: the plugin's ``op_units``) a
     stage ends only between two units, so no block is cut across devices (a cut
-    inside one sends the residual stream and the branch both); a unit goes to
-    the stage that holds most of its work.
+    inside one sends the residual stream and the branch both). A unit (without
+    units: each op) goes to the stage that holds most of its work.
     """
-    if units is not None:
-        return _unit_stages(og, hw, units)
-    total = sum(_work(op) for op in og.ops) or 1.0
-    n = len(hw.devices)
-    assign: dict[str, str] = {}
-    stage, done, used = 0, 0.0, 0.0
-    for op in og.ops:
-        over_mem = used + op.memory_bytes > hw.memory[stage] * (1 + 1e-9)
-        over_work = done >= total * (stage + 1) / n - 1e-15 and done > 0
-        if (over_mem or over_work) and stage < n - 1:
-            stage, used = stage + 1, 0.0
-        assign[op.name] = hw.devices[stage]
-        used += op.memory_bytes
-        done += _work(op)
-    return _stages_placement(og, hw, assign)
-
-
-def _unit_stages(og: OpGraph, hw: HardwareGraph, units: Mapping[str, str]) -> Placement:
-    """:func:`pipeline_placement` cutting only between runs of ops of one unit."""
-    runs: list[list[Op]] = []
+    units = units or {}
+    runs: list[list[Op]] = []  # maximal runs of ops of one unit (an op outside any: alone)
     for op in og.ops:
         if runs and units.get(op.name, op.name) == units.get(runs[-1][-1].name, runs[-1][-1].name):
             runs[-1].append(op)
@@ -1036,10 +1018,6 @@ def _unit_stages(og: OpGraph, hw: HardwareGraph, units: Mapping[str, str]) -> Pl
             assign[op.name] = hw.devices[stage]
         used += memory
         done += work
-    return _stages_placement(og, hw, assign)
-
-
-def _stages_placement(og: OpGraph, hw: HardwareGraph, assign: dict[str, str]) -> Placement:
     p = list_schedule(og, hw, assign)
     if p is None:
         raise ConfigError("pipeline placement: the stages do not fit in the devices' memory")
