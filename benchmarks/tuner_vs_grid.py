@@ -8,16 +8,23 @@ Per workload, on 2 gloo ranks:
 1. **The grid**: every config of the coarse space below runs as a real trial
    (``tunekit.trials.launcher``), interleaved with a baseline run after every
    three; configs are compared per sample against the pooled baseline with the
-   same hierarchical bootstrap ``tunekit auto`` decides with.
+   same hierarchical bootstrap ``tunekit auto`` decides with. The space is
+   exhaustive over the tuners' aspects, as ``tunekit auto`` can combine them:
+   every batch × every gradient-sync setting or placement (a placement replaces
+   DDP's gradient sync, so the two never meet), the workload's own batch with
+   DDP's defaults being the baseline.
 
    ============================  =================================================
-   overlap_chunking              bucket_cap_mb 1, 5, 100 (25 is the baseline);
-                                 two_chunk k = 2, 4, 8 with f = 0
-   cgdp                          chunk_size 1, 2, 4, 8
-   batch_ps_sizing               batch 1/2, 2 and 4 times the workload's (in range)
-   layer_split                   owt (one weird trick)
-   hybrid_mp                     mp_degree 2 (its placement planned in the trial)
+   batch (batch_ps_sizing)       the workload's, 1/2, 2 and 4 times it (in range)
+   gradient sync, one of         DDP's 25 MB buckets (the default);
+                                 overlap_chunking bucket_cap_mb 1, 100;
+                                 two_chunk k = 2, 8 with f = 0;
+                                 cgdp chunk_size 1, 4
+   or a placement, one of        layer_split owt (one weird trick);
+                                 hybrid_mp mp_degree 2 (placement planned in the trial)
    ============================  =================================================
+
+   With a batch range of four batches that is 4 × 9 − 1 = 35 configs.
 
 2. **tunekit**: ``tunekit auto`` with its default budget (3 candidate trials,
    feedback on) through the Python API; its pick and its trial count.
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -58,17 +66,25 @@ WORKLOADS = {
 
 
 def grid(spec: str) -> list[dict]:
-    """The coarse knob space of every tuner (see the module docstring) as configs."""
+    """The coarse knob space of every tuner (see the module docstring), exhaustively, as configs."""
     w = load_workload(spec)
-    configs = [{"overlap_chunking": {"bucket_cap_mb": mb}} for mb in (1.0, 5.0, 100.0)]
-    configs += [{"overlap_chunking": {"mode": "two_chunk", "k": k, "f": 0}} for k in (2, 4, 8)]
-    configs += [{"cgdp": {"chunk_size": k}} for k in (1, 2, 4, 8)]
+    batches: list[int | None] = [None]  # None: the workload's own
     if w.batch_range is not None:
         lo, hi = w.batch_range
-        batches = sorted({b for b in (w.batch_size // 2, 2 * w.batch_size, 4 * w.batch_size) if lo <= b <= hi})
-        configs += [{"batch_ps_sizing": {"batch_size": b}} for b in batches]
-    configs += [{"layer_split": {"plan": "owt"}}, {"hybrid_mp": {"mp_degree": 2}}]
-    return [{"plugins": c} for c in configs]
+        batches += sorted({b for b in (w.batch_size // 2, 2 * w.batch_size, 4 * w.batch_size) if lo <= b <= hi})
+    sync = [None]  # None: DDP's defaults
+    sync += [{"overlap_chunking": {"bucket_cap_mb": mb}} for mb in (1.0, 100.0)]
+    sync += [{"overlap_chunking": {"mode": "two_chunk", "k": k, "f": 0}} for k in (2, 8)]
+    sync += [{"cgdp": {"chunk_size": k}} for k in (1, 4)]
+    placements = [{"layer_split": {"plan": "owt"}}, {"hybrid_mp": {"mp_degree": 2}}]
+    configs = []
+    for b in batches:
+        for knob in sync + placements:
+            plugins = {"batch_ps_sizing": {"batch_size": b}} if b is not None else {}
+            plugins.update(knob or {})
+            if plugins:  # the baseline runs on its own, between every three
+                configs.append({"plugins": plugins})
+    return configs
 
 
 class Session:
@@ -132,7 +148,9 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
     s = Session(spec, args, root / name)
     s.baseline()
     results = []
-    for i, config in enumerate(grid(spec), 1):
+    configs = grid(spec)
+    random.Random(0).shuffle(configs)  # so a drift of the machine does not follow one knob
+    for i, config in enumerate(configs, 1):
         results.append(s.run(config))
         if i % 3 == 0:
             s.baseline()
