@@ -20,6 +20,7 @@ class StudyStarted(Event):
     hardware: str
     resumed: bool
     finished_trials: int = 0
+    nnodes: int = 1
 
 
 @dataclass

@@ -79,6 +79,15 @@ from tunekit.trials.decide import (
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, rank_threads, run_trial
 from tunekit.trials.length import trial_length
+from tunekit.trials.nodes import (
+    Coordinator,
+    NodesError,
+    describe_node,
+    describe_slowest,
+    make_token,
+    node_summary,
+    parse_endpoint,
+)
 from tunekit.trials.output import OutputRecord
 from tunekit.workload import Workload, load_workload, resolve_spec
 
@@ -125,6 +134,11 @@ class AutoSettings:
     the trials so far (and drop those now predicted slower than the baseline). Off: run
     every tuner's planned candidates in plan order, round-robin across tuners; corrected
     predictions are still recorded (``benchmarks/prediction_error.py`` measures this way)."""
+    node_token: str | None = None
+    """Several nodes: the token followers must hold (None: a fresh one in the store folder's
+    ``node-token``)."""
+    join_timeout_s: float = 300.0
+    """Several nodes: how long the followers have to join before the study stops."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -331,6 +345,12 @@ class _Run:
         self.started = time.monotonic()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.trial_walls: list[float] = []
+        self.nodes: Coordinator | None = None
+        """Several nodes: the followers' coordinator (this is node 0)."""
+        self.node_probes: dict[int, list[dict[str, Any]]] = {}
+        """Several nodes: each node's own collective fits (node 0's too)."""
+        self.token_hint = ""
+        """How a follower gets the token (``--token-file PATH``), when this study made it."""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -368,6 +388,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
     observer = WorkloadProcess(s.store_dir / OBSERVE_LOG, s.timeout_s)
     lock = None  # this study's, held until the end
     try:
+        if s.launch.nnodes > 1:
+            for notice in _coordinate(run, s):
+                yield notice
         await observer.start()
         records = load_all()
         tuners = select(records, s.plugins)
@@ -420,9 +443,12 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if "plans" in (study.observation or {}):  # planned already: no tuner hook will run
             await observer.close()
         done = [t for t in store.trials(sid) if t.done]
-        yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done))
+        yield StudyStarted(sid, spec, s.nproc, hardware.name, resumed, len(done), s.launch.nnodes)
         store.log_event(sid, "started", {"resumed": resumed, "settings": s.study_settings()})
 
+        if run.nodes is not None:
+            async for ev in _wait_for_followers(run, store, sid):
+                yield ev
         # Baseline first, observed (telemetry, profiled steps): every tuner reads it.
         async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0, observe=True):
             yield ev
@@ -435,8 +461,14 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         obs = static.observation(s.launch.world_size, baseline, store)
         obs.breakdown, obs.telemetry = observed_baseline(base_row)
         observation = study.observation or {}
+        if run.nodes is not None:  # who joined this time (a resumed study may meet other machines)
+            observation["nodes"] = {str(r): hello for r, hello in sorted(run.nodes.nodes.items())}
         if "summary" not in observation:
             observation["summary"] = _observation_summary(obs)
+            if run.nodes is not None:
+                observation["summary"]["nodes"] = _nodes_summary(run.nodes, obs, base_row, run.node_probes)
+                if line := describe_slowest(observation["summary"]["nodes"]):
+                    yield Notice(line)
         yield Observed(observation["summary"])
 
         if "plans" not in observation:  # not planned yet (a plan is written whole or not at all)
@@ -469,17 +501,64 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield ReportWritten({k: str(v) for k, v in paths.items()})
         store.log_event(sid, "finished", {"winner": decision["winner"]})
         yield StudyFinished(sid, decision["winner"], decision.get("speedup"))
-    except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit):
+    except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit, NodesError):
         if sid is not None:  # leave the study resumable: the trial in flight runs again
             store.reset_unfinished(sid)
             store.set_study(sid, status="interrupted")
         raise
     finally:
+        if run.nodes is not None:
+            await asyncio.to_thread(run.nodes.close)
         held.close()
         await observer.close(kill=True)  # already ended, unless the study stopped before planning
         if lock is not None:
             lock.release()
         store.close()
+
+
+def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
+    """Host the followers' store (this is node 0); say how each follower joins."""
+    if s.launch.node_rank != 0:
+        raise ConfigError("node ranks above 0 follow the coordinator: run `tunekit follow` there")
+    if not s.launch.rdzv_endpoint:
+        raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator")
+    token, hint = s.node_token, ""
+    if token is None:
+        path = make_token(s.store_dir).resolve()
+        token, hint = path.read_text().strip(), f" --token-file {path}"
+    run.nodes = Coordinator(parse_endpoint(s.launch.rdzv_endpoint), s.launch.nnodes, token)
+    run.token_hint = hint
+    how = (f"copy {hint.split()[-1]} there, or set $TUNEKIT_NODE_TOKEN to its content" if hint
+           else "with the same node token")
+    which = "node 1" if s.launch.nnodes == 2 else f"each node N of 1 to {s.launch.nnodes - 1}"
+    command = run.nodes.follow_command(1, hint)
+    if s.launch.nnodes > 2:
+        command = command.replace("--node-rank 1", "--node-rank N")
+    return [Notice(f"coordinating {s.launch.nnodes} nodes at {run.nodes.endpoint}: on {which} run `{command}` ({how})")]
+
+
+async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterator[Event]:
+    """Every follower joined, or a NodesError naming those that did not."""
+    nodes = run.nodes
+    joined: list[tuple[int, dict[str, Any]]] = []
+    await asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint,
+                            lambda r, hello: joined.append((r, hello)))
+    for r, hello in joined:
+        gpus = ", ".join(hello.get("gpus") or []) or "no GPU"
+        yield Notice(f"{nodes.describe(r)} joined: {hello.get('cores')} cores, {gpus}")
+    store.log_event(sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())})
+    s = run.s
+    if s.probe and not s.hardware and s.nproc >= 2:  # each node's own collectives, measured on it, once
+        yield Notice(f"measuring each node's collectives on its {s.nproc} ranks (once per node; cached)")
+        own = asyncio.create_task(asyncio.to_thread(_probe_here, s.nproc, s.device, store))
+        replies = await asyncio.to_thread(nodes.probe, s.nproc, s.timeout_s)
+        run.node_probes = {0: await own}
+        for r in nodes.followers:
+            reply = replies.get(r) or {"error": "no answer"}
+            if "fits" in reply:
+                run.node_probes[r] = reply["fits"]
+            else:
+                yield Notice(f"{nodes.describe(r)} could not measure its collectives: {reply['error']}", "warning")
 
 
 def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings,
@@ -538,6 +617,35 @@ def _describer(tuners: Mapping[str, Tuner]):
         return TuningConfig.from_dict(cfg).describe(defaults)
 
     return describe
+
+
+def _probe_here(nproc: int, device: str, store: Store) -> list[dict[str, Any]]:
+    """This node's collectives on ``nproc`` ranks, from the store's cache or measured now."""
+    hw, _ = describe_hardware(nproc, _device_type(device), None, store, probe=True)
+    return [asdict(f) for f in hw.collectives]
+
+
+def _node_telemetry(trial_dir: Path, followers: list[int]) -> dict[str, Any]:
+    out = {}
+    for r in followers:
+        try:
+            out[str(r)] = json.loads((trial_dir / f"telemetry-node{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _nodes_summary(nodes: Coordinator, obs: Observation, base_row: TrialRow,
+                   probes: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each node of the baseline: what it is, how long its ranks computed, how busy its CPUs were."""
+    result = base_row.result or {}
+    hellos = {0: describe_node(), **nodes.nodes}
+    compute = {}
+    if obs.breakdown is not None:
+        compute = {rb.rank: rb.summary()["compute_s"] for rb in obs.breakdown.ranks}
+    telemetry = {0: result.get("telemetry"), **{int(r): t for r, t in (result.get("telemetry_nodes") or {}).items()}}
+    return node_summary(hellos, max(1, obs.nproc // nodes.nnodes), compute, telemetry,  # obs.nproc: the world
+                        probes)
 
 
 def _observation_summary(obs: Observation) -> dict[str, Any]:
@@ -855,7 +963,7 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         def progress(p: dict[str, Any], trial_id=row.id) -> None:
             run.queue.put_nowait(TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s")))
 
-        task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress))
+        task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress, run.nodes))
         while not task.done():
             try:
                 yield await asyncio.wait_for(run.queue.get(), timeout=0.2)
@@ -868,6 +976,14 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             for notice in sampler.notices:
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
+        if run.nodes is not None and (lost := run.nodes.lost()):
+            # Not the config's fault: the trial stays unfinished and runs again on --resume.
+            why = "; ".join(lost.values())
+            store.log_event(sid, "node_lost", {"seq": row.seq, "nodes": sorted(lost), "why": why})
+            yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), outcome.status,
+                                None, None, row.predicted_s, why, row.corrected_s)
+            raise NodesError(f"{why}; the study is saved: start that node's follower again and continue "
+                             "with --resume")
         for out in outcome.output:
             if out["dropped_bytes"]:
                 yield Notice(f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}")
@@ -875,6 +991,8 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()
+            if run.nodes is not None:  # every follower's own, sent with its files
+                result["telemetry_nodes"] = _node_telemetry(trial_dir, run.nodes.followers)
         m = outcome.measurement
         config_desc = describe(row.config)
         if outcome.search and outcome.ok:

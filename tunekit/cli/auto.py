@@ -19,6 +19,7 @@ from tunekit.cli.common import (
     ensure_writable,
     split_names,
 )
+from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig
 from tunekit.events import (
     BUDGET_SKIP,
@@ -60,10 +61,10 @@ from tunekit.workload_spec import resolve_spec
 @click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes (torchrun --nnodes).")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, help="This node's rank (several machines).")
-@click.option("--rdzv-endpoint", default=None, help="host:port rendezvous for several machines.")
+@node_options
 @click.option("--rdzv-id", default=None, help="Rendezvous id (several machines).")
+@TOKEN_FILE_OPTION
+@JOIN_TIMEOUT_OPTION
 @click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
 @click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
 @click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
@@ -73,8 +74,8 @@ from tunekit.workload_spec import resolve_spec
               help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.")
 @click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
 def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s, stall_s,
-             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, loopback_nodes, as_json,
-             apply_run, keep_running, no_probe, no_rerank, search_steps):
+             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, token_file, join_timeout_s,
+             loopback_nodes, as_json, apply_run, keep_running, no_probe, no_rerank, search_steps):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -84,8 +85,14 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     """
     if trials is not None and budget is not None:
         raise click.UsageError("give --trials or --budget, not both")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+    from tunekit.trials.nodes import node_place, read_token
+
+    place = node_place(nnodes, node_rank, rdzv_endpoint)
+    if place.nnodes > 1 and loopback_nodes > 1:
+        raise click.UsageError("give --nnodes or --loopback-nodes, not both")
+    if place.node_rank > 0:  # the same command on every node: all but node 0 follow it
+        run_follower(place.endpoint, place.node_rank, token_file, store_dir, join_timeout_s)
+        return
     if keep_running and not apply_run:
         raise click.UsageError("--keep-running goes with --apply RUN")
     run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
@@ -101,8 +108,9 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
         timeout_s=timeout_s, stall_s=stall_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
         search_steps=search_steps, rerank=not no_rerank, pause_run=None if keep_running else run_dir,
-        launch=LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        launch=LaunchOptions(nproc=nproc, nnodes=place.nnodes, node_rank=0, rdzv_endpoint=place.endpoint,
                              rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
+        node_token=read_token(token_file), join_timeout_s=join_timeout_s,
     )
     try:
         decision = asyncio.run(_drive(settings, as_json))
@@ -193,7 +201,7 @@ class _ProgressView:
     def handle(self, ev) -> None:
         if isinstance(ev, StudyStarted):
             extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
-            self.say(f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node · hardware {ev.hardware}{extra}")
+            self.say(f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}")
         elif isinstance(ev, Notice):
             self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
         elif isinstance(ev, PluginProblem):

@@ -26,6 +26,7 @@ from tunekit.errors import TunekitError
 COMMANDS = {
     "apply": "tunekit.cli.run:apply_cmd",
     "auto": "tunekit.cli.auto:auto_cmd",
+    "follow": "tunekit.cli.follow:follow_cmd",
     "hardware": "tunekit.cli.hardware:hardware_group",
     "new-plugin": "tunekit.cli.new_plugin:new_plugin_cmd",
     "plan": "tunekit.cli.plan:plan_cmd",
@@ -43,6 +44,7 @@ COMMANDS = {
 SUMMARIES = {
     "apply": "Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary.",
     "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
+    "follow": "Follow the coordinator at HOST:PORT: run this node's torchrun agent for every trial it announces.",
     "hardware": "Hardware models: measure this machine or validate and print a profile.",
     "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",
     "plan": "Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.",

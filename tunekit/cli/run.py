@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -10,6 +11,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable
+from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError
 from tunekit.runtime.control import JobNotRunning
@@ -49,7 +51,7 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 
 @click.command("run")
 @click.argument("workload", required=False)
-@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
 @click.option("--config", "config_path", default=None, help="Start with this config (file or inline JSON).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after this many steps [default: run until stopped].")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=50, show_default=True)
@@ -58,9 +60,22 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 @click.option("--resume", "resume", default=None, metavar="RUN", help="Continue RUN from its last checkpoint.")
 @click.option("--name", default=None, help="Run id (default: a timestamp).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@node_options
+@TOKEN_FILE_OPTION
+@JOIN_TIMEOUT_OPTION
 @STORE_OPTION
-def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window, min_effect, resume, name, device, store_dir):
+def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window, min_effect, resume, name, device,
+            nnodes, node_rank, rdzv_endpoint, token_file, join_timeout_s, store_dir):
     """Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop."""
+    from tunekit.trials.nodes import node_place
+
+    place = node_place(nnodes, node_rank, rdzv_endpoint, follower=True)
+    if place.node_rank > 0:  # the same command on every node: all but node 0 follow it
+        run_follower(place.endpoint, place.node_rank, token_file, store_dir, join_timeout_s)
+        return
+    if resume and nnodes is None:  # a resumed run spans the nodes it was made for
+        nnodes = int(RunDir.find(resume, store_dir).read_run().get("nnodes") or 1)
+    place = node_place(nnodes, 0, rdzv_endpoint)
     if resume:
         if workload:
             raise click.UsageError("give WORKLOAD or --resume RUN, not both")
@@ -72,21 +87,48 @@ def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window,
         ensure_writable(store_dir, "the study store folder (--store)")
         rd = create_run(store_dir, workload, nproc=nproc, config=config, steps=steps,
                         checkpoint_every=checkpoint_every, watch_window=watch_window, min_effect=min_effect,
-                        device=device, name=name)
+                        device=device, name=name, nnodes=place.nnodes)
+    if resume and int(rd.read_run().get("nnodes") or 1) != place.nnodes:
+        raise click.UsageError(f"run {rd.run_id} spans {rd.read_run().get('nnodes') or 1} node(s), not {place.nnodes}")
     with supervising(rd):  # one supervisor and one job per run, or a one-line refusal
         if resume:
             ckpt = prepare_resume(rd)
             console.print(f"resuming run [bold]{rd.run_id}[/] from {ckpt.name}")
         else:
             console.print(f"run [bold]{rd.run_id}[/] in {rd.path}")
-        code = _supervise_with_progress(rd)
+        with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
+            code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()
     console.print(f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
                   + (f": {st['error']}" if st.get("error") else ""))
     raise SystemExit(code)
 
 
-def _supervise_with_progress(rd: RunDir) -> int:
+@contextlib.contextmanager
+def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s: float):
+    """Node 0 of a job across nodes: host the followers' coordinator and wait for them to join
+    (None on one node); announces the end when the job is over."""
+    if place.nnodes == 1:
+        yield None
+        return
+    from tunekit.trials.nodes import Coordinator, make_token, parse_endpoint, read_token
+
+    token, hint = read_token(token_file), ""
+    if token is None:
+        path = make_token(store_dir).resolve()
+        token, hint = path.read_text().strip(), f" --token-file {path}"
+    nodes = Coordinator(parse_endpoint(place.endpoint), place.nnodes, token)
+    try:
+        console.print(f"coordinating {place.nnodes} nodes at {nodes.endpoint}: on each other node run "
+                      f"`{nodes.follow_command(1, hint).replace('--node-rank 1', '--node-rank N')}`")
+        nodes.wait_for_followers(join_timeout_s, hint, lambda r, hello: console.print(
+            f"{nodes.describe(r)} joined: {hello.get('cores')} cores, {', '.join(hello.get('gpus') or []) or 'no GPU'}"))
+        yield nodes
+    finally:
+        nodes.close()
+
+
+def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
     total = rd.read_run().get("steps")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
@@ -111,7 +153,7 @@ def _supervise_with_progress(rd: RunDir) -> int:
 
     try:
         with progress:
-            return supervise(rd, on_tick=tick)
+            return supervise(rd, on_tick=tick, nodes=nodes)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted; the run checkpointed and stopped: continue it with "
                           f"`tunekit run --resume {rd.run_id}`") from None
@@ -124,7 +166,8 @@ def _find(run: str, store_dir: Path) -> RunDir:
 @click.command("apply", epilog=CONFIG_FORMS)
 @click.argument("run")
 @click.argument("config", nargs=-1, required=True)
-@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Relaunch with this many ranks.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Relaunch with this many ranks in all (a job across nodes splits them evenly over its nodes).")
 @click.option("--watch", type=click.IntRange(min=2), default=None, help="Steps to watch before keeping it.")
 @click.option("--no-wait", is_flag=True, help="Return once applied, without waiting for the watch verdict.")
 @STORE_OPTION

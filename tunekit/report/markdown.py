@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tunekit.observe.truth import PART_LABELS
+from tunekit.trials.nodes import describe_slowest
 
 
 def _ms(x: float | None) -> str:
@@ -71,9 +72,27 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
     return "\n".join(out) + "\n"
 
 
+def _nodes_section(obs: dict[str, Any]) -> list[str]:
+    """Each node of a study across machines, and the slowest named."""
+    nodes = obs.get("nodes")
+    if not nodes:
+        return []
+    out = ["## Nodes", "",
+           "| node | host | cores | GPUs | its ranks' compute per step | CPU busy | all-reduce within it (probe) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in nodes["rows"]:
+        cpu = "—" if row.get("cpu_pct_mean") is None else f"{row['cpu_pct_mean']:.0f}%"
+        link = "—" if row.get("all_reduce_gbps") is None else f"{row['all_reduce_gbps']:.2f} GB/s"
+        out.append(f"| {row['node']} | {row.get('host') or '?'} | {row.get('cores') or '?'} | "
+                   f"{', '.join(row.get('gpus') or []) or 'none'} | {_ms(row.get('compute_s'))} | {cpu} | {link} |")
+    line = describe_slowest(nodes)
+    out += ["", (line[0].upper() + line[1:] + ".") if line else "Only one node's ranks were timed.", ""]
+    return out
+
+
 def _observation_section(obs: dict[str, Any]) -> list[str]:
     """The baseline's step breakdown and slowest layers, when they were observed."""
-    out: list[str] = []
+    out: list[str] = _nodes_section(obs)
     b = obs.get("truth")
     if b and b.get("parts_s"):
         out += ["## Where the baseline's step goes", "", "| part | per step | share |", "| --- | --- | --- |"]

@@ -109,3 +109,20 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=group)
     return json.loads(buf.cpu().numpy().tobytes())
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup | None = None) -> bytes | None:
+    """Rank ``src``'s ``data`` on every rank of ``group`` over a CPU (gloo) group; ``None`` from
+    ``src`` (it had nothing to send) is ``None`` everywhere, so no rank waits for bytes that never come."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return data
+    mine = dist.get_rank() == src
+    size = torch.tensor([-1 if not mine or data is None else len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if n < 0:
+        return None
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine and n else torch.empty(n, dtype=torch.uint8)
+    if n:
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(data) if mine else buf.numpy().tobytes()

@@ -24,6 +24,7 @@ job like any other and rolled back by a relaunch.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ from tunekit.errors import TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder
 from tunekit.plugin_loading import load_named, select
 from tunekit.runtime.control import RESUME, ControlServer, Request
-from tunekit.runtime.dist import init_from_env
+from tunekit.runtime.dist import broadcast_bytes, init_from_env
 from tunekit.runtime.rundir import CheckpointError, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
@@ -235,6 +236,9 @@ class Controller:
                 return str(exc)
             if op == "trial" and self._needs_relaunch(config):
                 return "an in-job trial can only try knobs that change at a step boundary"
+            nnodes = int(self.job.spec.get("nnodes") or 1)
+            if msg.get("nproc") is not None and int(msg["nproc"]) % nnodes:
+                return f"{msg['nproc']} ranks do not split evenly over this job's {nnodes} nodes"
         if op == "rollback" and self.watch is None and not self.job.applied:
             return "nothing to roll back: no config was applied to this job"
         return None
@@ -423,7 +427,7 @@ class LiveJob:
         config = TuningConfig.from_dict(self.spec.get("config") or {})
         resume = self.spec.get("resume")
         if resume:
-            state = RunDir.load_checkpoint(Path(resume))
+            state = self._resume_state(Path(resume))
             self.session.load_state_dict(state["session"])
             if self.spec.get("config") is None:
                 config = TuningConfig.from_dict(state["session"]["config"])
@@ -441,6 +445,23 @@ class LiveJob:
             self.log_event("started", step=self.session.step, world_size=world, config=config.to_dict(),
                            resumed=bool(resume))
             self.write_status()
+
+    def _resume_state(self, path: Path) -> dict[str, Any]:
+        """The checkpoint to resume from. A job across nodes reads it on rank 0 alone (the other
+        nodes hold no copy of the run folder) and sends its bytes to every rank."""
+        world = self.ctx.world_size
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
+            return RunDir.load_checkpoint(path)
+        data, error = None, ""
+        if self.ctx.rank == 0:
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                error = f"cannot read checkpoint {path}: {exc.strerror or exc}"
+        data = broadcast_bytes(data, src=0, group=self.control_group)
+        if data is None:
+            raise TunekitError(error or f"rank 0 could not read checkpoint {path}")
+        return RunDir.load_checkpoint(io.BytesIO(data))
 
     def _hold_run(self) -> FileLock:
         """Rank 0 holds the run while it trains: no second job may write into its folder."""

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from tunekit.errors import ControlError, TunekitError
 
@@ -298,7 +298,7 @@ class RunDir:
         return found[-1] if found else None
 
     @staticmethod
-    def load_checkpoint(path: Path) -> dict[str, Any]:
+    def load_checkpoint(path: Path | BinaryIO) -> dict[str, Any]:
         import torch
 
         # Tensors, numbers and strings only: nothing is unpickled beyond that.

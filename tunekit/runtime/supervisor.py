@@ -25,7 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.errors import ControlError, TunekitError
@@ -33,6 +33,9 @@ from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 from tunekit.plugin_loading import available_tuners, load_all, slow_imports
 from tunekit.runtime.control import ControlClient
 from tunekit.runtime.rundir import PRIVATE_FILE, RunDir
+
+if TYPE_CHECKING:
+    from tunekit.trials.nodes import Coordinator
 
 # The launcher and workloads (and so torch) are imported where a job starts:
 # `tunekit status|apply|stop|...` only talk to the job's socket.
@@ -51,6 +54,7 @@ def create_run(
     min_effect: float = 0.02,
     device: str = "auto",
     name: str | None = None,
+    nnodes: int = 1,
 ) -> RunDir:
     """Check the inputs here, in one clear line each, then create the run directory."""
     from tunekit.workload import load_workload, resolve_spec
@@ -65,6 +69,7 @@ def create_run(
         "workload": spec, "nproc": nproc, "config": config.to_dict(), "steps": steps, "seed": seed,
         "checkpoint_every": checkpoint_every, "watch_window": watch_window, "min_effect": min_effect,
         "device": device, "resume": None, "plugins": sorted(tuners),  # the ranks load these and no others
+        "nnodes": nnodes,  # nproc is per node; a change of world size keeps the nodes
     }, name=name)
     for line in slow_imports([r for r in records if r.ok]):
         rd.log_event("slow_plugin", reason=line)
@@ -122,7 +127,7 @@ def prepare_resume(rd: RunDir) -> Path:
         raise TunekitError(f"run {rd.run_id} has no checkpoint to resume from")
     spec = rd.read_run()
     if plan is not None and plan.get("launch") == spec.get("launch") and Path(plan["checkpoint"]) == ckpt:
-        rd.update_run(nproc=plan["nproc"], config=plan["config"], resume=str(ckpt), watch=plan.get("watch"),
+        rd.update_run(nproc=per_node(plan["nproc"], spec), config=plan["config"], resume=str(ckpt), watch=plan.get("watch"),
                       applied=plan.get("applied", spec.get("applied", [])))
         rd.log_event("resume_requested", checkpoint=str(ckpt), pending_relaunch=True, nproc=plan["nproc"])
         return ckpt
@@ -147,14 +152,22 @@ def _take_relaunch_plan(rd: RunDir) -> dict[str, Any] | None:
     return plan if isinstance(plan, dict) and "checkpoint" in plan and "nproc" in plan else None
 
 
+def per_node(world: int, spec: dict[str, Any]) -> int:
+    """Ranks per node for a world size (relaunch plans and watches count the whole job's ranks)."""
+    return max(1, int(world) // int(spec.get("nnodes") or 1))
+
+
 def client(rd: RunDir, timeout_s: float = 600.0) -> ControlClient:
     return ControlClient(rd.socket_file(), rd.token(), timeout_s)
 
 
-def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_s: float = 0.5) -> int:
+def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_s: float = 0.5,
+              nodes: Coordinator | None = None) -> int:
     """Run the job to its end; 0 when it finished or stopped, 1 when it crashed.
 
-    The caller holds the run (:func:`supervising`).
+    The caller holds the run (:func:`supervising`). With ``nodes`` (the job spans machines)
+    every launch is announced to the followers, which start their nodes' ranks; a follower
+    that stops answering ends the launch as a crash that names its node.
     """
     from tunekit.trials.launcher import LaunchOptions, agent_commands, launch_env
 
@@ -164,6 +177,10 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         launch = secrets.token_hex(4)
         spec = rd.update_run(launch=launch)
         opts = LaunchOptions(nproc=int(spec["nproc"]))
+        job = None
+        if nodes is not None:
+            job, master = nodes.announce_live({k: v for k, v in spec.items() if k != "socket"}, rd.run_id, opts.nproc)
+            opts = LaunchOptions(nproc=opts.nproc, nnodes=nodes.nnodes, node_rank=0, master=master)
         (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
         env = launch_env(opts)
         env["PYTHONSAFEPATH"] = "1"  # `python -m` would put the working directory on the ranks' import path
@@ -173,19 +190,33 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         with open(fd, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     umask=0o077)
+            lost: dict[int, str] = {}
             try:
                 while proc.poll() is None:
                     if on_tick is not None:
                         on_tick(rd)
+                    if nodes is not None and (lost := nodes.lost()):
+                        _kill(proc)  # its ranks would wait for the lost node's until a collective times out
+                        break
                     time.sleep(poll_s)
             except KeyboardInterrupt:
                 stop_gracefully(rd, proc)
                 raise
+            finally:
+                if nodes is not None and job is not None:
+                    nodes.stop(job)
+                    nodes.wait_for_agents(job, rd.logs, timeout_s=60.0)
         if on_tick is not None:
             on_tick(rd)
+        if lost:
+            error = (f"{'; '.join(lost.values())}; continue with `tunekit run --resume {rd.run_id}` once its "
+                     "follower is back")
+            rd.write_status({**rd.read_status(), "status": "crashed", "error": error, "launch": None})
+            rd.log_event("node_lost", nodes=sorted(lost), error=error)
+            return 1
         plan = _take_relaunch_plan(rd)
         if plan is not None and plan.get("launch") == launch:
-            rd.update_run(nproc=plan["nproc"], config=plan["config"], resume=plan["checkpoint"],
+            rd.update_run(nproc=per_node(plan["nproc"], spec), config=plan["config"], resume=plan["checkpoint"],
                           watch=plan.get("watch"), applied=plan.get("applied", []))
             continue
         if plan is not None:  # not this launch's: carrying it out would rewind the run
@@ -200,7 +231,7 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         if watch.get("state") == "watching" and watch.get("checkpoint") and key not in rolled_back:
             # The change under watch broke the job: go back to before it.
             rolled_back.add(key)
-            nproc = watch.get("prev_nproc") or spec["nproc"]
+            nproc = per_node(watch["prev_nproc"], spec) if watch.get("prev_nproc") else spec["nproc"]
             verdict = {**watch, "state": "rolled_back", "before": None,
                        "reason": f"the job crashed under the new config ({error}); "
                                  "relaunched from the checkpoint taken before it"}
@@ -216,6 +247,17 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         return 1
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """Terminate the job's process group, then kill it if it lingers."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
 def stop_gracefully(rd: RunDir, proc: subprocess.Popen, wait_s: float = 60.0) -> None:
     """Ask the job to checkpoint and stop; kill its process group if it will not."""
     try:
@@ -225,13 +267,7 @@ def stop_gracefully(rd: RunDir, proc: subprocess.Popen, wait_s: float = 60.0) ->
     try:
         proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=10)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+        _kill(proc)
 
 
 _RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)")

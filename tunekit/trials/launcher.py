@@ -29,9 +29,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -40,6 +40,10 @@ from tunekit.runtime.dist import free_port
 from tunekit.trials.exits import describe_exit, fault_location, signal_name
 from tunekit.trials.output import CappedLog, OutputRecord, pump, read_tail
 from tunekit.trials.stats import measurement_from_ranks
+
+if TYPE_CHECKING:
+    from tunekit.runtime.rundir import RunDir
+    from tunekit.trials.nodes import Coordinator
 
 OK, CRASH, OOM, HANG, TOO_SLOW = "ok", "crash", "oom", "hang", "too_slow"
 
@@ -83,6 +87,9 @@ class LaunchOptions:
     """``host:port`` of the rendezvous for several machines (passed to torchrun)."""
     rdzv_backend: str = "c10d"
     rdzv_id: str | None = None
+    master: str | None = None
+    """``host:port`` of one trial's static rendezvous across nodes (the coordinator picks it,
+    :mod:`tunekit.trials.nodes`): node ``node_rank`` holds global ranks ``node_rank * nproc`` on."""
     loopback_nodes: int = 1
     """Run this many torchrun agents on this machine as separate "nodes"."""
     threads_per_rank: int | None = None
@@ -157,6 +164,10 @@ def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[l
             + worker
             for i in range(opts.loopback_nodes)
         ]
+    if opts.master:
+        host, _, port = opts.master.rpartition(":")
+        return [base + ["--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank),
+                        "--master-addr", host, "--master-port", port] + worker]
     if opts.nnodes > 1 or opts.rdzv_endpoint:
         if not opts.rdzv_endpoint:
             raise ValueError("several nodes need a rendezvous endpoint (host:port)")
@@ -209,6 +220,10 @@ def launch_env(opts: LaunchOptions) -> dict[str, str]:
     env.update(opts.env)
     return env
 
+
+RESULT_GRACE_S = 60.0
+"""How long a trial waits for a follower's files once this node's agents have exited, and how
+long past its timeout a follower's agent may run before the follower kills it."""
 
 STALL_STEPS = 10
 """A stalled trial has gone this many of its slowest steps without finishing one."""
@@ -289,20 +304,93 @@ async def run_trial(
     opts: LaunchOptions,
     trial_dir: Path,
     on_progress: ProgressFn | None = None,
+    nodes: Coordinator | None = None,
 ) -> TrialOutcome:
-    """Run one trial to completion (or timeout) and collect every rank's result."""
+    """Run one trial to completion (or timeout) and collect every rank's result.
+
+    With ``nodes`` (several machines), the trial is announced to every follower and
+    this machine runs node 0's agent; the followers' files come back through the
+    coordinator's store into ``trial_dir``.
+    """
     trial_dir = Path(trial_dir)
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    stale = [*trial_dir.glob("rank*.json"), *trial_dir.glob("agent*.json"), *trial_dir.glob("faults/rank*"),
-             trial_dir / "progress.jsonl"]
-    for path in stale:
-        path.unlink(missing_ok=True)
+    _fresh_trial_dir(trial_dir)
     spec_path = trial_dir / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
     start = time.monotonic()
+    job = None
+    if nodes is not None:
+        job, master = nodes.announce_trial(asdict(spec), {
+            "nproc": opts.nproc, "nnodes": opts.nnodes, "threads_per_rank": opts.threads_per_rank,
+            "env": opts.env, "timeout_s": opts.timeout_s})
+        opts = replace(opts, master=master, node_rank=0)
+    sent: dict[int, int | None] = {}  # follower -> its agent's exit code, once its files are here
+    procs, logs, pumps = await _start_agents(agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir)
+    killed: tuple[str, str] | None = None  # (status, why) of a trial we had to kill
+    stopped_after_results = False
+    watch = StallWatch(spec, opts.stall_s, started=start)
+    seen = 0
+    ended_at = None  # when this node's agents had all exited
+    try:
+        while True:
+            seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
+            if nodes is not None:
+                nodes.collect(job, trial_dir, sent)
+                if lost := nodes.lost():
+                    killed = (CRASH, "; ".join(lost.values()))
+                    break
+            if _all_ranks_reported(trial_dir, opts.world_size):
+                stopped_after_results = True  # no need to wait for torchrun's teardown
+                break
+            running = any(p.returncode is None for p in procs)
+            if not running:
+                if nodes is None or len(sent) == len(nodes.followers):
+                    break
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > RESULT_GRACE_S:
+                    break  # a follower that still sends nothing: its ranks count as missing
+            if time.monotonic() - start > opts.timeout_s:
+                killed = watch.timed_out(opts.timeout_s)
+                break
+            if stall := watch.stalled():
+                killed = (HANG, stall)
+                break
+            if not running:  # this node is done: the followers' files are still to come
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
+            except TimeoutError:
+                pass
+        _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
+    finally:
+        if nodes is not None and job is not None:
+            nodes.stop(job)
+        await stop_all(procs)
+        output = await _finish_logs(pumps, logs)
+    codes = [p.returncode for p in procs]
+    if stopped_after_results:
+        # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
+        codes = [0] * len(procs)
+    elif nodes is not None:
+        codes += [sent.get(r, 0) for r in nodes.followers]  # a missing node is named by its missing ranks
+    outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start, output, nodes)
+    outcome.startup_s = watch.startup_s
+    return outcome
+
+
+def _fresh_trial_dir(trial_dir: Path) -> None:
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    stale = [*trial_dir.glob("rank*.json"), *trial_dir.glob("agent*.json"), *trial_dir.glob("faults/rank*"),
+             *trial_dir.glob("traces/rank*.json"), trial_dir / "progress.jsonl"]
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
+async def _start_agents(cmds: list[list[str]], opts: LaunchOptions, trial_dir: Path):
+    """Start every agent in a process session of its own, its output piped into a capped log."""
     procs, logs, pumps = [], [], []
     env = launch_env(opts)
-    for i, cmd in enumerate(agent_commands(spec_path, opts, report_dir=trial_dir)):
+    for i, cmd in enumerate(cmds):
         # Piped through tunekit, not written straight to the file: what a workload prints is unbounded.
         log = CappedLog(trial_dir / f"agent{i}.log")
         logs.append(log)
@@ -312,37 +400,59 @@ async def run_trial(
         )
         procs.append(proc)
         pumps.append(asyncio.create_task(pump(proc.stdout, log)))
-    killed: tuple[str, str] | None = None  # (status, why) of a trial we had to kill
-    stopped_after_results = False
-    watch = StallWatch(spec, opts.stall_s, started=start)
-    seen = 0
+    return procs, logs, pumps
+
+
+async def run_node_agent(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path,
+                         stop_now: Callable[[], str | None]) -> int | None:
+    """A follower's part of a trial: this node's agent, until it exits, ``opts.timeout_s`` passes
+    or ``stop_now`` gives a reason to stop; returns its exit code (None: killed)."""
+    trial_dir = Path(trial_dir)
+    _fresh_trial_dir(trial_dir)
+    spec_path = trial_dir / "spec.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=2))
+    start = time.monotonic()
+    procs, logs, pumps = await _start_agents(agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir)
+    why = None
     try:
         while any(p.returncode is None for p in procs):
-            seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
-            if _all_ranks_reported(trial_dir, opts.world_size):
-                stopped_after_results = True  # no need to wait for torchrun's teardown
-                break
-            if time.monotonic() - start > opts.timeout_s:
-                killed = watch.timed_out(opts.timeout_s)
-                break
-            if stall := watch.stalled():
-                killed = (HANG, stall)
+            if (why := stop_now()) or time.monotonic() - start > opts.timeout_s + RESULT_GRACE_S:
                 break
             try:
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
             except TimeoutError:
                 pass
-        _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
     finally:
         await stop_all(procs)
-        output = await _finish_logs(pumps, logs)
-    codes = [p.returncode for p in procs]
-    if stopped_after_results:
-        # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
-        codes = [0] * len(procs)
-    outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start, output)
-    outcome.startup_s = watch.startup_s
-    return outcome
+        if why:
+            logs[0].note(why)
+        await _finish_logs(pumps, logs)
+    return None if why else procs[0].returncode
+
+
+async def run_live_agent(rd: RunDir, opts: LaunchOptions, log_path: Path,
+                         stop_now: Callable[[], str | None]) -> int | None:
+    """A follower's part of a live run: this node's agent of ``tunekit.runtime.live``, until it
+    exits or ``stop_now`` gives a reason to stop; returns its exit code (None: stopped)."""
+    env = launch_env(opts)
+    env["PYTHONSAFEPATH"] = "1"  # as the supervisor starts node 0's: not the working directory on the path
+    (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(fd, "ab") as log:
+        proc = await asyncio.create_subprocess_exec(*die_with_parent(cmd), stdout=log, stderr=asyncio.subprocess.STDOUT,
+                                                    env=env, start_new_session=True)
+    why = None
+    try:
+        while proc.returncode is None:
+            if why := stop_now():
+                break
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=0.25)
+            except TimeoutError:
+                pass
+    finally:
+        await stop_all([proc])
+    return None if why else proc.returncode
 
 
 async def _finish_logs(pumps: list[asyncio.Task], logs: list[CappedLog]) -> list[OutputRecord]:
@@ -398,9 +508,10 @@ async def stop_all(procs) -> None:
 
 
 def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], killed: tuple[str, str] | None,
-            wall_s: float, output: list[OutputRecord] | None = None) -> TrialOutcome:
+            wall_s: float, output: list[OutputRecord] | None = None, nodes: Coordinator | None = None) -> TrialOutcome:
     """Turn the rank files, the agents' reports and their exit codes into an outcome
-    (``killed``: the status and reason of a killed trial)."""
+    (``killed``: the status and reason of a killed trial; ``nodes``: the followers, to name
+    a node none of whose ranks reported)."""
     ranks = []
     for r in range(opts.world_size):
         path = trial_dir / f"rank{r}.json"
@@ -422,11 +533,21 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
         out.error = next(r["error"] for r in ranks if r.get("status") == OOM)
     elif failed or deaths or any(rc != 0 for rc in returncodes) or len(ranks) < opts.world_size:
         out.status = CRASH
-        out.error = _crash_reason(trial_dir, failed, deaths, returncodes)
+        out.error = _silent_nodes(reported, opts, nodes) or _crash_reason(trial_dir, failed, deaths, returncodes)
     if out.ok:
         out.measurement = measurement_from_ranks(ranks)
         out.search = ranks[0].get("search")
     return out
+
+
+def _silent_nodes(reported: set, opts: LaunchOptions, nodes: Coordinator | None) -> str:
+    """One line naming the followers none of whose ranks reported, or ''."""
+    if nodes is None:
+        return ""
+    silent = [r for r in nodes.followers if not any(r * opts.nproc + i in reported for i in range(opts.nproc))]
+    if not silent:
+        return ""
+    return "; ".join(f"{nodes.describe(r)} sent no result for its ranks" for r in silent)
 
 
 def _agent_failures(trial_dir: Path) -> list[dict[str, Any]]:
