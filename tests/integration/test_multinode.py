@@ -218,20 +218,27 @@ def test_the_docs_loopback_commands_run_as_written(tmp_path):
     import re
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "multinode.md").read_text()
-    blocks = {b.splitlines()[0]: b for b in re.findall(r"```sh\n(.*?)```", doc, flags=re.S)}
+    blocks: dict[str, str] = {}
+    for b in re.findall(r"```sh\n(.*?)```", doc, flags=re.S):  # the loopback section's come first
+        blocks.setdefault(b.splitlines()[0], b)
     port = str(free_port())
     node0, node1 = (blocks[f"# node {r}"].replace("29500", port) for r in (0, 1))
     assert "tunekit auto" in node0 and "tunekit follow" in node1
 
     def bash(script: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TUNEKIT_NODE"))}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `tunekit`, as installed
         proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         STARTED.append(proc)
         return proc
 
     coordinator = bash(node0)
-    wait_for("node0/.tunekit/node-token", tmp_path, timeout=120)  # node 1's command reads it
+    try:
+        wait_for("node0/.tunekit/node-token", tmp_path, timeout=120)  # node 1's command reads it
+    except AssertionError:
+        coordinator.kill()
+        raise AssertionError(coordinator.communicate()[0][-3000:]) from None
     follower = bash(node1)
     out, _ = coordinator.communicate(timeout=480)
     assert coordinator.returncode == 0, out[-4000:]
