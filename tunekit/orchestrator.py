@@ -82,11 +82,11 @@ from tunekit.trials.length import trial_length
 from tunekit.trials.nodes import (
     Coordinator,
     NodesError,
+    describe_hello,
     describe_node,
     describe_slowest,
-    make_token,
+    host_coordinator,
     node_summary,
-    parse_endpoint,
 )
 from tunekit.trials.output import OutputRecord
 from tunekit.workload import Workload, load_workload, resolve_spec
@@ -522,30 +522,18 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
         raise ConfigError("node ranks above 0 follow the coordinator: run `tunekit follow` there")
     if not s.launch.rdzv_endpoint:
         raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator")
-    token, hint = s.node_token, ""
-    if token is None:
-        path = make_token(s.store_dir).resolve()
-        token, hint = path.read_text().strip(), f" --token-file {path}"
-    run.nodes = Coordinator(parse_endpoint(s.launch.rdzv_endpoint), s.launch.nnodes, token)
-    run.token_hint = hint
-    how = (f"copy {hint.split()[-1]} there, or set $TUNEKIT_NODE_TOKEN to its content" if hint
-           else "with the same node token")
-    which = "node 1" if s.launch.nnodes == 2 else f"each node N of 1 to {s.launch.nnodes - 1}"
-    command = run.nodes.follow_command(1, hint)
-    if s.launch.nnodes > 2:
-        command = command.replace("--node-rank 1", "--node-rank N")
-    return [Notice(f"coordinating {s.launch.nnodes} nodes at {run.nodes.endpoint}: on {which} run `{command}` ({how})")]
+    run.nodes, run.token_hint = host_coordinator(s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir)
+    return [Notice(run.nodes.how_to_follow(run.token_hint))]
 
 
 async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterator[Event]:
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
-    joined: list[tuple[int, dict[str, Any]]] = []
+    joined: list[int] = []
     await asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint,
-                            lambda r, hello: joined.append((r, hello)))
-    for r, hello in joined:
-        gpus = ", ".join(hello.get("gpus") or []) or "no GPU"
-        yield Notice(f"{nodes.describe(r)} joined: {hello.get('cores')} cores, {gpus}")
+                            lambda r, hello: joined.append(r))
+    for r in joined:
+        yield Notice(describe_hello(nodes, r))
     store.log_event(sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())})
     s = run.s
     if s.probe and not s.hardware and s.nproc >= 2:  # each node's own collectives, measured on it, once

@@ -111,18 +111,12 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
     if place.nnodes == 1:
         yield None
         return
-    from tunekit.trials.nodes import Coordinator, make_token, parse_endpoint, read_token
+    from tunekit.trials.nodes import describe_hello, host_coordinator, read_token
 
-    token, hint = read_token(token_file), ""
-    if token is None:
-        path = make_token(store_dir).resolve()
-        token, hint = path.read_text().strip(), f" --token-file {path}"
-    nodes = Coordinator(parse_endpoint(place.endpoint), place.nnodes, token)
+    nodes, hint = host_coordinator(place.endpoint, place.nnodes, read_token(token_file), store_dir)
     try:
-        console.print(f"coordinating {place.nnodes} nodes at {nodes.endpoint}: on each other node run "
-                      f"`{nodes.follow_command(1, hint).replace('--node-rank 1', '--node-rank N')}`")
-        nodes.wait_for_followers(join_timeout_s, hint, lambda r, hello: console.print(
-            f"{nodes.describe(r)} joined: {hello.get('cores')} cores, {', '.join(hello.get('gpus') or []) or 'no GPU'}"))
+        console.print(nodes.how_to_follow(hint))
+        nodes.wait_for_followers(join_timeout_s, hint, lambda r, _: console.print(describe_hello(nodes, r)))
         yield nodes
     finally:
         nodes.close()

@@ -317,17 +317,13 @@ class Coordinator:
 
     def announce_trial(self, spec: dict[str, Any], launch: dict[str, Any]) -> tuple[int, str]:
         """Announce a trial; returns its job number and the static rendezvous (host:port) of its ranks."""
-        from tunekit.runtime.dist import free_port
-
-        master = f"{self.endpoint.host}:{free_port()}"
+        master = self._master()
         job = self._announce({"kind": "trial", "spec": spec, "launch": {**launch, "master": master}})
         return job, master
 
     def announce_live(self, run: dict[str, Any], run_id: str, nproc: int) -> tuple[int, str]:
         """Announce a launch of live run ``run_id`` (its run.json); returns the job and its rendezvous."""
-        from tunekit.runtime.dist import free_port
-
-        master = f"{self.endpoint.host}:{free_port()}"
+        master = self._master()
         job = self._announce({"kind": "live", "run": run, "run_id": run_id,
                               "launch": {"nproc": nproc, "nnodes": self.nnodes, "master": master}})
         return job, master
@@ -359,6 +355,22 @@ class Coordinator:
                 return done
             time.sleep(0.2)
 
+    def _master(self) -> str:
+        """A fresh static rendezvous for one job's ranks, on this node."""
+        from tunekit.runtime.dist import free_port
+
+        return f"{self.endpoint.host}:{free_port()}"
+
+    def how_to_follow(self, token_hint: str) -> str:
+        """What to run on the other nodes, said once when the coordinator starts."""
+        which = "node 1" if self.nnodes == 2 else f"each node N of 1 to {self.nnodes - 1}"
+        command = self.follow_command(1, token_hint)
+        if self.nnodes > 2:
+            command = command.replace("--node-rank 1", "--node-rank N")
+        how = (f"copy {token_hint.split()[-1]} there, or set $TUNEKIT_NODE_TOKEN to its content" if token_hint
+               else "with the same node token")
+        return f"coordinating {self.nnodes} nodes at {self.endpoint}: on {which} run `{command}` ({how})"
+
     def _announce(self, body: dict[str, Any]) -> int:
         job = self.jobs
         self.channel.put(f"job/{job}", body)
@@ -388,6 +400,22 @@ class Coordinator:
         except Exception:  # closing anyway
             pass
         self.beat.stop()
+
+
+def host_coordinator(endpoint: str, nnodes: int, token: str | None, store_dir: Path) -> tuple[Coordinator, str]:
+    """Node 0's coordinator, with ``token`` or a fresh one made in ``store_dir``; returns it and how a
+    follower gets that token (`` --token-file PATH``, or '' when the token was given)."""
+    hint = ""
+    if token is None:
+        path = make_token(store_dir).resolve()
+        token, hint = path.read_text().strip(), f" --token-file {path}"
+    return Coordinator(parse_endpoint(endpoint), nnodes, token), hint
+
+
+def describe_hello(nodes: Coordinator, r: int) -> str:
+    """One line on a follower that joined."""
+    hello = nodes.nodes.get(r) or {}
+    return f"{nodes.describe(r)} joined: {hello.get('cores')} cores, {', '.join(hello.get('gpus') or []) or 'no GPU'}"
 
 
 def _first_line(exc: BaseException) -> str:
