@@ -215,12 +215,23 @@ def measure_locally(
         def step(b: int, meter: PeakMeter | None = None) -> StepMemory:
             if meter is None:
                 inputs, targets = workload.example_batch(b)
-                _train(model, optimizer, workload, to_device(inputs, device), to_device(targets, device))
+                _train(
+                    model,
+                    optimizer,
+                    workload,
+                    to_device(inputs, device),
+                    to_device(targets, device),
+                )
                 return StepMemory(b, None, 0)
             with meter:  # the batch counts: a real step holds its input too
                 inputs, targets = workload.example_batch(b)
                 run = functools.partial(
-                    _train, model, optimizer, workload, to_device(inputs, device), to_device(targets, device)
+                    _train,
+                    model,
+                    optimizer,
+                    workload,
+                    to_device(inputs, device),
+                    to_device(targets, device),
                 )
                 saved = saved_activation_bytes(model, run)
                 del run, inputs, targets
@@ -260,5 +271,3 @@ def _train(model, optimizer, workload: Workload, inputs, targets) -> torch.Tenso
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
-
-

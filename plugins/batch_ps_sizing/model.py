@@ -383,7 +383,9 @@ class StepTimeFit:
         )
 
     def seconds(self, batch: float) -> float:
-        return _evaluate((self.fixed_s, self.per_sample_s, *self.extra_per_sample_s), self.knots, batch)
+        return _evaluate(
+            (self.fixed_s, self.per_sample_s, *self.extra_per_sample_s), self.knots, batch
+        )
 
     def marginal_s(self, batch: float) -> float:
         """Seconds one more sample adds at ``batch`` (the slope there)."""
@@ -439,7 +441,11 @@ def _relative_standard_error(ts: Sequence[float]) -> float:
 
 def _evaluate(params: Sequence[float], knots: Sequence[int], batch: float) -> float:
     fixed, slope, *extras = params
-    return fixed + slope * batch + sum(e * max(0.0, batch - k) for k, e in zip(knots, extras, strict=True))
+    return (
+        fixed
+        + slope * batch
+        + sum(e * max(0.0, batch - k) for k, e in zip(knots, extras, strict=True))
+    )
 
 
 def _least_squares(

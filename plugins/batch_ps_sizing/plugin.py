@@ -2,9 +2,9 @@
 
 After Zou et al., "Distributed Training Large-Scale Deep Architectures"
 (2017). The batch is the one knob it turns (within the workload's allowed
-range, learning rate rescaled by the workload's rule), chosen where more batch
-stops paying in throughput; an in-job sweep, coordinated across ranks, finds
-that knee for real. Lemma 3.1 (how many GPUs) and Lemma 3.2 (how many
+range, learning rate rescaled by the workload's rule), chosen for the least
+training time per sample (or, with ``knee_tolerance``, the smallest batch
+near it); an in-job sweep, coordinated across ranks, measures it for real. Lemma 3.1 (how many GPUs) and Lemma 3.2 (how many
 parameter servers) are reported with the diagnosis, and the gradient noise
 scale (McCandlish et al.) shows how large a batch still trains efficiently.
 """
@@ -78,6 +78,7 @@ class Analysis:
     unpredicted: dict[int, str] = field(default_factory=dict)
     """Batches of the ladder with no prediction, and why (too far beyond the timed ones)."""
     knee: int | None = None
+    """The batch the settings' rule picks from the predictions (the best, or the knee)."""
     trades: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Fewer, larger micro-batches at the same samples per step, by accumulation (see
     :func:`_accumulation_trades`)."""
@@ -145,7 +146,8 @@ class BatchPsSizing(Tuner):
                 "knee_tolerance",
                 "float",
                 self.settings.knee_tolerance,
-                "search: pick the smallest batch within this fraction of the best throughput",
+                "search: pick the smallest batch within this fraction of the best measured "
+                "throughput (0: the best)",
                 low=0.0,
                 high=0.5,
             ),
@@ -161,9 +163,7 @@ class BatchPsSizing(Tuner):
                 self.settings,
                 self.target_efficiency,
                 self.target_speedup,
-                _MeasureSettings(
-                    self.measure_budget_s, self.timed_repeats, self.max_timed_repeats
-                ),
+                _MeasureSettings(self.measure_budget_s, self.timed_repeats, self.max_timed_repeats),
             )
             self._last = (obs, analysis)
         return self._last[1]
@@ -192,7 +192,7 @@ class BatchPsSizing(Tuner):
             if a.largest_fitting < MAX_BATCH
             else "memory is no limit"
         )
-        worth = _worth_trying(a, self.settings.knee_tolerance)
+        worth = _worth_trying(a, self.settings.min_gain)
         trade = _best_trade(a)
         if not worth and trade is not None:
             gain = 1 - trade["step_s"] / a.predictions[a.batch]["step_s"]
@@ -201,7 +201,7 @@ class BatchPsSizing(Tuner):
             gain = 0.0
             verdict = (
                 f"no batch is predicted to beat batch {a.batch} by more than "
-                f"{self.settings.knee_tolerance:.0%} samples/s (knee: batch {a.knee})"
+                f"{self.settings.min_gain:.0%} samples/s (best predicted: batch {a.knee})"
             )
         else:
             first = a.predictions[worth[0]]
@@ -212,7 +212,9 @@ class BatchPsSizing(Tuner):
                 f"{_ms(first['step_s'])} per step{_extrapolated(a, worth[0])})"
             )
             if trade is not None:
-                verdict += f"; or, keeping the training's mathematics, {_trade_phrase(obs, a, trade)}"
+                verdict += (
+                    f"; or, keeping the training's mathematics, {_trade_phrase(obs, a, trade)}"
+                )
         if a.unpredicted:
             verdict += f"; {_unpredicted_line(a)}"
         summary = (
@@ -228,12 +230,16 @@ class BatchPsSizing(Tuner):
         if a.batch_range is None or a.knee is None:
             return []
         base = a.predictions[a.batch]["samples_per_s"]
-        order = _worth_trying(a, self.settings.knee_tolerance)
+        order = _worth_trying(a, self.settings.min_gain)
         # Trades first: they keep the samples per step, so the model converges as it did.
         out = [_trade_candidate(obs, a, t) for t in _ranked_trades(a)]
         for b in order:
             p = a.predictions[b]
-            knee = ", the knee" if b == a.knee else ""
+            knee = (
+                (", the knee" if self.settings.knee_tolerance else ", best predicted")
+                if b == a.knee
+                else ""
+            )
             low, high = p["range_s"]
             out.append(
                 Candidate(
@@ -261,7 +267,8 @@ class BatchPsSizing(Tuner):
     def search(
         self, session: Session, knobs: Mapping[str, Any], max_steps: int
     ) -> SearchResult | None:
-        """The rank-coordinated sweep: climb the batch ladder, back off together on OOM, take the knee."""
+        """The rank-coordinated sweep: climb the batch ladder, back off together on OOM, measure
+        close contenders again, take the best (or the knee, with a tolerance)."""
         rng = session.workload.batch_range
         if rng is None:
             return SearchResult(
@@ -315,11 +322,14 @@ class BatchPsSizing(Tuner):
             key=lambda p: p.samples_per_s,
             default=None,
         )
-        parts = [f"knee at batch {outcome.batch}/rank"]
+        rule = (
+            f"knee (tolerance {settings.knee_tolerance:.0%})"
+            if settings.knee_tolerance
+            else "best measured throughput"
+        )
+        parts = [f"batch {outcome.batch}/rank: {rule}"]
         if best is not None:
-            parts[0] += (
-                f" ({best.samples_per_s:,.0f} samples/s, tolerance {settings.knee_tolerance:.0%})"
-            )
+            parts[0] += f", {best.samples_per_s:,.0f} samples/s"
         if noise is not None:
             limit = zou.noise_scale_batch_limit(noise, session.world_size, rng)
             parts.append(
@@ -666,7 +676,9 @@ def _details(a: Analysis) -> dict[str, Any]:
         "largest_fitting_batch": a.largest_fitting,
         "step_s_measured_here": {str(b): t for b, t in a.local.step_s.items()},
         "step_model": a.steps.to_dict(),
-        "calibrated_on": "measured baseline" if a.truth_measured else "model (no measured baseline)",
+        "calibrated_on": "measured baseline"
+        if a.truth_measured
+        else "model (no measured baseline)",
         "overhead_s": a.overhead_s,
         "compute_s": a.compute_s,
         "overhead_source": a.overhead_source,
@@ -682,7 +694,7 @@ def _details(a: Analysis) -> dict[str, Any]:
 
 def _worth_trying(a: Analysis, tolerance: float) -> list[int]:
     """Batches predicted to beat the current one by more than ``tolerance`` in samples/s:
-    the knee first (where more batch stops paying), then by predicted throughput."""
+    the rule's pick first (see ``Analysis.knee``), then by predicted throughput."""
     base = a.predictions[a.batch]["samples_per_s"]
     worth = [
         b

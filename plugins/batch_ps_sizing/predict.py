@@ -171,7 +171,9 @@ class BatchStepModel:
 
 def per_step_phrase(truth: StepTruth) -> str:
     """``exposed communication 13% of the step (4.8 ms, measured), optimizer ... do not grow with the batch``."""
-    fixed = [p for p in truth.parts_s if p not in SCALING_PARTS and (truth.fraction(p) or 0) >= 0.005]
+    fixed = [
+        p for p in truth.parts_s if p not in SCALING_PARTS and (truth.fraction(p) or 0) >= 0.005
+    ]
     if not fixed:
         return "nothing measured is per step: the whole step grows with the batch"
     listed = _join([truth.phrase(p) for p in fixed])
@@ -193,4 +195,3 @@ def _positive(samples: dict[int, list[float]]) -> dict[int, list[float]]:
 
 def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from tunekit.plugins.batch_ps_sizing.runtime import ProbeResult
     from tunekit.runtime.session import Session
 
-DEFAULT_KNEE_TOLERANCE = 0.05
+DEFAULT_KNEE_TOLERANCE = 0.0
+DEFAULT_MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,16 @@ class SweepSettings:
     """How the in-job sweep spends its steps."""
 
     knee_tolerance: float = DEFAULT_KNEE_TOLERANCE
-    """The knee is the smallest batch within this fraction of the best throughput seen."""
+    """The chosen batch is the smallest within this fraction of the best throughput seen.
+    0 (default) takes the best: the paper's least training time per sample. Above 0 gives
+    up that much throughput for a smaller batch (fewer samples per update)."""
+    min_gain: float = DEFAULT_MIN_GAIN
+    """A larger batch pays when it beats the best before it by this fraction; also the
+    plan's bar for a batch worth a trial."""
+    recheck_margin: float = 0.1
+    """After the climb, a runner-up within this fraction of the best is measured again
+    beside the best (budget allowing), and the mean of both measurements decides:
+    a few timed steps on shared cores can rank two close batches either way."""
     warmup_steps: int = 1
     """Training steps at a new batch before timing (allocator, cuDNN autotuning)."""
     measure_steps: int = 3
@@ -61,8 +71,9 @@ class SweepSettings:
     """Batches whose gradients estimate the gradient noise scale before the sweep (0: skip)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.knee_tolerance < 1:
-            raise ConfigError(f"knee_tolerance must be in [0, 1), not {self.knee_tolerance}")
+        for name in ("knee_tolerance", "min_gain", "recheck_margin"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), not {getattr(self, name)}")
         if self.warmup_steps < 0 or self.measure_steps < 1:
             raise ConfigError("warmup_steps must be >= 0 and measure_steps >= 1")
         if self.patience < 1:
@@ -110,6 +121,15 @@ def choose_knee(points: Sequence[tuple[int, float]], tolerance: float) -> int:
         raise ConfigError("no measured batch to choose from")
     best = max(t for _, t in points)
     return min(b for b, t in points if t >= (1 - tolerance) * best)
+
+
+def recheck_pair(points: Sequence[SweepPoint], margin: float) -> list[tuple[int, bool | None]]:
+    """The runner-up and the best (batch, variant), in that order, when the runner-up's
+    throughput is within ``margin`` of the best's; else nothing to measure again."""
+    ranked = sorted(((t, key) for key, t in mean_per_setting(points).items()), reverse=True)
+    if len(ranked) < 2 or ranked[1][0] < (1 - margin) * ranked[0][0]:
+        return []
+    return [ranked[1][1], ranked[0][1]]
 
 
 def stopped_paying(points: Sequence[tuple[int, float]], tolerance: float, patience: int) -> bool:
@@ -191,6 +211,8 @@ class SweepPoint:
     """Largest probe peak over ranks, above what the rank held before (None: not measurable)."""
     lr: float | None = None
     """The learning rate the workload's scaling rule gave this batch."""
+    recheck: bool = False
+    """A second measurement of a close contender, taken after the climb."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,16 +276,33 @@ def coordinated_sweep(
             break
         if points[-1].status == "budget":
             break
-        if stopped_paying(_best_per_batch(points), settings.knee_tolerance, settings.patience):
+        if stopped_paying(best_per_batch(points), settings.min_gain, settings.patience):
             reason = f"throughput stopped paying beyond batch {batch}"
             break
-    measured = [p for p in points if p.status == "ok"]
+    rechecked = []
+    for batch, variant in recheck_pair(points, settings.recheck_margin):
+        if used + per_try > max_steps:
+            break
+        point = _try_setting(session, agree, batch, variant, settings, probe, limit)
+        used += 1 if point.status == "oom" else per_try
+        point.recheck = True
+        points.append(point)
+        rechecked.append(batch)
+        if point.status == "oom":
+            reason += f"; batch {batch} ran out of memory when measured again: not chosen"
+            break
+    if len(rechecked) == 2 and points[-1].status == "ok":
+        reason += (
+            f"; batches {rechecked[0]} and {rechecked[1]} were within "
+            f"{settings.recheck_margin:.0%} and were measured again"
+        )
+    failed = {p.batch for p in points if p.recheck and p.status == "oom"}
+    measured = [p for p in points if p.status == "ok" and p.batch not in failed]
     if measured:
-        best = _best_per_batch(points)
+        best = [(b, t) for b, t in best_per_batch(points) if b not in failed]
         batch = choose_knee(best, settings.knee_tolerance)
-        variant = max(
-            (p for p in measured if p.batch == batch), key=lambda p: p.samples_per_s
-        ).cudnn_benchmark
+        means = mean_per_setting(points)
+        variant = max((key for key in means if key[0] == batch), key=means.__getitem__)[1]
     else:
         batch, variant = start_batch, None
         reason += "; nothing could be measured, the batch stays"
@@ -318,11 +357,21 @@ def _set_variant(variant: bool | None) -> None:
         torch.backends.cudnn.benchmark = variant
 
 
-def _best_per_batch(points: Sequence[SweepPoint]) -> list[tuple[int, float]]:
-    best: dict[int, float] = {}
+def mean_per_setting(points: Sequence[SweepPoint]) -> dict[tuple[int, bool | None], float]:
+    """Mean throughput of each measured (batch, variant): a setting measured twice counts
+    both measurements, not the luckier one."""
+    seen: dict[tuple[int, bool | None], list[float]] = {}
     for p in points:
-        if p.status == "ok":
-            best[p.batch] = max(best.get(p.batch, 0.0), p.samples_per_s)
+        if p.status == "ok" and p.samples_per_s is not None:
+            seen.setdefault((p.batch, p.cudnn_benchmark), []).append(p.samples_per_s)
+    return {key: statistics.fmean(ts) for key, ts in seen.items()}
+
+
+def best_per_batch(points: Sequence[SweepPoint]) -> list[tuple[int, float]]:
+    """Per batch, its best variant's mean throughput, ascending by batch."""
+    best: dict[int, float] = {}
+    for (batch, _), t in mean_per_setting(points).items():
+        best[batch] = max(best.get(batch, 0.0), t)
     return sorted(best.items())
 
 

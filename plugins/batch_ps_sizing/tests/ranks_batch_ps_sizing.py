@@ -32,14 +32,26 @@ class InjectedOOM:
 
 
 def sweep_on_ranks(
-    rank: int, world: int, failing_ranks: tuple[int, ...], from_batch: int, max_steps: int
+    rank: int,
+    world: int,
+    failing_ranks: tuple[int, ...],
+    from_batch: int,
+    max_steps: int,
+    recheck_margin: float = 0.0,
 ):
     torch.manual_seed(0)
     workload = load_workload("example:cnn")
     session = Session(workload, rank=rank, world_size=world, group=torch.distributed.group.WORLD)
     injected = InjectedOOM(rank, failing_ranks, from_batch)
     session.model.register_forward_pre_hook(injected)
-    settings = SweepSettings(warmup_steps=1, measure_steps=2, patience=3, noise_scale_batches=0)
+    # recheck_margin 0 (the default here) measures nothing twice: step counts stay exact.
+    settings = SweepSettings(
+        warmup_steps=1,
+        measure_steps=2,
+        patience=3,
+        noise_scale_batches=0,
+        recheck_margin=recheck_margin,
+    )
     outcome = coordinated_sweep(session, [8, 16, 32, 64, 128], settings, max_steps, probe_batch)
     session.train_step()  # the job goes on, at the chosen batch, on every rank
     checksum = float(sum(p.detach().double().sum() for p in session.model.parameters()))
@@ -49,6 +61,7 @@ def sweep_on_ranks(
         "session_batch": session.batch_size,
         "lr": session.lr,
         "points": [(p.batch, p.status, p.oom_ranks) for p in outcome.points],
+        "rechecks": [p.recheck for p in outcome.points],
         "throughputs": [p.samples_per_s for p in outcome.points],
         "steps_used": outcome.steps_used,
         "step": session.step,
@@ -64,7 +77,14 @@ def search_hook_on_ranks(rank: int, world: int):
     session.model.register_forward_pre_hook(InjectedOOM(rank, (0,), 128))
     # Patience past the ladder's length: the climb must end at the injected OOM, not
     # wherever two busy CPU cores happen to make throughput look flat.
-    settings = SweepSettings(warmup_steps=1, measure_steps=2, patience=10, noise_scale_batches=2)
+    # A recheck margin of 0.99 measures the two best again whatever they measured.
+    settings = SweepSettings(
+        warmup_steps=1,
+        measure_steps=2,
+        patience=10,
+        noise_scale_batches=2,
+        recheck_margin=0.99,
+    )
     tuner = BatchPsSizing(settings)
     knobs = tuner.validate({"knee_tolerance": 0.1})
     tuner.apply(session, knobs)

@@ -93,7 +93,13 @@ def _timing(compute, data=lambda b: 1e-5 * b, optimizer=0.004, batches=(8, 16, 3
 
 
 def _truth(step=0.100) -> StepTruth:
-    parts = {"compute": 0.060, "comm_exposed": 0.025, "data": 0.002, "optimizer": 0.008, "idle": 0.005}
+    parts = {
+        "compute": 0.060,
+        "comm_exposed": 0.025,
+        "data": 0.002,
+        "optimizer": 0.008,
+        "idle": 0.005,
+    }
     return StepTruth(step, {p: v * step / 0.1 for p, v in parts.items()})
 
 
@@ -189,7 +195,9 @@ def test_gain_is_in_samples_per_second_against_the_measured_baseline(cnn):
     assert first == pytest.approx(plan[0].global_batch / plan[0].predicted_step_s)
     assert diag.applies
     assert diag.expected_gain == pytest.approx(1 - measured / first)
-    assert f"{first / measured - 1:+.0%} samples/s over the measured {measured:,.0f}" in diag.summary
+    assert (
+        f"{first / measured - 1:+.0%} samples/s over the measured {measured:,.0f}" in diag.summary
+    )
 
 
 def test_candidates_carry_global_batch_and_range_and_bigger_batches_take_longer(cnn):
@@ -237,7 +245,9 @@ class _AllocatorLimit(torch.nn.Module):
 
     def forward(self, x):
         if x.shape[0] > self.limit:
-            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried {x.shape[0]}")
+            raise RuntimeError(
+                f"DefaultCPUAllocator: can't allocate memory: you tried {x.shape[0]}"
+            )
         return self.fc(x)
 
 
@@ -252,12 +262,16 @@ def test_timing_rounds_cover_every_kept_batch_and_an_out_of_memory_ends_the_clim
     )
     timing = time_steps(w, (4, 8, 16, 32, 64, 128), repeats=3)
     assert sorted(timing.samples) == [4, 8, 16, 32]
-    assert all(len(rows) == 3 and set(rows[0]) == set(PARTS_TIMED) for rows in timing.samples.values())
+    assert all(
+        len(rows) == 3 and set(rows[0]) == set(PARTS_TIMED) for rows in timing.samples.values()
+    )
     assert set(timing.skipped) == {64, 128} and "out of memory" in timing.skipped[64]
 
 
 def test_timing_stops_climbing_at_the_budget_but_keeps_the_required_batches():
-    timing = time_steps(tiny_workload(), (2, 4, 8, 16, 32, 64), repeats=2, budget_s=0.0, required=(8, 4))
+    timing = time_steps(
+        tiny_workload(), (2, 4, 8, 16, 32, 64), repeats=2, budget_s=0.0, required=(8, 4)
+    )
     assert sorted(timing.samples) == [2, 4, 8]
     assert set(timing.skipped) == {16, 32, 64}
     assert "measuring budget" in timing.skipped[16]
@@ -282,7 +296,9 @@ def test_candidates_count_samples_as_the_observation_counts_the_baseline():
             assert cand.global_batch == obs.global_batch
         else:
             assert cand.global_batch == obs.global_batch * b // w.batch_size
-        assert cand.details["samples_per_s"] == pytest.approx(cand.global_batch / cand.predicted_step_s)
+        assert cand.details["samples_per_s"] == pytest.approx(
+            cand.global_batch / cand.predicted_step_s
+        )
 
 
 def test_a_job_that_accumulates_is_offered_larger_micro_batches_at_the_same_samples_per_step():

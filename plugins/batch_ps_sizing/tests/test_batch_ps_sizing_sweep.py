@@ -8,10 +8,13 @@ import torch
 from tunekit.errors import ConfigError
 from tunekit.plugins.batch_ps_sizing.runtime import device_memory_bytes, probe_batch
 from tunekit.plugins.batch_ps_sizing.search import (
+    SweepPoint,
     SweepSettings,
     batch_ladder,
+    best_per_batch,
     choose_knee,
     coordinated_sweep,
+    recheck_pair,
     stopped_paying,
 )
 from tunekit.plugins.batch_ps_sizing.tests.ranks_batch_ps_sizing import (
@@ -45,6 +48,29 @@ def test_knee_is_the_smallest_batch_near_the_best():
         choose_knee([], 0.05)
 
 
+def _ok(batch: int, samples_per_s: float, variant: bool | None = None) -> SweepPoint:
+    return SweepPoint(
+        batch, variant, "ok", step_s=batch / samples_per_s, samples_per_s=samples_per_s
+    )
+
+
+def test_close_contenders_are_measured_again_and_averaged():
+    points = [_ok(16, 180.0), _ok(32, 250.0), _ok(64, 262.0), _ok(128, 240.0)]
+    # 250 is within 10% of 262: the runner-up first, then the best.
+    assert recheck_pair(points, 0.1) == [(32, None), (64, None)]
+    assert recheck_pair(points, 0.04) == []  # 250 < 0.96 * 262
+    assert recheck_pair(points[:1], 0.1) == []  # nothing to compare with
+    # Measured again, 64 came out slower: the mean of both measurements decides, not the
+    # luckier one, so 32 is now the best.
+    again = [*points, _ok(32, 255.0), _ok(64, 236.0)]
+    assert choose_knee(best_per_batch(again), 0.0) == 32
+    assert dict(best_per_batch(again))[64] == pytest.approx(249.0)
+    # On a GPU each batch keeps its best variant.
+    variants = [_ok(32, 100.0, False), _ok(32, 130.0, True), _ok(64, 120.0, False)]
+    assert dict(best_per_batch(variants)) == {32: 130.0, 64: 120.0}
+    assert recheck_pair(variants, 0.1) == [(64, False), (32, True)]
+
+
 def test_stopped_paying_needs_patience():
     rising = [(8, 100.0), (16, 150.0), (32, 200.0)]
     assert not stopped_paying(rising, 0.05, 2)
@@ -58,6 +84,11 @@ def test_settings_check_their_fields():
         SweepSettings(knee_tolerance=1.5)
     with pytest.raises(ConfigError, match="measure_steps"):
         SweepSettings(measure_steps=0)
+    with pytest.raises(ConfigError, match="min_gain"):
+        SweepSettings(min_gain=-0.1)
+    with pytest.raises(ConfigError, match="recheck_margin"):
+        SweepSettings(recheck_margin=1.0)
+    assert SweepSettings().knee_tolerance == 0.0  # the best measured, as the paper ranks
 
 
 @pytest.mark.slow
@@ -87,6 +118,18 @@ def test_one_rank_sweep_with_oom_keeps_training_and_stays_in_range():
     assert result["step"] == 2 * 3 + 1
 
 
+def test_one_rank_sweep_measures_the_two_best_again():
+    # From batch 32 on, the injected OOM ends the climb; 8 and 16 are measured again.
+    result = sweep_on_ranks(0, 1, (0,), 32, 60, 0.99)
+    statuses = [p[1] for p in result["points"]]
+    assert statuses == ["ok", "ok", "oom", "ok", "ok"]
+    assert result["rechecks"] == [False, False, False, True, True]
+    assert sorted(p[0] for p in result["points"][3:]) == [8, 16]
+    assert "measured again" in result["reason"]
+    assert result["step"] == 4 * 3 + 1  # two candidates twice, the OOM probe trains nothing
+    assert result["batch"] in (8, 16) and result["session_batch"] == result["batch"]
+
+
 def test_sweep_stops_when_the_step_budget_is_spent():
     result = sweep_on_ranks(0, 1, (), 10**9, 8)  # room for two candidates of 4 steps
     statuses = [p[1] for p in result["points"]]
@@ -106,7 +149,11 @@ def test_search_hook_agrees_across_ranks_and_reports_noise_scale():
     assert len(noise) == 1 and noise[0]["noise_scale"]["samples"] == 2 * 2  # 2 batches x 2 ranks
     assert "B_simple" in r0["summary"]
     tried = [t for t in r0["trace"] if "status" in t]
-    assert tried[-1]["status"] == "oom" and tried[-1]["oom_ranks"] == [0]
+    climb = [t for t in tried if not t["recheck"]]
+    assert climb[-1]["status"] == "oom" and climb[-1]["oom_ranks"] == [0]
+    again = [t for t in tried if t["recheck"]]
+    assert len(again) == 2 and all(t["status"] == "ok" for t in again)
+    assert "measured again" in r0["summary"]
     assert all(t["knobs"]["batch_size"] == t["batch"] for t in tried)
 
 
