@@ -1,6 +1,6 @@
 """CGDP at several chunk sizes against DDP, and the chunk size the in-job searches find.
 
-Two workloads at the ends of CGDP's range (``tunekit.plugins.cgdp.workloads``):
+Two workloads at the ends of CGDP's range (``tunekit.plugins.cgdp.tests.workloads_cgdp``):
 ``deep_narrow`` (24 small linear layers, ResNet-152's flat profile) and
 ``wide`` (two small convolutions, three large linear layers, AlexNet's
 profile). Each runs on 2 gloo ranks, all configs side by side:
@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from tunekit.plugins.cgdp.ranks import live_searches, peak_memory, sweep
+from tunekit.plugins.cgdp.tests.ranks_cgdp import live_searches, peak_memory, sweep
 from tunekit.testing import run_ranks
 
 WORKLOADS = {
-    "deep_narrow": "tunekit.plugins.cgdp.workloads:deep_narrow",
-    "wide": "tunekit.plugins.cgdp.workloads:wide",
+    "deep_narrow": "tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow",
+    "wide": "tunekit.plugins.cgdp.tests.workloads_cgdp:wide",
 }
 LAYERS = {"deep_narrow": 24, "wide": 5}
 SEARCHES = [

@@ -33,7 +33,7 @@ from tunekit.observe.graph import trace_model
 from tunekit.observe.layer_profile import profile_layers
 from tunekit.observe.timing import measure_link
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
-from tunekit.plugins.hybrid_mp.harness import hybrid_rank, reference_run
+from tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp import hybrid_rank, reference_run
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
 from tunekit.plugins.hybrid_mp.plugin import nodes_of
 from tunekit.plugins.hybrid_mp.render import format_gantt, format_summary
@@ -51,7 +51,7 @@ def _median_iqr(xs: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="tunekit.plugins.hybrid_mp.examples:branchy_wide")
+    ap.add_argument("--workload", default="tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy_wide")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

@@ -63,6 +63,7 @@ from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, T
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, Link
 from tunekit.observe.breakdown import PARTS, Breakdown, CollectiveTiming, RankBreakdown, StepParts
 from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.runtime.dist import single_rank_group  # re-exported: tests use it from here
 from tunekit.runtime.session import Session
 from tunekit.workload import Workload, load_workload
 
@@ -216,25 +217,6 @@ def run_ranks(
         if res is None:
             raise RuntimeError(f"rank {rank} died without a result")
     return [res["value"] for res in found]
-
-
-@contextmanager
-def single_rank_group() -> Iterator[None]:
-    """A one-rank gloo process group for the duration, unless one already exists.
-
-    Runtime hooks that install DDP or call collectives need a process group
-    even on one rank; this gives them a real one without extra processes.
-    """
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="tunekit-pg-") as tmp:
-        store = dist.FileStore(str(Path(tmp) / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 # == numerical equivalence ================================================================

@@ -23,14 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tunekit.observe.step_timing import (
-    StepTiming,
-    intra_op_threads,
-    time_steps,
-)
+from tunekit.api import StepTiming, Workload, intra_op_threads, time_steps, to_device
 from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
-from tunekit.runtime.data import to_device
-from tunekit.workload import Workload
 
 
 class PeakMeter:

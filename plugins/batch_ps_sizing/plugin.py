@@ -21,10 +21,9 @@ from typing import Any
 import psutil
 import torch
 
+from tunekit.api import Breakdown, Observation, Session, StepTruth
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError, WorkloadError
-from tunekit.observe.observation import Observation
-from tunekit.observe.truth import StepTruth
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import LocalMeasurement, measure_locally
 from tunekit.plugins.batch_ps_sizing.predict import BatchStepModel, per_step_phrase, scaling_phrase
@@ -43,7 +42,6 @@ from tunekit.plugins.batch_ps_sizing.search import (
     coordinated_sweep,
     plan_batch_by_algorithms,
 )
-from tunekit.runtime.session import Session
 
 MAX_BATCH = 1 << 20
 MAX_ACCUMULATION = 1 << 10
@@ -564,12 +562,10 @@ def _overhead(obs: Observation, t_local: float) -> tuple[float, float, float | N
     )
 
 
-def _breakdown_summary(breakdown) -> dict[str, float] | None:
+def _breakdown_summary(breakdown: Breakdown | None) -> dict[str, float] | None:
     if breakdown is None:
         return None
-    summary = breakdown.summary() if hasattr(breakdown, "summary") else breakdown
-    if not isinstance(summary, Mapping):
-        return None
+    summary = breakdown.summary()
     compute, total = summary.get("compute_s"), summary.get("total_s")
     if not compute or not total or compute <= 0:
         return None
@@ -602,7 +598,7 @@ def _cnn_spec(obs: Observation) -> zou.CnnSpec | None:
     graph = obs.graph
     if graph is None:
         try:
-            from tunekit.observe.graph import trace_model
+            from tunekit.api import trace_model
 
             graph = trace_model(obs.workload.model(), obs.workload.example_batch(2)[0])
         except Exception:

@@ -29,9 +29,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from tunekit.costmodel import Calibration
-from tunekit.observe.step_timing import StepTiming
-from tunekit.observe.truth import StepTruth
+from tunekit.api import Calibration, StepTiming, StepTruth
 from tunekit.plugins.batch_ps_sizing.model import StepTimeFit
 
 SCALING_PARTS = ("compute", "data")

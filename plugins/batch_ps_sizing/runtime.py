@@ -9,10 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunekit.observe.step_timing import is_out_of_memory, release_memory
+from tunekit.api import Session, is_out_of_memory, release_memory
 from tunekit.plugins.batch_ps_sizing.measure import PeakMeter
 from tunekit.plugins.batch_ps_sizing.model import NoiseScale, noise_scale_from_norms
-from tunekit.runtime.session import Session
 
 
 def apply_batch_knobs(session: Session, knobs: Mapping[str, Any]) -> None:

@@ -26,15 +26,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tunekit.costmodel import ComputeRate, training_flops
+from tunekit.api import (
+    ComputeRate,
+    broadcast_object,
+    is_out_of_memory,
+    release_memory,
+    training_flops,
+)
 from tunekit.errors import ConfigError
-from tunekit.observe.step_timing import is_out_of_memory, release_memory
 from tunekit.plugins.batch_ps_sizing.model import CnnSpec, feature_shapes
-from tunekit.runtime.dist import broadcast_object
 
 if TYPE_CHECKING:
+    from tunekit.api import Session
     from tunekit.plugins.batch_ps_sizing.runtime import ProbeResult
-    from tunekit.runtime.session import Session
 
 DEFAULT_KNEE_TOLERANCE = 0.0
 DEFAULT_MIN_GAIN = 0.05

@@ -24,15 +24,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tunekit.costmodel import ComputeRate
-from tunekit.hardware import CollectiveFit
-from tunekit.observe.grad_timing import time_groups
-from tunekit.observe.timing import (
+from tunekit.api import (
+    CollectiveFit,
+    ComputeRate,
     Estimate,
     allreduce_timings,
     bandwidth_estimate,
     copy_timings,
     fit_samples,
+    time_groups,
     timed_rounds,
 )
 from tunekit.plugins.cgdp.model import HostRates, host_sum_bandwidth
@@ -272,9 +272,8 @@ def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 9
     the steps after the first, :func:`own_cost`). Excludes the collective's
     own launch, which the reduction latency accounts for.
     """
+    from tunekit.api import Session, Workload
     from tunekit.plugins.cgdp.runtime import CgdpSync
-    from tunekit.runtime.session import Session
-    from tunekit.workload import Workload
 
     def model() -> nn.Module:
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])

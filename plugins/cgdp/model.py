@@ -145,7 +145,7 @@ def ddp_backward_time(
 
 # -- a timeline of one backward pass with its reductions ------------------------------------
 #
-# The calibrated predictions (``calibrate.py``) run DDP and CGDP through the same
+# The calibrated predictions (``calibrated.py``) run DDP and CGDP through the same
 # timeline: messages (DDP's buckets, CGDP's chunks) are posted by the backward thread
 # when their last layer's gradients are ready, reduced one at a time in order, and
 # each reduction runs at one speed while backward still computes beside it and at

@@ -6,7 +6,7 @@ runs on; the chunk size is searched inside the job (Algorithm 1).
 On this machine the diagnosis starts from the measured baseline
 (``obs.truth``): CGDP can only hide the communication DDP leaves exposed, and
 adds its own host work. The paper's cost model, calibrated so that it
-reproduces the measured DDP step (``calibrate.py``), then predicts every
+reproduces the measured DDP step (``calibrated.py``), then predicts every
 chunk size and the optimizer offload as a change to that step; a prediction
 carries the range its inputs' spread gives (the per-layer backward times of
 each timed pass, the quartiles of the trace's all-reduce times, the probe's
@@ -26,14 +26,20 @@ from typing import Any
 import psutil
 import torch
 
+from tunekit.api import (
+    GB,
+    Estimate,
+    Hardware,
+    Observation,
+    Session,
+    StepTruth,
+    bandwidth_estimate,
+    block_units,
+    to_device,
+)
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
-from tunekit.hardware import GB, Hardware
-from tunekit.observe.blocks import block_units
-from tunekit.observe.observation import Observation
-from tunekit.observe.timing import Estimate, bandwidth_estimate
-from tunekit.observe.truth import StepTruth
-from tunekit.plugins.cgdp.calibrate import CalibratedCgdp, HostWork, calibrate
+from tunekit.plugins.cgdp.calibrated import CalibratedCgdp, HostWork, calibrate
 from tunekit.plugins.cgdp.model import (
     AllReduceCost,
     HostRates,
@@ -52,8 +58,6 @@ from tunekit.plugins.cgdp.search import (
     chunk_layout,
     unit_layout,
 )
-from tunekit.runtime.data import to_device
-from tunekit.runtime.session import Session
 
 MEASURED_SOURCES = ("local", "probe")
 """Hardware sources that describe the machine tunekit runs on (times are measured here)."""
@@ -65,23 +69,9 @@ CACHE_VERSION = "v3"
 """Bumped when what is cached changes shape (v3: per-pass backward samples, offload step)."""
 
 
-def _cached(obs: Observation, key: str, compute):
-    """``compute()``, cached in the study store when the observation has one."""
-    if obs.cache is not None:
-        hit = obs.cache.get(key)
-        if hit is not None:
-            return hit
-    value = compute()
-    if obs.cache is not None:
-        obs.cache.put(key, value)
-    return value
-
-
 def rank_threads(nproc: int) -> int:
     """Intra-op threads of one rank, as the trial launcher gives them (cores shared out)."""
     return max(1, (psutil.cpu_count(logical=False) or 1) // max(nproc, 1))
-
-
 
 
 def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str, Any]:
@@ -98,7 +88,10 @@ def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[st
     work, target = obs.workload, obs.hardware.devices[0]
     model = work.model().to(device)
     inputs, targets = work.example_batch(work.batch_size)
-    inputs, targets = to_device(inputs, device), to_device(targets, device)  # inputs may be a dict (HF)
+    inputs, targets = (
+        to_device(inputs, device),
+        to_device(targets, device),
+    )  # inputs may be a dict (HF)
     if local:
         times = time_layer_backward(
             model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)
@@ -323,9 +316,7 @@ class _Row:
         units = fit.units
         self.chunk_by = "layers" if units is None else "blocks"
         what = "" if units is None else (" block" if k == 1 else " blocks")
-        self.label = f"chunks of {k}{what}" + (
-            " with the optimizer on the host" if offload else ""
-        )
+        self.label = f"chunks of {k}{what}" + (" with the optimizer on the host" if offload else "")
         layout = k if units is None else unit_layout(units, k)
         model = fit.model
         self.timeline = model.cgdp(layout)
@@ -487,19 +478,15 @@ class Cgdp(Tuner):
         """Layer times, host rates and the optimizer steps of this job here (cached)."""
         hw, target = obs.hardware, obs.hardware.devices[0]
         spec = f"{obs.workload_spec}:{device}:{obs.nproc}"
+        layers_key = f"cgdp:layers:{CACHE_VERSION}:{spec}:{target.model}"
+        host_key = f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True"
         return {
-            "layers": _cached(
-                obs, f"cgdp:layers:{CACHE_VERSION}:{spec}:{target.model}",
-                lambda: _layer_times(obs, device, True),
+            "layers": obs.cached(layers_key, lambda: _layer_times(obs, device, True)),
+            "host": obs.cached(host_key, lambda: _measure_host(device, True)),
+            "offload": obs.cached(
+                f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: _measure_offload(obs, device)
             ),
-            "host": _cached(
-                obs, f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True",
-                lambda: _measure_host(device, True),
-            ),
-            "offload": _cached(
-                obs, f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: _measure_offload(obs, device)
-            ),
-        }  # fmt: skip
+        }
 
     def _fit(self, obs: Observation) -> _Fit:
         """The calibrated model, its variants for ranges, and the figures they came from."""
@@ -640,10 +627,9 @@ class Cgdp(Tuner):
         backend = "nccl" if target.kind == "gpu" else obs.backend
         hw.allreduce_time(1.0, nproc, backend)  # fails fast if the hardware cannot hold the job
         key = f"cgdp:layers:{obs.workload_spec}:{device}:False:{target.model}"
-        lt = _cached(obs, key, lambda: _layer_times(obs, device, False))
+        lt = obs.cached(key, lambda: _layer_times(obs, device, False))
         times = LayerTimes.from_dict(lt)
-        measured = _cached(
-            obs,
+        measured = obs.cached(
             f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:False",
             lambda: _measure_host(device, False),
         )

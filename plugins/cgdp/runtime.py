@@ -35,15 +35,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunekit.api import (
+    ALL_FEATURES,
+    CommRecord,
+    GradSync,
+    HookedAccumulation,
+    block_units,
+    broadcast_object,
+)
 from tunekit.contract import SearchResult
 from tunekit.errors import PluginError
-from tunekit.observe.blocks import block_units
 from tunekit.plugins.cgdp.search import chunk_layout, unit_layout
-from tunekit.runtime.dist import broadcast_object
-from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 
 if TYPE_CHECKING:
-    from tunekit.runtime.session import Session
+    from tunekit.api import Session
 
 
 CHUNK_BY = ("layers", "blocks")
@@ -716,7 +721,7 @@ class CgdpSync(HookedAccumulation, GradSync):
 
 def declines(knobs: dict[str, Any], features: frozenset[str]) -> str | None:
     """Why a config cannot train a job using ``features`` ("does not apply: ..."), or None."""
-    from tunekit.runtime.sync import declined_features
+    from tunekit.api import declined_features
 
     if not knobs.get("offload_optimizer"):
         return None

@@ -50,8 +50,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tunekit.costmodel import Calibration, ComputeRate
-from tunekit.observe.truth import StepTruth
+from tunekit.api import Calibration, ComputeRate, StepTruth
 from tunekit.plugins.hybrid_mp.model import OpGraph
 
 __all__ = [

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tunekit.api import BatchSource, Hardware, Workload
 from tunekit.errors import ConfigError
-from tunekit.hardware import Hardware
 from tunekit.plugins.hybrid_mp.model import EpochTable
-from tunekit.runtime.data import BatchSource
-from tunekit.workload import Workload
 
 __all__ = [
     "measure_epochs",

@@ -14,8 +14,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tunekit.api import Hardware
 from tunekit.errors import HardwareError
-from tunekit.hardware import Hardware
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tunekit.costmodel import ComputeRate
+from tunekit.api import ComputeRate
 from tunekit.errors import ConfigError
 
 # -- the op graph -----------------------------------------------------------------------

@@ -35,11 +35,17 @@ from typing import Any
 
 import torch
 
+from tunekit.api import (
+    LayerProfile,
+    Observation,
+    Session,
+    broadcast_object,
+    graph_units,
+    intra_op_threads,
+    time_steps,
+)
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError
-from tunekit.observe.blocks import graph_units
-from tunekit.observe.observation import Observation
-from tunekit.observe.step_timing import intra_op_threads, time_steps
 from tunekit.plugins.hybrid_mp.calibrated import (
     ExecutorOverheads,
     HybridPrediction,
@@ -82,8 +88,6 @@ from tunekit.plugins.hybrid_mp.search import (
     place,
     speedup_bound,
 )
-from tunekit.runtime.dist import broadcast_object
-from tunekit.runtime.session import Session
 
 OPTIONS_KEY = "hybrid_mp"
 MIN_USEFUL_SPEEDUP = 1.02
@@ -145,7 +149,7 @@ class HybridOptions:
 def model_graph(obs: Observation, strict: bool = True):
     """The observation's traced graph at the per-rank batch, tracing the model if needed
     (``strict``: refusing any graph but a torch.fx one)."""
-    from tunekit.observe.graph import trace_model
+    from tunekit.api import trace_model
 
     b = obs.workload.batch_size
     graph = obs.graph
@@ -191,7 +195,7 @@ def op_graph(obs: Observation, opts: HybridOptions) -> tuple[OpGraph, str]:
 def usable_profile(obs: Observation):
     """The observation's layer profile when it was measured on this machine, else None."""
     prof = obs.layer_profile
-    if prof is None or getattr(prof, "hardware_fingerprint", "") not in (
+    if prof is None or prof.hardware_fingerprint not in (
         "",
         obs.hardware.fingerprint(),
     ):
@@ -199,14 +203,14 @@ def usable_profile(obs: Observation):
     return prof
 
 
-def profile_source(prof) -> str:
+def profile_source(prof: LayerProfile) -> str:
     """Where Δ(k) came from: ``measured`` (wall clock) or ``measured (CPU time)``.
 
     The core times layers of CPU ranks on the thread's CPU clock where it can (the
     profile's ``clock``), so a shared machine's preemption does not skew them layer by
     layer; the calibration then scales that work to the measured compute.
     """
-    return "measured" if getattr(prof, "clock", "wall") == "wall" else "measured (CPU time)"
+    return "measured" if prof.clock == "wall" else "measured (CPU time)"
 
 
 def _peak(obs: Observation) -> float:
@@ -248,21 +252,17 @@ def mp_degrees(obs: Observation, opts: HybridOptions) -> list[int]:
 def solve_placement(og: OpGraph, obs: Observation, m: int, opts: HybridOptions) -> Placement:
     """DLPlacer on the first ``m`` devices; cached in the study store when there is one."""
     hw = HardwareGraph.from_hardware(obs.hardware, m)
-    key = None
-    if obs.cache is not None:
-        digest = hashlib.sha256(
-            json.dumps(
-                [og.to_dict(), hw.devices, hw.memory, [a.__dict__ for a in hw.arcs]], sort_keys=True
-            ).encode()
-        ).hexdigest()[:20]
-        key = f"hybrid_mp:placement:{digest}:{opts.gap}"
-        hit = obs.cache.get(key)
-        if hit is not None:
-            return Placement.from_dict(hit)
-    p = place(og, hw, PlacerOptions(time_limit_s=opts.time_limit_s, gap=opts.gap))
-    if key is not None:
-        obs.cache.put(key, p.to_dict())
-    return p
+    digest = hashlib.sha256(
+        json.dumps(
+            [og.to_dict(), hw.devices, hw.memory, [a.__dict__ for a in hw.arcs]], sort_keys=True
+        ).encode()
+    ).hexdigest()[:20]
+    return obs.cached(
+        f"hybrid_mp:placement:{digest}:{opts.gap}",
+        lambda: place(og, hw, PlacerOptions(time_limit_s=opts.time_limit_s, gap=opts.gap)),
+        encode=Placement.to_dict,
+        decode=Placement.from_dict,
+    )
 
 
 # -- the calibrated prediction ------------------------------------------------------------------
@@ -305,14 +305,12 @@ def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | 
     why = HybridStepModel.missing(obs.truth, obs.hardware)
     if why is not None:
         return why
-    overheads = None
-    if obs.cache is not None:  # diagnose and plan quote the same measurement
-        hit = obs.cache.get(OVERHEADS_KEY)
-        overheads = ExecutorOverheads(**hit) if hit else None
-    if overheads is None:
-        overheads = ExecutorOverheads.measure()
-        if obs.cache is not None:
-            obs.cache.put(OVERHEADS_KEY, overheads.to_dict())
+    overheads = obs.cached(  # diagnose and plan quote the same measurement
+        OVERHEADS_KEY,
+        ExecutorOverheads.measure,
+        encode=ExecutorOverheads.to_dict,
+        decode=lambda hit: ExecutorOverheads(**hit),
+    )
     threads = threads_per_rank(obs)
     own = None
     if copies_on_cores(obs.hardware, obs.nproc, threads):
@@ -339,15 +337,14 @@ def own_compute_s(obs: Observation, threads: int) -> float:
     alone with a rank's threads (median of three after a warm-up; cached per observation):
     the model's own compute, which the baseline's measured compute exceeds by what ran
     beside it on the same cores."""
-    if obs.cache is not None and (hit := obs.cache.get(OWN_COMPUTE_KEY)) is not None:
-        return float(hit)
-    b = obs.workload.batch_size
-    with intra_op_threads(threads):
-        timing = time_steps(obs.workload, (b,), repeats=3)
-    own = statistics.median(timing.part_samples("compute")[b]) * obs.workload.accumulation
-    if obs.cache is not None:
-        obs.cache.put(OWN_COMPUTE_KEY, own)
-    return own
+
+    def measure() -> float:
+        b = obs.workload.batch_size
+        with intra_op_threads(threads):
+            timing = time_steps(obs.workload, (b,), repeats=3)
+        return statistics.median(timing.part_samples("compute")[b]) * obs.workload.accumulation
+
+    return obs.cached(OWN_COMPUTE_KEY, measure, decode=float)
 
 
 def step_batch(obs: Observation) -> int:
@@ -359,8 +356,8 @@ def step_batch(obs: Observation) -> int:
 def threads_per_rank(obs: Observation) -> int:
     """Intra-op threads of each rank: as the layers were timed, else the host's share."""
     prof = obs.layer_profile
-    if prof is not None and getattr(prof, "torch_threads", 0):
-        return int(prof.torch_threads)
+    if prof is not None and prof.torch_threads:
+        return prof.torch_threads
     return max(1, obs.hardware.host.cores // max(obs.nproc, 1))
 
 
@@ -598,8 +595,8 @@ class HybridMp(Tuner):
         if obs.nproc < 2 or len(obs.hardware.devices) < 2:
             return Diagnosis(False, "one device: no model-parallel worker can be formed")
         # -- training features (issue 17) --
+        from tunekit.api import declined_features
         from tunekit.plugins.hybrid_mp.runtime import HYBRID_HANDLES, HYBRID_NEEDS
-        from tunekit.runtime.sync import declined_features
 
         if why := declined_features(obs.workload.features(), HYBRID_HANDLES, HYBRID_NEEDS):
             return Diagnosis(False, why)
@@ -862,7 +859,7 @@ def calibrated_text(calibrated: Mapping[str, Any] | None, rationale: str) -> str
 
 
 def _trace(session: Session):
-    from tunekit.observe.graph import trace_model
+    from tunekit.api import trace_model
 
     x, _ = session.workload.example_batch(min(session.batch_size, 2))
     graph = trace_model(session.model, x, batch_size=session.batch_size)
@@ -903,7 +900,7 @@ def worker_plan(session: Session, m: int, placer: str, time_limit_s: float) -> d
     Returns plain data every rank can use: fx node -> model-parallel index,
     and each node's place in the planned execution order.
     """
-    from tunekit.observe.local import describe_local_machine
+    from tunekit.api import describe_local_machine
 
     graph = _trace(session)
     hw = describe_local_machine(m, session.device.type)

@@ -47,11 +47,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
+from tunekit.api import ALL_FEATURES, BatchSource, CommRecord, GradSync, Session, broadcast_object
 from tunekit.errors import ConfigError, PluginError
-from tunekit.runtime.data import BatchSource
-from tunekit.runtime.dist import broadcast_object
-from tunekit.runtime.session import Session
-from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync
 
 __all__ = [
     "HybridSync",

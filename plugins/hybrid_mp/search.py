@@ -53,6 +53,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tunekit.api import MilpModel, MilpSolution
 from tunekit.errors import ConfigError
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import Edge, Op, OpGraph
@@ -69,7 +70,6 @@ from tunekit.plugins.hybrid_mp.schedule import (
     tasks_of,
     topo_order,
 )
-from tunekit.search.ilp import MilpModel, MilpSolution
 
 __all__ = ["PlacerOptions", "place", "coarsen", "cut_ops"]
 

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tunekit.costmodel import Calibration
+from tunekit.api import Calibration
 from tunekit.plugins.layer_split.model import (
     CostOptions,
     SplitConfig,
@@ -145,14 +145,12 @@ def measure_executor_overhead(
     judged from one plain step): on a shared CPU one block's median varies by
     ~10%, and five rounds bring the example CNN's overhead to within ~2 ms.
     """
-    from tunekit.observe.layer_profile import _Threads, timing_clock
+    from tunekit.api import DDPSync, intra_op_threads, single_rank_group, timing_clock
     from tunekit.plugins.layer_split.runtime import PlanExecutor
-    from tunekit.runtime.sync import DDPSync
-    from tunekit.testing import single_rank_group
 
     if (rounds is not None and rounds < 1) or block <= warmup:
         raise ValueError("need at least one round and a block longer than its warm-up")
-    with _Threads(threads), single_rank_group():
+    with intra_op_threads(threads), single_rank_group():
         # DDP runs alone only in a group of one: a rank of a running job has peers to wait for.
         ddp_alone = dist.get_world_size() == 1
         torch.manual_seed(0)

@@ -46,9 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from tunekit.costmodel import ComputeRate
+from tunekit.api import ComputeRate, Hardware
 from tunekit.errors import PluginError
-from tunekit.hardware import Hardware
 
 DIMS = ("n", "c", "h", "w")
 
@@ -256,7 +255,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
 
     Shapes, bytes and FLOPs are rescaled from the trace batch to ``global_batch``.
     """
-    from tunekit.observe.graph import _layer_output
+    from tunekit.api import layer_output
     from tunekit.plugins.layer_split.heads import heads_of
     from tunekit.plugins.layer_split.units import runs_as_subgraph
 
@@ -272,7 +271,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
         anchor = nodes[layer.nodes[0]]
         const = (
             layer.kind not in ("input", "output")
-            and _layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name
+            and layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name
             not in batched
         )
         subgraph = runs_as_subgraph(graph, layer, batched)
@@ -312,7 +311,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
             flops=float(layer.flops) * scale,
             elem_bytes=elem,
             replicated=layer.kind == "input",
-            dtype=_layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).output_dtype
+            dtype=layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).output_dtype
             if layer.kind != "output"
             else None,
         )

@@ -15,12 +15,12 @@ behaviour), ``owt`` (Krizhevsky's one weird trick), or a per-layer plan as JSON
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from tunekit.api import Observation, Session
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError, PluginError
-from tunekit.observe.observation import Observation
 from tunekit.plugins.layer_split.calibrated import (
     CalibratedModel,
     ExecutorOverhead,
@@ -48,7 +48,6 @@ from tunekit.plugins.layer_split.search import (
     plan_details,
     render_markdown,
 )
-from tunekit.runtime.session import Session
 
 NAMED_PLANS = ("image", "owt")
 
@@ -79,7 +78,6 @@ class LayerSplit(Tuner):
 
     def __init__(self, options: CostOptions | None = None):
         self.options = options or CostOptions()
-        self._memo: dict[int, tuple[Observation, Analysis]] = {}
         self.unsupported: list[str] = []
         """Why the executor cannot run some layers of the last analysed model (empty: it can)."""
 
@@ -102,7 +100,7 @@ class LayerSplit(Tuner):
 
         if obs.graph is not None:
             return split_graph(obs.graph)
-        from tunekit.observe.graph import trace_model
+        from tunekit.api import trace_model
 
         inputs = obs.workload.example_batch(2)[0]
         return split_graph(trace_model(obs.workload.model(), inputs))
@@ -112,20 +110,23 @@ class LayerSplit(Tuner):
         return self.analyse(obs).tables
 
     def analyse(self, obs: Observation) -> Analysis:
-        """Eq. 1's tables and plans, and the calibrated model when this machine was measured."""
-        memo = self._memo.get(id(obs))
-        if memo is not None and memo[0] is obs:
-            return memo[1]
+        """Eq. 1's tables and plans, and the calibrated model when this machine was measured
+        (once per observation; ``unsupported`` then says what the executor cannot run)."""
+        analysis = obs.memo(f"{self.name}:analysis", lambda: self._analyse(obs))
+        self.unsupported = analysis.unsupported
+        return analysis
+
+    def _analyse(self, obs: Observation) -> Analysis:
         graph = self._graph(obs)
         specs = specs_from_graph(graph, obs.global_batch)
         hw, ndev = obs.hardware, obs.nproc
-        spaces, self.unsupported = runnable_spaces(obs.workload.model(), graph, specs, ndev)
+        spaces, unsupported = runnable_spaces(obs.workload.model(), graph, specs, ndev)
         local = hw.source in ("local", "probe")
         if local:
             compute, spaces, source = measured_compute(obs, graph, specs, spaces)
             untimed = [v for v, cs in spaces.items() if not cs]
             for v in untimed:  # refused by name, not "node has no configurations"
-                self.unsupported.append(
+                unsupported.append(
                     f"layer_split: layer {v!r} ({specs[v].kind}): the split timer cannot run "
                     "any of its configs on this machine"
                 )
@@ -149,11 +150,9 @@ class LayerSplit(Tuner):
             why = f"planning for the {hw.name} profile, not this machine: Eq. 1 uncalibrated"
         elif obs.truth is None:
             why = "no measured baseline to calibrate on"
-        elif not self.unsupported:
+        elif not unsupported:
             calibrated = calibrated_model(obs, graph, tables)
-        analysis = Analysis(tables, plans, calibrated, why)
-        self._memo = {id(obs): (obs, analysis)}
-        return analysis
+        return Analysis(tables, plans, calibrated, why, unsupported)
 
     # -- diagnose / plan ---------------------------------------------------------------
 
@@ -161,8 +160,8 @@ class LayerSplit(Tuner):
         if obs.nproc < 2:
             return Diagnosis(False, "one device: there is nothing to split")
         # -- training features (issue 17) --
+        from tunekit.api import declined_features
         from tunekit.plugins.layer_split.runtime import LAYER_SPLIT_DECLINES, LAYER_SPLIT_HANDLES
-        from tunekit.runtime.sync import declined_features
 
         if why := declined_features(
             obs.workload.features(), LAYER_SPLIT_HANDLES, LAYER_SPLIT_DECLINES
@@ -175,11 +174,11 @@ class LayerSplit(Tuner):
         if not any(lay.kind in ("conv", "linear") for lay in graph.layers.values()):
             return Diagnosis(False, "no conv or linear layers to split")
         analysis = self.analyse(obs)
-        if self.unsupported:
+        if analysis.unsupported:
             return Diagnosis(
                 False,
-                f"cannot execute this model: {self.unsupported[0]}",
-                details={"unsupported": self.unsupported},
+                f"cannot execute this model: {analysis.unsupported[0]}",
+                details={"unsupported": analysis.unsupported},
             )
         paper = paper_summary(analysis.plans)
         details = plan_details(analysis.plans, analysis.tables)
@@ -227,7 +226,7 @@ class LayerSplit(Tuner):
         if obs.nproc < 2:
             return []
         analysis = self.analyse(obs)
-        if self.unsupported:
+        if analysis.unsupported:
             return []
         plans, cal = analysis.plans, analysis.calibrated
         image_cost = plans["image"].cost_s
@@ -336,7 +335,8 @@ def measured_compute(obs: Observation, graph, specs, spaces):
     that makes layer times add up to the step (the thread's CPU time with one
     thread). Configs the timer cannot run are dropped from the layer's space.
     """
-    from tunekit.observe.layer_profile import SplitTimer, timing_clock
+    from tunekit.api import intra_op_threads, timing_clock
+    from tunekit.plugins.layer_split.measure import SplitTimer
 
     threads = rank_threads(obs)
     device = "cuda" if obs.device_type == "cuda" else "cpu"
@@ -386,7 +386,7 @@ def measured_compute(obs: Observation, graph, specs, spaces):
             return 0.0
         return float(table[spec.name][cfg.label()])
 
-    with _threads(threads):
+    with intra_op_threads(threads):
         clock = timing_clock(device)[1]
     where = "measured on this machine" + (f", {threads} thread(s) per rank" if threads else "")
     where += ", CPU clock" if clock == "thread_cpu" else ""
@@ -414,30 +414,22 @@ def _time_config(
     return seconds / share
 
 
-def _threads(n: int | None):
-    from tunekit.observe.layer_profile import _Threads
-
-    return _Threads(n)
-
-
 def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
     """The executor's own per-step work on one rank (:func:`measure_executor_overhead`), cached."""
     threads = rank_threads(obs)
     batch = obs.workload.batch_size
-    key = f"layer_split:executor:v3:{graph.graph_hash()}:{batch}:{threads}"
-    cached = obs.cache.get(key) if obs.cache is not None else None
-    if cached:
-        return ExecutorOverhead.from_dict(cached)
-    found = measure_executor_overhead(
-        obs.workload,
-        graph,
-        batch,
-        threads=threads,
-        device="cuda" if obs.device_type == "cuda" else "cpu",
+    return obs.cached(
+        f"layer_split:executor:v3:{graph.graph_hash()}:{batch}:{threads}",
+        lambda: measure_executor_overhead(
+            obs.workload,
+            graph,
+            batch,
+            threads=threads,
+            device="cuda" if obs.device_type == "cuda" else "cpu",
+        ),
+        encode=ExecutorOverhead.to_dict,
+        decode=ExecutorOverhead.from_dict,
     )
-    if obs.cache is not None:
-        obs.cache.put(key, found.to_dict())
-    return found
 
 
 def calibrated_model(obs: Observation, graph, tables: Tables) -> CalibratedModel:
@@ -485,6 +477,8 @@ class Analysis:
     calibrated: CalibratedModel | None
     uncalibrated_why: str = ""
     """Why there is no calibrated model (empty when there is one)."""
+    unsupported: list[str] = field(default_factory=list)
+    """What the executor cannot run in this model, by layer (empty: it runs all of it)."""
 
     @property
     def profile_planning(self) -> bool:

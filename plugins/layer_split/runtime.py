@@ -455,7 +455,7 @@ class PlanExecutor:
 
 def named_plan(session, name: str, trace_batch: int = 2) -> dict[str, SplitConfig]:
     """``image`` or ``owt`` for the session's model on its ranks."""
-    from tunekit.observe.graph import trace_model
+    from tunekit.api import trace_model
     from tunekit.plugins.layer_split.search import named_configs
 
     graph = split_graph(
@@ -474,8 +474,7 @@ def apply_plan(session, plan: Mapping[str, SplitConfig], trace_batch: int = 2) -
     executor is rebuilt if the global batch changes (a ``batch`` tuner applies
     after placement).
     """
-    from tunekit.observe.graph import trace_model
-    from tunekit.runtime.sync import LocalSync
+    from tunekit.api import LocalSync, trace_model
 
     graph = split_graph(
         trace_model(session.model, session.workload.example_batch(trace_batch)[0])

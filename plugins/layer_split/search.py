@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from tunekit.api import CostGraph, EliminationStats, solve_elimination
 from tunekit.errors import ConfigError
 from tunekit.plugins.layer_split.model import SplitConfig, Tables
-from tunekit.search.elimination import CostGraph, EliminationStats, solve
 
 SPACES = ("best", "image_search", "image", "owt")
 SPACE_TITLES = {
@@ -147,7 +147,7 @@ def cost_graph(tables: Tables, space: str = "best") -> tuple[CostGraph, dict[str
 def search(tables: Tables, space: str = "best") -> Plan:
     """The optimum of Eq. 1 in ``space``, found exactly by elimination."""
     g, idx = cost_graph(tables, space)
-    sol = solve(g)
+    sol = solve_elimination(g)
     configs = {v: tables.spaces[v][idx[v][k]] for v, k in sol.assignment.items()}
     plan = evaluate(tables, configs, space)
     plan.stats = sol.stats

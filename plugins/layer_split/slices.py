@@ -541,7 +541,7 @@ def _region_program(graph, layer, spec: OpSpec, fx_nodes, batched: set[str]) -> 
     """A layer run as its fx subgraph (see :attr:`LayerProgram.region`), and why it cannot be,
     if it cannot: an op that draws random numbers, or one that reads some samples' values
     into a tensor without a batch dimension (anything but a shape-only op)."""
-    from tunekit.observe.graph import _layer_output
+    from tunekit.api import layer_output
     from tunekit.plugins.layer_split.model import external_inputs
 
     gnodes = graph.nodes
@@ -583,7 +583,7 @@ def _region_program(graph, layer, spec: OpSpec, fx_nodes, batched: set[str]) -> 
                 f"{g.op} ({n}) reads some samples' values into a tensor without a batch "
                 "dimension: it mixes samples"
             )
-    out = _layer_output([gnodes[n] for n in layer.nodes], layer.name, gnodes)
+    out = layer_output([gnodes[n] for n in layer.nodes], layer.name, gnodes)
     return LayerProgram(
         spec,
         fx_nodes[layer.nodes[0]],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import os
 
-from tunekit.observe.graph import Layer, ModelGraph, _layer_output
+from tunekit.api import Layer, ModelGraph, layer_output
 
 ATTENTION_SEEDS = frozenset(
     {"matmul", "bmm", "baddbmm", "softmax", "masked_fill", "scaled_dot_product_attention"}
@@ -100,7 +100,7 @@ def split_graph(graph: ModelGraph) -> ModelGraph:
                 if u not in inside and u not in inputs:
                     inputs.append(u)
         member_nodes = [out.nodes[n] for n in nodes]
-        last = _layer_output(member_nodes, name, out.nodes)
+        last = layer_output(member_nodes, name, out.nodes)
         fused[members[0]] = Layer(
             name=name,
             kind="attention",
@@ -160,14 +160,14 @@ def runs_as_subgraph(graph: ModelGraph, layer: Layer, batched: set[str]) -> bool
     embedding: conv, ``flatten(2)``, ``transpose(1, 2)``); a broadcast of per-model constants
     to the batch (``cls.expand(n, -1, -1)``); and a norm or embedding with folded ops beyond
     the elementwise (``ln(x)[:, 0]``)."""
-    from tunekit.observe.graph import _layer_output
+    from tunekit.api import layer_output
 
     if layer.kind in ("input", "output"):
         return False
     nodes = graph.nodes
     if layer.kind == "attention":
         return True
-    if _layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name not in batched:
+    if layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name not in batched:
         return True
     ops = [nodes[m].op for m in layer.nodes[1:]]
     reshaped = False

@@ -19,7 +19,7 @@ hold every such figure against the measured breakdown.
 
 from __future__ import annotations
 
-from tunekit.plugins.overlap_chunking import calibration
+from tunekit.plugins.overlap_chunking import calibrated as calibration
 from tunekit.plugins.overlap_chunking.model import Prediction
 from tunekit.plugins.overlap_chunking.search import Setting
 

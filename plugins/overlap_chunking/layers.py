@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tunekit.api import LayerInfo, ModelSummary, block_units, unit_starts
 from tunekit.errors import ConfigError
-from tunekit.observe.blocks import block_units, unit_starts
-from tunekit.observe.observation import LayerInfo, ModelSummary
 
 FC_TYPE = "Linear"
 

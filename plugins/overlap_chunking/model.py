@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tunekit.runtime.sync import CommRecord, overlap_ratio
+from tunekit.api import CommRecord, overlap_ratio
 
 ELEMENT_BYTES = 4  # fp32 gradients, activations and errors
 

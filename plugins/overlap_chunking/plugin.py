@@ -27,10 +27,15 @@ import psutil
 import torch
 import torch.fx
 
+from tunekit.api import (
+    BACKWARD_FLOPS_RATIO,
+    DDPSync,
+    Observation,
+    Session,
+    ddp_supports_bucket_list,
+)
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
-from tunekit.costmodel import BACKWARD_FLOPS_RATIO
-from tunekit.observe.observation import Observation
-from tunekit.plugins.overlap_chunking import calibration
+from tunekit.plugins.overlap_chunking import calibrated as calibration
 from tunekit.plugins.overlap_chunking.explain import (
     candidate_rationale,
     diagnosis_text,
@@ -43,6 +48,13 @@ from tunekit.plugins.overlap_chunking.layers import (
     block_boundaries,
     fc_layers,
     paper_layers,
+)
+from tunekit.plugins.overlap_chunking.measure import (
+    StepProfile,
+    fc_shape,
+    layer_times_from_profile,
+    measure_layer_times,
+    measure_update_and_batch,
 )
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
@@ -61,15 +73,6 @@ from tunekit.plugins.overlap_chunking.search import (
     rank_settings,
     shortlist,
 )
-from tunekit.plugins.overlap_chunking.timing import (
-    StepProfile,
-    fc_shape,
-    layer_times_from_profile,
-    measure_layer_times,
-    measure_update_and_batch,
-)
-from tunekit.runtime.session import Session
-from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
 PROFILE_VERSION = 3
 MAX_F = 4
@@ -121,7 +124,6 @@ class OverlapChunking(Tuner):
     aspect = Aspect.GRAD_SYNC
 
     def __init__(self) -> None:
-        self._profiles: dict[tuple, StepProfile] = {}
         self._static_graph = False
 
     def knobs(self) -> list[Knob]:
@@ -186,21 +188,13 @@ class OverlapChunking(Tuner):
     # -- the model ---------------------------------------------------------------------
 
     def _profile(self, obs: Observation, layers: list[PaperLayer]) -> StepProfile:
-        """Per-layer times: cached in this tuner, in the study store, or measured now."""
+        """Per-layer times: from this observation, the study store, or measured now."""
         device = torch.device(
             "cuda" if obs.device_type == "cuda" and torch.cuda.is_available() else "cpu"
         )
         batch, world, threads = obs.workload.batch_size, obs.nproc, threads_per_rank(obs.nproc)
-        key = (obs.workload_spec, batch, world, device.type, threads)
-        if key in self._profiles:
-            return self._profiles[key]
-        cache_key = (
-            f"overlap_chunking:profile:v{PROFILE_VERSION}:{batch}:{world}:{device.type}:{threads}"
-        )
-        cached = obs.cache.get(cache_key) if obs.cache is not None else None
-        if cached:
-            profile = StepProfile.from_dict(cached)
-        else:
+
+        def measure() -> StepProfile:
             times = None
             if obs.layer_profile is not None:
                 times = layer_times_from_profile(obs.layer_profile, layers, obs.graph, batch)
@@ -214,11 +208,14 @@ class OverlapChunking(Tuner):
                     obs.workload, layers, batch=batch, device=device, threads=threads
                 )
                 source = "measured"
-            profile = StepProfile(batch, world, times, update, data, source, {"threads": threads})
-            if obs.cache is not None:
-                obs.cache.put(cache_key, profile.to_dict())
-        self._profiles[key] = profile
-        return profile
+            return StepProfile(batch, world, times, update, data, source, {"threads": threads})
+
+        return obs.cached(
+            f"overlap_chunking:profile:v{PROFILE_VERSION}:{batch}:{world}:{device.type}:{threads}",
+            measure,
+            encode=StepProfile.to_dict,
+            decode=StepProfile.from_dict,
+        )
 
     def step_costs(self, obs: Observation) -> tuple[StepCosts, StepProfile, list[PaperLayer]]:
         """The uncalibrated cost inputs for this job: per-layer times and collective times."""
@@ -260,6 +257,10 @@ class OverlapChunking(Tuner):
         return step, profile, layers
 
     def _priced(self, obs: Observation) -> dict[str, Any]:
+        """The calibrated costs and ranked settings (once per observation)."""
+        return obs.memo(f"{self.name}:priced", lambda: self._price(obs))
+
+    def _price(self, obs: Observation) -> dict[str, Any]:
         costs, profile, layers = self.step_costs(obs)
         fitted = calibration.fit(costs, obs.truth, default_prediction)
         return {

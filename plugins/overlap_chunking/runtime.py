@@ -9,13 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunekit.observe.observation import summarize_model
+from tunekit.api import DDPSync, Session, ddp_supports_bucket_list, summarize_model
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, chunk_plan, paper_layers
 from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
 from tunekit.plugins.overlap_chunking.search import DEFAULT_CAP_MB, DEFAULT_FIRST_MB
 from tunekit.plugins.overlap_chunking.two_chunk import TwoChunkSync
-from tunekit.runtime.session import Session
-from tunekit.runtime.sync import DDPSync, ddp_supports_bucket_list
 
 _layers_of: weakref.WeakKeyDictionary[nn.Module, list[PaperLayer]] = weakref.WeakKeyDictionary()
 
@@ -94,7 +92,7 @@ f = 0 and the ddp_buckets mode honour them all."""
 
 def declines(knobs: Mapping[str, Any], features: frozenset[str]) -> str | None:
     """Why a config cannot train a job using ``features`` ("does not apply: ..."), or None."""
-    from tunekit.runtime.sync import declined_features
+    from tunekit.api import declined_features
 
     if knobs.get("mode") != "two_chunk" or not int(knobs.get("f", 0)):
         return None

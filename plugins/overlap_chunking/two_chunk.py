@@ -37,12 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from tunekit.api import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 from tunekit.errors import ConfigError
 from tunekit.plugins.overlap_chunking.model import PIECE_BYTES
-from tunekit.runtime.sync import ALL_FEATURES, CommRecord, GradSync, HookedAccumulation
 
 if TYPE_CHECKING:
-    from tunekit.runtime.session import Session
+    from tunekit.api import Session
 
 
 def step_subset(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:

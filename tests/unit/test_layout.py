@@ -43,6 +43,32 @@ def test_plugins_never_import_each_other_or_the_tui():
     assert not offenders, offenders
 
 
+PLUGIN_SURFACE = ("tunekit.api", "tunekit.contract", "tunekit.errors")
+"""The core modules plugin code may import (tests may import anything)."""
+
+
+def _plugin_code() -> list[tuple[Path, str]]:
+    """(file, the plugin's own package) for the built-in plugins and the example plugin."""
+    out = []
+    for plugin in (p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists()):
+        out += [(f, f"tunekit.plugins.{plugin.name}") for f in plugin.rglob("*.py")]
+    example = ROOT / "examples" / "tunekit-dataloader" / "tunekit_dataloader"
+    out += [(f, "tunekit_dataloader") for f in example.rglob("*.py")]
+    return [(f, own) for f, own in out if "tests" not in f.parts]
+
+
+def test_plugin_code_imports_only_the_plugin_api():
+    offenders = []
+    for path, own in _plugin_code():
+        for name in _imports(path):
+            core = name == "tunekit" or name.startswith("tunekit.")
+            allowed = name == own or name.startswith(f"{own}.") or name in PLUGIN_SURFACE
+            if core and not allowed:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert _plugin_code(), "no plugin code found"
+    assert not offenders, offenders
+
+
 def test_every_package_folder_is_listed_in_pyproject():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     mapping = {"tunekit": "tunekit", "tui": "tunekit.tui", "plugins": "tunekit.plugins"}

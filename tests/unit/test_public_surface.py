@@ -116,6 +116,116 @@ def test_the_contract_types_are_frozen():
     assert (OK, FAILED, INCOMPATIBLE, INVALID) == STATUSES
 
 
+# -- the plugin API (tunekit.api) ----------------------------------------------------------------
+
+# What plugins may import besides the contract and the errors (tests/unit/test_layout.py keeps
+# the built-in plugins to it). Adding a name is a minor change; removing or renaming one breaks
+# third-party plugins.
+API_NAMES = (
+    "ALL_FEATURES",
+    "BACKWARD_FLOPS_RATIO",
+    "GB",
+    "BatchSource",
+    "Breakdown",
+    "Calibration",
+    "Clock",
+    "CollectiveFit",
+    "CommRecord",
+    "ComputeRate",
+    "CostGraph",
+    "DDPSync",
+    "EliminationStats",
+    "Estimate",
+    "GradSync",
+    "Hardware",
+    "HookedAccumulation",
+    "Layer",
+    "LayerInfo",
+    "LayerProfile",
+    "LayerRunner",
+    "LayerStep",
+    "LoaderOptions",
+    "LocalSync",
+    "Measurement",
+    "MilpModel",
+    "MilpSolution",
+    "ModelGraph",
+    "ModelSummary",
+    "Observation",
+    "Session",
+    "StepTiming",
+    "StepTruth",
+    "StudyCache",
+    "TelemetrySummary",
+    "Workload",
+    "allreduce_timings",
+    "bandwidth_estimate",
+    "block_units",
+    "broadcast_object",
+    "check_threads",
+    "copy_timings",
+    "ddp_supports_bucket_list",
+    "declined_features",
+    "describe_local_machine",
+    "fit_samples",
+    "graph_units",
+    "intra_op_threads",
+    "is_out_of_memory",
+    "layer_output",
+    "measure_layer",
+    "output_member",
+    "overlap_ratio",
+    "release_memory",
+    "run_steps",
+    "single_rank_group",
+    "solve_elimination",
+    "summarize_model",
+    "tensor_out",
+    "time_groups",
+    "time_steps",
+    "timed_rounds",
+    "timing_clock",
+    "to_device",
+    "trace_model",
+    "training_flops",
+    "unit_starts",
+)
+OBSERVATION_FIELDS = (
+    "workload_spec",
+    "workload",
+    "nproc",
+    "backend",
+    "device_type",
+    "hardware",
+    "model",
+    "baseline",
+    "graph",
+    "layer_profile",
+    "breakdown",
+    "telemetry",
+    "cache",
+    "extra",
+)
+OBSERVATION_METHODS = {"memo": ("self", "key", "fn"), "cached": ("self", "key", "fn", "encode", "decode")}
+
+
+def test_the_plugin_api_is_frozen_and_typed():
+    import tunekit.api as api
+    from tunekit.api import Observation
+
+    assert tuple(api.__all__) == API_NAMES
+    missing = [n for n in API_NAMES if not hasattr(api, n)]
+    assert not missing, missing
+    public = [f.name for f in dataclasses.fields(Observation) if not f.name.startswith("_")]
+    assert tuple(public) == OBSERVATION_FIELDS
+    for name, params in OBSERVATION_METHODS.items():
+        assert tuple(inspect.signature(getattr(Observation, name)).parameters) == params, name
+    # Every field has a real type (no Any): plugins read them without duck typing.
+    hints = typing.get_type_hints(Observation, localns=vars(api))  # TYPE_CHECKING imports
+    untyped = [n for n in OBSERVATION_FIELDS if n != "extra" and typing.Any in (hints[n], *typing.get_args(hints[n]))]
+    assert not untyped, untyped
+
+
 # -- the CLI ------------------------------------------------------------------------------------
 
 ROOT_OPTIONS = ["--version", "-h/--help"]

@@ -194,7 +194,7 @@ def test_hybrid_mp_model_parallel_hook_conforms_on_two_ranks():
     problems, _, _ = check_runtime(
         builtin("hybrid_mp"),
         [{"mp_degree": 2, "placer": "pipeline"}, {"mp_degree": 1}],
-        "tunekit.plugins.hybrid_mp.examples:branchy",
+        "tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy",
         nproc=2,
     )
     assert problems == []

@@ -712,7 +712,7 @@ def group_layers(nodes: dict[str, GraphNode], views: Iterable[str] = ()) -> dict
                 src = nodes[i].layer
                 if src is not None and src != name and src not in inputs:
                     inputs.append(src)
-        out = _layer_output(member_nodes, name, nodes)
+        out = layer_output(member_nodes, name, nodes)
         layers[name] = Layer(
             name=name,
             kind=layer_kind(anchor.op),
@@ -728,7 +728,7 @@ def group_layers(nodes: dict[str, GraphNode], views: Iterable[str] = ()) -> dict
     return layers
 
 
-def _layer_output(members: list[GraphNode], layer: str, nodes: dict[str, GraphNode]) -> GraphNode:
+def layer_output(members: list[GraphNode], layer: str, nodes: dict[str, GraphNode]) -> GraphNode:
     """The last member another layer reads (else the last member with a tensor output)."""
     read_outside = {i for n in nodes.values() if n.layer != layer for i in n.inputs}
     for m in reversed(members):

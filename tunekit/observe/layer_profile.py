@@ -1,6 +1,6 @@
-"""Measured forward and backward time of every layer, whole or as one worker's slice.
+"""Measured forward and backward time of every layer, each run standalone.
 
-Two entry points, both running the layers of a :class:`~tunekit.observe.graph.ModelGraph`
+Entry points running the layers of a :class:`~tunekit.observe.graph.ModelGraph`
 standalone on the local device (warm-up runs, then ``repeats`` timed runs; the
 median is reported with the interquartile range as spread).
 
@@ -36,63 +36,39 @@ two conditions, which is how the timings are taken:
     store can cache them by ``(graph hash, hardware fingerprint)``
     (:meth:`LayerProfile.cache_key`).
 
-``time_layer_split(model, graph, layer, split, *, batch_size=None, device="cpu", warmup=2, repeats=5, threads=None)``
-    -> :class:`SplitTiming`. The time of ONE worker's share of ``layer`` under a
-    DeePa configuration. ``split`` gives one degree per dimension of the layer's
-    OUTPUT tensor: a mapping ``{"n": .., "c": .., "h": .., "w": ..}`` (missing
-    keys are 1) or a tuple ``(n, c, h, w)``. The worker computes the output slice
-    ``ceil(N/n) x ceil(C/c) x ceil(H/h) x ceil(W/w)`` (ceil: the largest worker,
-    which the step waits for). What it runs:
-
-    * conv: the input's ``ceil(N/n)`` samples with ALL input channels (grouped
-      convs: ``1/c`` of them) and, on a split spatial dim, the output rows plus
-      the halo the kernel needs, ``(rows - 1) * stride + dilation * (k - 1) + 1``,
-      with no padding on that dim (an interior slice); a conv with ``ceil(C/c)``
-      output channels (weights sliced, replicated on h/w splits);
-    * linear: ``ceil(N/n)`` samples, all input features, ``ceil(out/c)`` outputs
-      (only ``n`` and ``c``; ``h = w = 1``);
-    * pool: like conv without weights (channels split as ``C/c``);
-    * concat, add and the other elementwise layers: every input sliced the same
-      way along (n, c, h, w);
-    * rnn and embedding layers: sample splits only.
-
-    Folded members follow the anchor (a batch norm gets ``ceil(C/c)`` features).
-    ``batch_size`` rescales dim 0 of the graph's recorded shapes (DeePa times
-    AlexNet at 512 images while the graph may be traced at 1). Inputs are random
-    tensors of the recorded shapes: the time of these ops does not depend on
-    the values. A split a layer cannot take raises :class:`ValueError`.
-
-    For many timings of one model build a :class:`SplitTimer` once and call
-    :meth:`SplitTimer.time` per (layer, split).
+``LayerRunner``, ``measure_layer``
+    run and time one layer standalone on inputs a caller chooses, through its
+    member ops or replacements of them (layer_split times one worker's slice
+    of a layer this way: ``tunekit.plugins.layer_split.measure``).
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 from torch.fx.node import map_arg
-from torch.fx.operator_schemas import normalize_function
 
-from tunekit.observe.graph import ModelGraph, trace_model
+from tunekit.observe.graph import ModelGraph, layer_output, trace_model
+from tunekit.observe.step_timing import intra_op_threads
 from tunekit.runtime.data import to_device
 
 __all__ = [
-    "LayerTiming",
     "LayerProfile",
-    "SplitTiming",
-    "SplitTimer",
+    "LayerRunner",
+    "LayerStep",
+    "LayerTiming",
+    "measure_layer",
+    "output_member",
     "profile_layers",
-    "time_layer_split",
-    "parse_split",
+    "run_steps",
+    "tensor_out",
     "timing_clock",
 ]
 
@@ -166,47 +142,6 @@ class LayerProfile:
         return cls(layers=layers, **d)
 
 
-@dataclass
-class SplitTiming:
-    """One worker's share of a layer under a split config."""
-
-    layer: str
-    kind: str
-    split: dict[str, int]
-    forward_s: float
-    backward_s: float
-    input_shapes: list[list[int]] = field(default_factory=list)
-    """The slice inputs the worker reads (halo included)."""
-    output_shape: list[int] | None = None
-    batch_size: int = 0
-    clock: str = "wall"
-    """``thread_cpu`` or ``wall``; see the module docstring."""
-
-    @property
-    def total_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def parse_split(split: Mapping[str, int] | Sequence[int]) -> dict[str, int]:
-    """``(n, c, h, w)`` or a partial mapping -> ``{"n":, "c":, "h":, "w":}``; degrees >= 1."""
-    if isinstance(split, Mapping):
-        unknown = set(split) - set("nchw")
-        if unknown:
-            raise ValueError(f"split dims must be n, c, h, w, not {sorted(unknown)}")
-        out = {d: int(split.get(d, 1)) for d in "nchw"}
-    else:
-        vals = list(split)
-        if len(vals) != 4:
-            raise ValueError(f"a split tuple is (n, c, h, w), got {len(vals)} values")
-        out = dict(zip("nchw", (int(v) for v in vals), strict=True))
-    if any(v < 1 for v in out.values()):
-        raise ValueError(f"split degrees must be >= 1, got {out}")
-    return out
-
-
 # -- timing ------------------------------------------------------------------------------
 
 
@@ -222,12 +157,12 @@ def _median_iqr(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs), q[2] - q[0]
 
 
-def _tensor_out(value) -> torch.Tensor | None:
+def tensor_out(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, tuple | list):
         for v in value:
-            t = _tensor_out(v)
+            t = tensor_out(v)
             if t is not None:
                 return t
     return None
@@ -244,25 +179,6 @@ def timing_clock(device: str | torch.device = "cpu") -> tuple[Callable[[], float
     if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time, "thread_cpu"
     return time.perf_counter, "wall"
-
-
-class _Threads:
-    """``with _Threads(n):`` torch's intra-op threads set to ``n`` (None: unchanged), then restored."""
-
-    def __init__(self, threads: int | None):
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, not {threads}")
-        self.threads = threads
-        self.before = 0
-
-    def __enter__(self) -> _Threads:
-        self.before = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.before)
 
 
 def _time_fn(
@@ -288,7 +204,7 @@ def _time_fn(
         with torch.set_grad_enabled(bool(wrt)):
             _sync(device)
             t0 = clock()
-            out = _tensor_out(forward())
+            out = tensor_out(forward())
             _sync(device)
             t1 = clock()
         tb = 0.0
@@ -345,7 +261,7 @@ def _activation_memory(forward: Callable[[], Any], params: set[int], device: tor
 
 
 @dataclass
-class _Step:
+class LayerStep:
     """One member op of a layer, ready to run on resolved arguments."""
 
     name: str
@@ -355,7 +271,7 @@ class _Step:
     kwargs: dict
 
 
-class _LayerRunner:
+class LayerRunner:
     """Executes layers of a traced model one at a time, on inputs from an environment."""
 
     def __init__(self, model: nn.Module, graph: ModelGraph, device: torch.device):
@@ -392,14 +308,14 @@ class _LayerRunner:
         first = self.graph.nodes[self.graph.layers[layer].nodes[0]]
         return list(first.inputs)
 
-    def steps(self, layer: str) -> list[_Step]:
+    def steps(self, layer: str) -> list[LayerStep]:
         steps = []
         names = self.graph.layers[layer].nodes
         for i, m in enumerate(names):
             if self.gm is None:  # hooks graph: a chain of module calls
                 src = self.graph.nodes[m].inputs[0] if i == 0 else names[i - 1]
                 mod = self.model.get_submodule(m)
-                steps.append(_Step(m, "call_module", mod, (_Ref(src),), {}))
+                steps.append(LayerStep(m, "call_module", mod, (_Ref(src),), {}))
                 continue
             n = self.fx_nodes[m]
 
@@ -413,7 +329,7 @@ class _LayerRunner:
                 target = _attr(self.gm, n.target)
             else:
                 target = n.target
-            steps.append(_Step(m, n.op, target, args, dict(kwargs)))
+            steps.append(LayerStep(m, n.op, target, args, dict(kwargs)))
         return steps
 
     def _weight(self, node: torch.fx.Node) -> bool:
@@ -490,7 +406,7 @@ def _resolve(value, local: Mapping[str, Any]):
     return value
 
 
-def _run_steps(steps: list[_Step], inputs: Mapping[str, Any]) -> Any:
+def run_steps(steps: list[LayerStep], inputs: Mapping[str, Any]) -> Any:
     local = dict(inputs)
     out = None
     for s in steps:
@@ -505,7 +421,7 @@ def _run_steps(steps: list[_Step], inputs: Mapping[str, Any]) -> Any:
     return local
 
 
-def _layer_params(steps: list[_Step]) -> list[torch.Tensor]:
+def _layer_params(steps: list[LayerStep]) -> list[torch.Tensor]:
     params: list[torch.Tensor] = []
     for s in steps:
         if isinstance(s.target, nn.Module):
@@ -541,24 +457,31 @@ def _leaves(value) -> list[torch.Tensor]:
 
 
 
-def _measure(
-    runner: _LayerRunner,
+def measure_layer(
+    runner: LayerRunner,
     layer: str,
-    steps: list[_Step],
+    steps: list[LayerStep],
     inputs: dict[str, Any],
     warmup: int,
     repeats: int,
-    memory: bool,
-):
+    memory: bool = False,
+) -> tuple[Any, list[float], list[float], float, float, str]:
+    """Time ``layer`` run standalone through ``steps`` (its member ops, as
+    :meth:`LayerRunner.steps` gives them or changed by the caller) on ``inputs``.
+
+    Returns the graph's layer, the forward and backward times of each repeat,
+    and, with ``memory``, the activation bytes kept and peak and how they were
+    measured. A tuner that times layers its own way (a worker's slice of one)
+    passes its own steps and inputs."""
     graph = runner.graph
     lay = graph.layers[layer]
-    out_name = _output_member(graph, layer)
+    out_name = output_member(graph, layer)
     from_model_input = {n for n in inputs if graph.nodes.get(n) and graph.nodes[n].op == "input"}
     leaf_inputs = {k: _grad_ready(v, k not in from_model_input) for k, v in inputs.items()}
     wrt = [t for v in leaf_inputs.values() for t in _leaves(v)] + _layer_params(steps)
 
     def forward():
-        return _run_steps(steps, leaf_inputs)[out_name]
+        return run_steps(steps, leaf_inputs)[out_name]
 
     fwd, bwd = _time_fn(forward, wrt, runner.device, warmup, repeats)
     kept = peak = 0
@@ -570,16 +493,10 @@ def _measure(
     return lay, fwd, bwd, kept, peak, method
 
 
-def _output_member(graph: ModelGraph, layer: str) -> str:
-    members = graph.layers[layer].nodes
-    read_outside = {i for n in graph.nodes.values() if n.layer != layer for i in n.inputs}
-    for m in reversed(members):
-        if m in read_outside and graph.nodes[m].output_shape is not None:
-            return m
-    for m in reversed(members):
-        if graph.nodes[m].output_shape is not None:
-            return m
-    return members[-1]
+def output_member(graph: ModelGraph, layer: str) -> str:
+    """The member op whose value is the layer's output (what the next layer reads)."""
+    members = [graph.nodes[m] for m in graph.layers[layer].nodes]
+    return layer_output(members, layer, graph.nodes).name
 
 
 # -- profile_layers -------------------------------------------------------------------------------
@@ -605,7 +522,7 @@ def profile_layers(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
-    with _Threads(threads):
+    with intra_op_threads(threads):
         return _profile_layers(
             model, example_inputs, graph, device, warmup, repeats, layers, hardware_fingerprint
         )
@@ -627,7 +544,7 @@ def _profile_layers(
         graph = trace_model(model, args)  # an export graph from the store: capture it again
     model.to(device)
     args = to_device(args, device)
-    runner = _LayerRunner(model, graph, device)
+    runner = LayerRunner(model, graph, device)
     env = runner.capture_env(args)
     model.train()
     timings: dict[str, LayerTiming] = {}
@@ -636,7 +553,7 @@ def _profile_layers(
             continue
         steps = runner.steps(name)
         inputs = {i: env[i] for i in runner.external_inputs(name)}
-        _, fwd, bwd, kept, peak, method = _measure(
+        _, fwd, bwd, kept, peak, method = measure_layer(
             runner, name, steps, inputs, warmup, repeats, memory=True
         )
         f, fi = _median_iqr(fwd)
@@ -653,323 +570,3 @@ def _profile_layers(
         torch_threads=torch.get_num_threads(),
         clock=timing_clock(device)[1],
     )
-
-
-# -- split timing ---------------------------------------------------------------------------------
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return max(1, math.ceil(a / b))
-
-
-def _pair(v, nd: int) -> list[int]:
-    if isinstance(v, int):
-        return [v] * nd
-    return [int(x) for x in v]
-
-
-class SplitTimer:
-    """Times layers of one model under DeePa split configs (see the module docstring).
-
-    ``threads``: torch's intra-op threads while timing, the number one training
-    rank gets (None: as set at each call)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        graph: ModelGraph,
-        *,
-        batch_size: int | None = None,
-        device: str | torch.device = "cpu",
-        warmup: int = 2,
-        repeats: int = 5,
-        threads: int | None = None,
-    ):
-        self.device = torch.device(device)
-        self.model = model.to(self.device).train()
-        self.graph = graph
-        self.batch_size = batch_size or graph.batch_size
-        self.warmup, self.repeats = warmup, repeats
-        _Threads(threads)  # refuse a bad count now, not at the first timing
-        self.threads = threads
-        self.runner = _LayerRunner(self.model, graph, self.device)
-        self._env: dict[str, Any] | None = None
-        self._shape_envs: dict[int, dict[str, Any]] = {}
-        self._batched = graph.batched_nodes()
-
-    def time(self, layer: str, split: Mapping[str, int] | Sequence[int]) -> SplitTiming:
-        """One worker's forward and backward time of ``layer`` under ``split``."""
-        if layer not in self.graph.layers:
-            raise ValueError(f"no layer {layer!r} in the graph")
-        sp = parse_split(split)
-        lay = self.graph.layers[layer]
-        if lay.kind in ("input", "output"):
-            return SplitTiming(layer, lay.kind, sp, 0.0, 0.0, [], lay.output_shape, self.batch_size)
-        anchor = self.graph.nodes[lay.nodes[0]]
-        plan = _SlicePlan(anchor, lay.kind, sp, self.graph.batch_size, self.batch_size)
-        steps = [plan.step(s, self.graph.nodes[s.name]) for s in self.runner.steps(layer)]
-        inputs = {}
-        for name in self.runner.external_inputs(layer):
-            node = self.graph.nodes.get(name)
-            if node is not None and node.output_shape is None and node.op != "input":
-                # shape arithmetic (x.shape[0], width // heads): its value at the slice's batch
-                inputs[name] = self._shape_value(name, _ceil_div(self.batch_size, sp["n"]))
-                continue
-            inputs[name] = plan.input_value(
-                name, self._input_value(name), batched=name in self._batched
-            )
-        with _Threads(self.threads):
-            _, fwd, bwd, _, _, _ = _measure(
-                self.runner, layer, steps, inputs, self.warmup, self.repeats, memory=False
-            )
-            clock = timing_clock(self.device)[1]
-        out = _run_steps(steps, inputs)[_output_member(self.graph, layer)]
-        out_t = _tensor_out(out)
-        return SplitTiming(
-            layer=layer,
-            kind=lay.kind,
-            split=sp,
-            forward_s=statistics.median(fwd),
-            backward_s=statistics.median(bwd),
-            input_shapes=[list(t.shape) for v in inputs.values() for t in _flat_tensors(v)],
-            output_shape=list(out_t.shape) if out_t is not None else None,
-            batch_size=self.batch_size,
-            clock=clock,
-        )
-
-    def _input_value(self, name: str):
-        """A tensor of the recorded shape (batch rescaled), or the captured value if not one."""
-        node = self.graph.nodes.get(name)
-        single = (
-            node is not None
-            and node.output_shape is not None
-            and node.activation_bytes
-            == math.prod(node.output_shape) * _dtype(node.output_dtype).itemsize
-        )
-        if single:
-            shape = list(node.output_shape)
-            if shape and self.batch_size != self.graph.batch_size and name in self._batched:
-                shape[0] = self.batch_size
-            dtype = _dtype(node.output_dtype)
-            if dtype.is_floating_point:
-                return torch.randn(shape, dtype=dtype, device=self.device)
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        if self._env is None:  # non-tensor or multi-tensor inputs: take the real values
-            if self.batch_size != self.graph.batch_size:
-                raise ValueError(
-                    f"layer input {name!r} is not a single tensor; time it at the traced batch"
-                )
-            self._env = self.runner.capture_env(self._example(self.graph.batch_size))
-        return self._env[name]
-
-    def _example(self, batch: int) -> tuple:
-        """Model inputs of the recorded shapes and dtypes at ``batch`` samples."""
-        out = []
-        for n in self.graph.nodes.values():
-            if n.op != "input":
-                continue
-            shape = [batch, *n.output_shape[1:]]
-            dtype = _dtype(n.output_dtype)
-            if dtype.is_floating_point:
-                out.append(torch.randn(shape, dtype=dtype, device=self.device))
-            else:
-                out.append(torch.zeros(shape, dtype=dtype, device=self.device))
-        return tuple(out)
-
-    def _shape_value(self, name: str, batch: int):
-        """A shape-arithmetic node's value (an int, a size) in a forward pass at ``batch``."""
-        if self.runner.gm is None:
-            raise ValueError(f"layer input {name!r} is shape arithmetic, which needs an fx graph")
-        if batch not in self._shape_envs:
-            self._shape_envs[batch] = self.runner.capture_env(self._example(batch))
-        return self._shape_envs[batch][name]
-
-
-def time_layer_split(
-    model: nn.Module,
-    graph: ModelGraph,
-    layer: str,
-    split: Mapping[str, int] | Sequence[int],
-    *,
-    batch_size: int | None = None,
-    device: str | torch.device = "cpu",
-    warmup: int = 2,
-    repeats: int = 5,
-    threads: int | None = None,
-) -> SplitTiming:
-    """One worker's time of ``layer`` under ``split``; see the module docstring."""
-    timer = SplitTimer(
-        model,
-        graph,
-        batch_size=batch_size,
-        device=device,
-        warmup=warmup,
-        repeats=repeats,
-        threads=threads,
-    )
-    return timer.time(layer, split)
-
-
-def _dtype(name: str | None) -> torch.dtype:
-    return getattr(torch, name or "float32")
-
-
-def _flat_tensors(v) -> list[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, tuple | list):
-        return [t for x in v for t in _flat_tensors(x)]
-    return []
-
-
-_SPATIAL = ("conv", "pool")
-
-
-class _SlicePlan:
-    """How one layer's inputs and member ops shrink to one worker's slice."""
-
-    def __init__(self, anchor, kind: str, split: dict[str, int], traced_batch: int, batch: int):
-        self.anchor, self.kind, self.split = anchor, kind, split
-        self.batch = batch
-        self.traced_batch = traced_batch
-        self.out_shape = list(anchor.output_shape or [])
-        if self.out_shape:
-            self.out_shape[0] = batch
-        spatial = split["h"] > 1 or split["w"] > 1
-        if kind in ("linear", "rnn", "embedding") and spatial:
-            raise ValueError(f"layer {anchor.name!r} ({kind}) has no h/w dims to split")
-        if kind in ("rnn", "embedding") and split["c"] > 1:
-            raise ValueError(f"layer {anchor.name!r} ({kind}) supports only sample (n) splits")
-        if spatial and len(self.out_shape) < 3:
-            raise ValueError(f"layer {anchor.name!r} output {self.out_shape} has no h/w dims")
-        # Output slice the worker computes, dim by dim (n, c, then spatial).
-        self.spatial_split = [split["h"], split["w"]][: max(0, len(self.out_shape) - 2)]
-        self.workers = split["n"] * split["c"] * split["h"] * split["w"]
-
-    # inputs -------------------------------------------------------------------------------
-    def input_value(self, name: str, value, batched: bool = True):
-        """``value`` cut to one worker's slice; a tensor without a batch dimension (a position
-        embedding, a mask) is read whole by every worker."""
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or not batched:
-            return value
-        shape = list(value.shape)
-        sl = [slice(None)] * value.dim()
-        sl[0] = slice(0, _ceil_div(shape[0], self.split["n"]))
-        if self.kind == "conv":
-            groups = int(self.anchor.attrs.get("groups", 1))
-            if groups > 1 and self.split["c"] > 1:
-                sl[1] = slice(0, _ceil_div(shape[1], self.split["c"]))
-        elif self.kind not in ("linear", "rnn", "embedding") and value.dim() > 1:
-            sl[1] = slice(0, _ceil_div(shape[1], self.split["c"]))
-        for i, deg in enumerate(self.spatial_split):
-            d = 2 + i
-            if deg == 1 or d >= value.dim():
-                continue
-            sl[d] = slice(0, min(shape[d], self._input_rows(i, shape[d], deg)))
-        return value[tuple(sl)].contiguous()
-
-    def _input_rows(self, i: int, in_size: int, deg: int) -> int:
-        """Input rows (or columns) one worker reads along spatial dim ``i``, halo included."""
-        out_rows = _ceil_div(self.out_shape[2 + i], deg)
-        attrs = self.anchor.attrs
-        if self.kind in _SPATIAL and "kernel_size" in attrs:
-            nd = len(self.out_shape) - 2
-            k = _pair(attrs["kernel_size"], nd)[i]
-            s = _pair(attrs.get("stride") or attrs["kernel_size"], nd)[i]
-            dil = _pair(attrs.get("dilation", 1), nd)[i]
-            return (out_rows - 1) * s + dil * (k - 1) + 1
-        return _ceil_div(in_size, deg)  # adaptive pools, elementwise ops
-
-    # members ------------------------------------------------------------------------------
-    def step(self, s: _Step, node) -> _Step:
-        sp = self.split
-        if s.kind == "call_module":
-            m = s.target
-            if isinstance(m, nn.modules.conv._ConvNd):
-                return _replace(s, self._conv(m))
-            if isinstance(m, nn.Linear):
-                lin = nn.Linear(
-                    m.in_features, _ceil_div(m.out_features, sp["c"]), m.bias is not None
-                )
-                return _replace(s, lin.to(m.weight.device))
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and sp["c"] > 1:
-                bn = type(m)(_ceil_div(m.num_features, sp["c"]), eps=m.eps, affine=m.affine)
-                return _replace(s, bn.to(next(m.buffers()).device))
-            if isinstance(m, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
-                pool = copy.copy(m)
-                pool.padding = self._spatial_padding(m.padding)
-                return _replace(s, pool)
-            if isinstance(
-                m, nn.modules.pooling._AdaptiveAvgPoolNd | nn.modules.pooling._AdaptiveMaxPoolNd
-            ):
-                pool = copy.copy(m)
-                nd = len(self.out_shape) - 2
-                size = _pair(m.output_size, nd)
-                pool.output_size = tuple(
-                    _ceil_div(size[i], deg) for i, deg in enumerate(self.spatial_split)
-                )
-                return _replace(s, pool)
-            return s
-        if s.kind == "call_function" and node.op.startswith("conv"):
-            raise ValueError(f"layer {self.anchor.name!r}: functional convolutions cannot be split")
-        if s.kind == "call_function" and "pool" in node.op and "adaptive" not in node.op:
-            try:
-                pair = normalize_function(
-                    s.target, s.args, s.kwargs, normalize_to_only_use_kwargs=True
-                )
-            except Exception:
-                pair = None
-            if pair is not None:
-                kwargs = dict(pair.kwargs)
-                kwargs["padding"] = self._spatial_padding(kwargs.get("padding", 0))
-                return _Step(s.name, s.kind, s.target, (), kwargs)
-            return s
-        if s.kind == "call_method" and s.target in ("view", "reshape") and sp["n"] != self.workers:
-            if node.output_shape is None or len(node.output_shape) != 2:
-                raise ValueError(
-                    f"layer {self.anchor.name!r}: cannot slice a {s.target} to {node.output_shape}"
-                )
-            return _Step(
-                s.name, "call_function", lambda t, *a: t.reshape(t.shape[0], -1), (s.args[0],), {}
-            )
-        return s
-
-    def _conv(self, m: nn.modules.conv._ConvNd) -> nn.Module:
-        c = self.split["c"]
-        groups, cin = m.groups, m.in_channels
-        if groups > 1 and c > 1:
-            if groups % c:
-                raise ValueError(
-                    f"layer {self.anchor.name!r}: {groups} groups cannot be split {c} ways"
-                )
-            groups, cin = groups // c, m.in_channels // c
-        nd = len(m.kernel_size)
-        padding = m.padding
-        if isinstance(padding, str):  # "same"/"valid" -> explicit numbers
-            padding = tuple(
-                (d * (k - 1)) // 2 if padding == "same" else 0
-                for k, d in zip(m.kernel_size, m.dilation, strict=True)
-            )
-        conv = type(m)(
-            cin,
-            _ceil_div(m.out_channels, c),
-            m.kernel_size,
-            stride=m.stride,
-            padding=self._spatial_padding(padding, nd),
-            dilation=m.dilation,
-            groups=groups,
-            bias=m.bias is not None,
-        )
-        return conv.to(m.weight.device)
-
-    def _spatial_padding(self, padding, nd: int | None = None):
-        nd = nd or len(self.out_shape) - 2
-        pads = _pair(padding, nd)
-        return tuple(
-            0 if i < len(self.spatial_split) and self.spatial_split[i] > 1 else p
-            for i, p in enumerate(pads)
-        )
-
-
-def _replace(s: _Step, module: nn.Module) -> _Step:
-    return _Step(s.name, s.kind, module, s.args, s.kwargs)

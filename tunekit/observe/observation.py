@@ -8,8 +8,9 @@ where the observation layer measured them) and hands it to every tuner's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 
 import torch
 from torch import nn
@@ -18,7 +19,12 @@ from tunekit.observe.truth import StepTruth
 
 if TYPE_CHECKING:
     from tunekit.hardware import Hardware
+    from tunekit.observe.breakdown import Breakdown
+    from tunekit.observe.graph import ModelGraph
+    from tunekit.observe.layer_profile import LayerProfile
     from tunekit.workload import Workload
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -119,6 +125,33 @@ class Measurement:
         return asdict(self)
 
 
+class StudyCache(Protocol):
+    """``Observation.cache``: a key-value store of JSON values that outlives the process
+    (the study store's cache, under a prefix of the model's graph and the hardware)."""
+
+    def get(self, key: str) -> Any: ...
+
+    def put(self, key: str, value: Any) -> None: ...
+
+
+class TelemetrySummary(TypedDict, total=False):
+    """``Observation.telemetry``: the sampler's summary over the observed baseline run
+    (:meth:`tunekit.observe.telemetry.TelemetrySampler.summary`)."""
+
+    interval_s: float
+    duration_s: float
+    notices: list[str]
+    errors: dict[str, int]
+    samples: dict[str, int]
+    """Samples taken per source."""
+    host: dict[str, Any]
+    """CPU, memory and process figures (``summarize_host``)."""
+    nvml: dict[str, Any]
+    """Per GPU utilisation, memory, power, clocks, throttling (``summarize_nvml``)."""
+    pyspy: dict[str, Any]
+    """Where the Python threads spent their time (``summarize_pyspy``)."""
+
+
 @dataclass
 class Observation:
     """Everything tuners know about the job when they diagnose and plan."""
@@ -135,23 +168,24 @@ class Observation:
     model: ModelSummary
     baseline: Measurement | None = None
     """The untuned job's measured step times, when a baseline trial ran."""
-    graph: Any = None
-    """:class:`tunekit.observe.graph.ModelGraph` when the model was traced."""
-    layer_profile: Any = None
+    graph: ModelGraph | None = None
+    """The model's torch.fx graph by layer, when the model could be traced."""
+    layer_profile: LayerProfile | None = None
     """Measured per-layer forward/backward times, when profiled."""
-    breakdown: Any = None
+    breakdown: Breakdown | None = None
     """Step breakdown (compute, exposed communication, ...) from a profiled run."""
-    telemetry: Any = None
+    telemetry: TelemetrySummary | None = None
     """Telemetry summary (NVML, host, py-spy) over the observed run."""
-    cache: Any = None
-    """Key-value cache in the study store for expensive plugin measurements
-    (``cache.get(key)`` / ``cache.put(key, json_value)``); None outside a study."""
+    cache: StudyCache | None = None
+    """Expensive plugin measurements kept in the study store; None outside a study.
+    Prefer :meth:`cached`, which also falls back to memory when there is no store."""
     extra: dict[str, Any] = field(default_factory=dict)
+    _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all ranks (micro-batches included), as a Session counts."""
-        return self.workload.batch_size * getattr(self.workload, "accumulation", 1) * self.nproc
+        return self.workload.batch_size * self.workload.accumulation * self.nproc
 
     @property
     def truth(self) -> StepTruth | None:
@@ -159,3 +193,33 @@ class Observation:
 
         None when no baseline was measured (``tunekit plan`` without a study)."""
         return StepTruth.of(self.baseline, self.breakdown)
+
+    def memo(self, key: str, fn: Callable[[], T]) -> T:
+        """``fn()``, computed once for this observation: what ``diagnose`` works out,
+        ``plan`` reuses. Keys are the tuner's own (prefix them with its name)."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def cached(
+        self,
+        key: str,
+        fn: Callable[[], T],
+        *,
+        encode: Callable[[T], Any] = lambda v: v,
+        decode: Callable[[Any], T] = lambda v: v,
+    ) -> T:
+        """``fn()``, measured once per study: read from the study store's cache when an
+        earlier process measured it (``decode``), else measured and stored (``encode``
+        to JSON). Memoised for this observation either way; without a store, memory only."""
+
+        def load() -> T:
+            hit = self.cache.get(key) if self.cache is not None else None
+            if hit is not None:
+                return decode(hit)
+            value = fn()
+            if self.cache is not None:
+                self.cache.put(key, encode(value))
+            return value
+
+        return self.memo(f"cached:{key}", load)

@@ -182,14 +182,22 @@ def _timed_step(
 
 @contextlib.contextmanager
 def intra_op_threads(threads: int | None):
-    """Run the block with ``threads`` intra-op threads (a trial rank's share), then restore."""
+    """Run the block with ``threads`` intra-op threads (a trial rank's share; None: as set
+    now), then restore."""
+    check_threads(threads)
     before = torch.get_num_threads()
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count below one (None means: leave torch's setting alone)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, not {threads}")
 
 
 def sync_device(device: torch.device) -> None:

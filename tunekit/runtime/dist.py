@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -126,3 +129,22 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup |
     if n:
         dist.broadcast(buf, src=src, group=group)
     return bytes(data) if mine else buf.numpy().tobytes()
+
+
+@contextmanager
+def single_rank_group() -> Iterator[None]:
+    """A one-rank gloo process group for the duration, unless one already exists.
+
+    Runtime hooks that install DDP or call collectives need a process group
+    even on one rank; this gives them a real one without extra processes.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="tunekit-pg-") as tmp:
+        store = dist.FileStore(str(Path(tmp) / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
+from tunekit.api import Observation, Session
 from tunekit.errors import HardwareError
-from tunekit.observe.observation import Observation
-from tunekit.runtime.session import Session
 
 IPC_FIXED_S = 3e-4
 """Receiving one batch from a worker: queue, unpickling, rebuilding tensors (an estimate)."""

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tunekit.api import Observation, Session
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
-from tunekit.observe.observation import Observation
-from tunekit.runtime.session import Session
 from tunekit_dataloader.model import LoaderFacts, loader_facts, predicted_step_s
 from tunekit_dataloader.runtime import apply_loader_options
 

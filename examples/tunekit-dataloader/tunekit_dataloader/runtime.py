@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tunekit.runtime.data import LoaderOptions
-from tunekit.runtime.session import Session
+from tunekit.api import LoaderOptions, Session
 
 
 def loader_options(knobs: Mapping[str, Any]) -> LoaderOptions:

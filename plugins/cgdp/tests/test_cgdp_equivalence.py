@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunekit.plugins.cgdp.ranks import live_switch, run_search, train_params_many
+from tunekit.plugins.cgdp.tests.ranks_cgdp import live_switch, run_search, train_params_many
 from tunekit.testing import assert_states_close, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.equivalence]
 
-TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
-DEEP = "tunekit.plugins.cgdp.workloads:deep_narrow"
+TINY = "tunekit.plugins.cgdp.tests.workloads_cgdp:tiny_bn"
+DEEP = "tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow"
 # In float64: CGDP sums each chunk on the host in another order than DDP's
 # buckets, which float32 cannot bound tightly on every CPU.
 F64 = torch.float64

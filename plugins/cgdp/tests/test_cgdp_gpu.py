@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunekit.plugins.cgdp.ranks import train_params_many
 from tunekit.plugins.cgdp.runtime import CgdpSync
+from tunekit.plugins.cgdp.tests.ranks_cgdp import train_params_many
 from tunekit.runtime.session import Session
 from tunekit.testing import assert_states_close, default_dtype, run_ranks
 from tunekit.workload import load_workload
@@ -19,8 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
-WIDE = "tunekit.plugins.cgdp.workloads:wide"
+TINY = "tunekit.plugins.cgdp.tests.workloads_cgdp:tiny_bn"
+WIDE = "tunekit.plugins.cgdp.tests.workloads_cgdp:wide"
 CUDA = "cuda:0"
 # Equivalence runs in float64 (see tunekit.testing.EQUIVALENCE_RTOL): GPU kernels
 # sum in an order of their own (atomics, cuDNN's algorithm choice) from run to run.

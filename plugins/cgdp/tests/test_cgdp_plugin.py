@@ -20,7 +20,7 @@ from tunekit.runtime.sync import LocalSync
 from tunekit.testing import tiny_gpt_workload
 from tunekit.workload import load_workload
 
-TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
+TINY = "tunekit.plugins.cgdp.tests.workloads_cgdp:tiny_bn"
 
 
 def test_registered_under_the_plugin_entry_point():
@@ -134,7 +134,7 @@ def test_diagnosis_on_the_papers_machines_names_host_and_peer_links(profile, hos
     assert d.applies == (d.details["gain_vs_ddp"] > 0.01)
 
 
-WIDE = "tunekit.plugins.cgdp.workloads:wide"
+WIDE = "tunekit.plugins.cgdp.tests.workloads_cgdp:wide"
 
 
 def _dgx1_with_host_link(gb_s: float, interval: tuple[float, float] | None = None):

@@ -14,7 +14,7 @@ from tunekit.runtime.sync import LocalSync
 from tunekit.testing import tiny_gpt_workload
 from tunekit.workload import Workload, load_workload
 
-TINY = "tunekit.plugins.cgdp.workloads:tiny_bn"
+TINY = "tunekit.plugins.cgdp.tests.workloads_cgdp:tiny_bn"
 
 
 def params_after(sync_factory, steps: int = 3, spec: str = TINY) -> list[torch.Tensor]:

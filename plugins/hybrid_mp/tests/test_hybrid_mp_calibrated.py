@@ -18,7 +18,6 @@ from tunekit.plugins.hybrid_mp.calibrated import (
     copies_on_cores,
     simulate_executor,
 )
-from tunekit.plugins.hybrid_mp.examples import Branchy, branchy
 from tunekit.plugins.hybrid_mp.plugin import (
     OWN_COMPUTE_KEY,
     HybridMp,
@@ -28,6 +27,7 @@ from tunekit.plugins.hybrid_mp.plugin import (
     step_model,
 )
 from tunekit.plugins.hybrid_mp.runtime import build_program
+from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import Branchy, branchy
 from tunekit.testing import synthetic_observation, tiny_hardware
 from tunekit.workload import Workload
 

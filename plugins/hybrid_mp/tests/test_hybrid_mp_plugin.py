@@ -10,7 +10,6 @@ from tunekit.contract import Aspect
 from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.observe.observation import Measurement, Observation, summarize_model
-from tunekit.plugins.hybrid_mp.examples import branchy
 from tunekit.plugins.hybrid_mp.plugin import (
     HybridMp,
     HybridOptions,
@@ -22,6 +21,7 @@ from tunekit.plugins.hybrid_mp.plugin import (
     worker_plan,
 )
 from tunekit.plugins.hybrid_mp.render import format_decision_table, format_gantt
+from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import branchy
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from tunekit.observe.graph import trace_model
-from tunekit.plugins.hybrid_mp.examples import Branchy, branchy
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
-from tunekit.plugins.hybrid_mp.harness import hybrid_rank, reference_run
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
 from tunekit.plugins.hybrid_mp.plugin import nodes_of
 from tunekit.plugins.hybrid_mp.runtime import build_program, mesh_coords
 from tunekit.plugins.hybrid_mp.schedule import check_schedule, device_order_key
 from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
+from tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp import hybrid_rank, reference_run
+from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import Branchy, branchy
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, default_dtype, run_ranks
 
-BRANCHY = "tunekit.plugins.hybrid_mp.examples:branchy"
-PLAIN = "tunekit.plugins.hybrid_mp.examples:branchy_plain"
+BRANCHY = "tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy"
+PLAIN = "tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy_plain"
 
 
 def towers_on_device_1(model) -> dict[str, int]:
@@ -167,9 +167,9 @@ def test_two_by_two_mesh_planned_by_the_tuner_trains_like_one_process_then_rolls
 @pytest.mark.slow
 @pytest.mark.equivalence
 def test_values_consumed_out_of_send_order_still_match():
-    from tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp import ORDER, PLACEMENT
+    from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import ORDER, PLACEMENT
 
-    spec = "tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp:crossing"
+    spec = "tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:crossing"
     plan = {"node_device": PLACEMENT, "order": ORDER}
     ranks = run_ranks(hybrid_rank, 2, args=(spec, 3, 2, plan), dtype=F64)
     # device 0 sends a (l1) before b (l2); device 1 reads b first
@@ -187,7 +187,7 @@ def test_values_consumed_out_of_send_order_still_match():
 def test_transformer_blocks_in_two_stages_train_like_one_process():
     # the worker's own stage plan (placer "pipeline") on a toy GPT: whole blocks per device,
     # the embeddings on device 0 and the head on device 1
-    spec = "tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp:plain_gpt"
+    spec = "tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:plain_gpt"
     ranks = run_ranks(hybrid_rank, 2, args=(spec, 3, 2, None, {"placer": "pipeline"}), dtype=F64)
     ref = reference(spec, 3, 1, ranks[0]["lr"])
     for r in ranks:

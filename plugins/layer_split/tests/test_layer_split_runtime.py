@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from tunekit.plugins.layer_split.ranks import train_plans, train_single_process
+from tunekit.plugins.layer_split.tests.ranks_layer_split import train_plans, train_single_process
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, default_dtype, run_ranks
 
 CNN = "example:cnn"
-BRANCHY = "tunekit.plugins.layer_split.ranks:branchy_workload"
+BRANCHY = "tunekit.plugins.layer_split.tests.ranks_layer_split:branchy_workload"
 
 # Every mechanism at once on the example CNN: sample split, spatial h and w splits with
 # halos (same config on both sides of _2 -> _3: only halo rows move), channel splits of

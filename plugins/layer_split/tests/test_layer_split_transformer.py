@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from tunekit.plugins.layer_split.model import SplitConfig, config_space, specs_from_graph
-from tunekit.plugins.layer_split.ranks import (
+from tunekit.plugins.layer_split.runtime import PlanExecutor
+from tunekit.plugins.layer_split.tests.ranks_layer_split import (
     TINY_GPT,
     tiny_gpt_workload,
     tiny_vit_workload,
     train_plans,
 )
-from tunekit.plugins.layer_split.runtime import PlanExecutor
 from tunekit.plugins.layer_split.units import split_graph
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, run_ranks
 
-GPT = "tunekit.plugins.layer_split.ranks:tiny_gpt_workload"
-VIT = "tunekit.plugins.layer_split.ranks:tiny_vit_workload"
+GPT = "tunekit.plugins.layer_split.tests.ranks_layer_split:tiny_gpt_workload"
+VIT = "tunekit.plugins.layer_split.tests.ranks_layer_split:tiny_vit_workload"
 
 
 def _graph(model, tokens):

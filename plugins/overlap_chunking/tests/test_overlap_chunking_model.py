@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from tunekit.observe.graph import trace_model
-from tunekit.observe.layer_profile import profile_layers
+from tunekit.observe.layer_profile import LayerProfile, LayerTiming, profile_layers
 from tunekit.observe.observation import summarize_model
 from tunekit.plugins.overlap_chunking.layers import PaperLayer, paper_layers
+from tunekit.plugins.overlap_chunking.measure import layer_times_from_profile, measure_layer_times
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
     LayerCost,
@@ -24,7 +25,6 @@ from tunekit.plugins.overlap_chunking.model import (
     predict_two_chunk,
 )
 from tunekit.plugins.overlap_chunking.search import TIE_TOLERANCE, rank_settings, shortlist
-from tunekit.plugins.overlap_chunking.timing import layer_times_from_profile, measure_layer_times
 from tunekit.runtime.sync import DDPSync
 from tunekit.workload import load_workload
 
@@ -142,23 +142,19 @@ def test_layer_times_from_an_observed_profile():
         PaperLayer("pool", "MaxPool2d", (), 0, None),
         PaperLayer("fc", "Linear", ("fc.weight",), 10, None),
     ]
-    rec = SimpleNamespace
-    profile = SimpleNamespace(
-        layers=[
-            rec(name="conv", forward_s=1.0, backward_s=2.0),
-            rec(name="relu", forward_s=0.5, backward_s=0.25),
-            rec(name="pool", forward_s=1.0, backward_s=1.0),
-            rec(name="fc", forward_s=3.0, backward_s=4.0),
-        ]
-    )
-    times = layer_times_from_profile(profile, layers)
+    def profile(*records: tuple[str, float, float]) -> LayerProfile:
+        timings = {n: LayerTiming(n, "x", f, b) for n, f, b in records}
+        return LayerProfile("g", "cpu", 2, 0, 1, timings)
+
+    full = [("conv", 1.0, 2.0), ("relu", 0.5, 0.25), ("pool", 1.0, 1.0), ("fc", 3.0, 4.0)]
+    times = layer_times_from_profile(profile(*full), layers)
     assert [(t.name, t.forward_s, t.backward_s) for t in times] == [
         ("conv", 1.5, 2.25),
         ("pool", 1.0, 1.0),
         ("fc", 3.0, 4.0),
     ]
-    assert layer_times_from_profile(SimpleNamespace(layers=profile.layers[:2]), layers) is None
-    assert layer_times_from_profile(SimpleNamespace(other=1), layers) is None
+    assert layer_times_from_profile(profile(*full[:2]), layers) is None  # fc, pool not timed
+    assert layer_times_from_profile(profile(), layers) is None
 
 
 def test_layer_times_from_the_observation_layers_profile():

@@ -8,6 +8,7 @@ import torch
 from tunekit.errors import ConfigError
 from tunekit.observe.observation import summarize_model
 from tunekit.plugins.overlap_chunking.layers import chunk_plan, fc_layers, is_pool, paper_layers
+from tunekit.plugins.overlap_chunking.measure import fc_shape
 from tunekit.plugins.overlap_chunking.model import (
     FcCost,
     LayerCost,
@@ -15,7 +16,6 @@ from tunekit.plugins.overlap_chunking.model import (
     fc_replication_values,
     predict_two_chunk,
 )
-from tunekit.plugins.overlap_chunking.timing import fc_shape
 from tunekit.runtime.sync import CommRecord, overlap_ratio
 
 torchvision = pytest.importorskip("torchvision")

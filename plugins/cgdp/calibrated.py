@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunekit.costmodel import Calibration
-from tunekit.observe.truth import StepTruth
+from tunekit.api import Breakdown, Calibration, StepTruth
 from tunekit.plugins.cgdp.model import (
     AllReduceCost,
     ReduceCosts,
@@ -72,7 +71,7 @@ class BucketTimes:
         return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def bucket_times(breakdown: Any, buckets: int) -> BucketTimes | None:
+def bucket_times(breakdown: Breakdown | None, buckets: int) -> BucketTimes | None:
     """Per-bucket all-reduce durations of the profiled baseline steps, or None.
 
     Each step's all-reduces are matched to the model's buckets in order when
@@ -82,7 +81,7 @@ def bucket_times(breakdown: Any, buckets: int) -> BucketTimes | None:
     if breakdown is None or buckets < 1:
         return None
     by_step: dict[int, list[list[float]]] = {}
-    for rank in getattr(breakdown, "ranks", []):
+    for rank in breakdown.ranks:
         for step in rank.steps:
             ars = [c.own_s for c in step.collectives if "all_reduce" in c.name]
             if len(ars) == buckets:
@@ -93,7 +92,7 @@ def bucket_times(breakdown: Any, buckets: int) -> BucketTimes | None:
     return BucketTimes(durations, f"{len(by_step)} profiled step(s)")
 
 
-def waiting_share(breakdown: Any) -> float:
+def waiting_share(breakdown: Breakdown | None) -> float:
     """Share of the step that the exposed communication owes to one rank waiting for the other.
 
     The measured exposed communication is a mean over ranks. In each profiled
@@ -103,7 +102,7 @@ def waiting_share(breakdown: Any) -> float:
     of (mean exposed - the busiest rank's exposed) / the mean step, 0 without
     a breakdown of two or more ranks.
     """
-    ranks = getattr(breakdown, "ranks", None) or []
+    ranks = breakdown.ranks if breakdown is not None else []
     if len(ranks) < 2:
         return 0.0
     steps: dict[int, list[Any]] = {}

@@ -7,7 +7,7 @@
   shape of AlexNet and VGG-16, where the big gradients come first in backward
   and their host reduction hides behind the rest of it.
 
-Load them by name in any process: ``tunekit.plugins.cgdp.workloads:deep_narrow``.
+Load them by name in any process: ``tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow``.
 """
 
 from __future__ import annotations

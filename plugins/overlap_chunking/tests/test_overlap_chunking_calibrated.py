@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tunekit.observe.truth import PART_LABELS, StepTruth
-from tunekit.plugins.overlap_chunking import calibration
+from tunekit.plugins.overlap_chunking import calibrated as calibration
 from tunekit.plugins.overlap_chunking.explain import diagnosis_text, expected_gain
 from tunekit.plugins.overlap_chunking.model import LayerCost, StepCosts, predict_ddp
 from tunekit.plugins.overlap_chunking.plugin import OverlapChunking

@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from tunekit.observe.grad_timing import Clock, time_groups
+from tunekit.api import (
+    Clock,
+    LayerProfile,
+    ModelGraph,
+    Workload,
+    intra_op_threads,
+    time_groups,
+    to_device,
+)
 from tunekit.plugins.overlap_chunking.layers import PaperLayer
-from tunekit.runtime.data import to_device
-from tunekit.workload import Workload
 
 
 @dataclass
@@ -79,21 +85,6 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return _median(samples)
 
 
-class _Threads:
-    """Run with the thread count of one trial rank, then restore."""
-
-    def __init__(self, threads: int | None):
-        self.threads = threads
-
-    def __enter__(self):
-        self.before = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
-
-
 def measure_layer_times(
     workload: Workload,
     layers: list[PaperLayer],
@@ -113,7 +104,7 @@ def measure_layer_times(
     differenced, so the cumulative sums give when each chunk is ready.
     """
     rng = torch.get_rng_state()
-    with _Threads(threads if device.type == "cpu" else None):
+    with intra_op_threads(threads if device.type == "cpu" else None):
         try:
             torch.manual_seed(workload.seed)
             model = workload.model().to(device)
@@ -149,7 +140,10 @@ def _profile_model(model, optimizer, workload, layers, inputs, targets, device, 
 
 
 def layer_times_from_profile(
-    profile: Any, layers: list[PaperLayer], graph: Any = None, batch: int | None = None
+    profile: LayerProfile,
+    layers: list[PaperLayer],
+    graph: ModelGraph | None = None,
+    batch: int | None = None,
 ) -> list[LayerTime] | None:
     """Paper-layer times from the observation's layer profile, or None if it has no usable ones.
 
@@ -161,27 +155,20 @@ def layer_times_from_profile(
     concat) go to the paper layer before them. Times are scaled linearly from
     the profile's batch to ``batch``.
     """
-    records = getattr(profile, "layers", None)
-    if isinstance(records, dict):
-        records = list(records.values())
+    records = list(profile.layers.values())
     if not records:
         return None
     paper = {layer.name: i for i, layer in enumerate(layers)}
     scale = 1.0
-    profiled_batch = getattr(profile, "batch_size", None)
-    if batch and profiled_batch:
-        scale = batch / profiled_batch
+    if batch and profile.batch_size:
+        scale = batch / profile.batch_size
     fwd = [0.0] * len(layers)
     bwd = [0.0] * len(layers)
     seen: set[int] = set()
     owner = None
     for rec in records:
-        name = getattr(rec, "name", None)
-        f = getattr(rec, "forward_s", None)
-        b = getattr(rec, "backward_s", None)
-        if name is None or f is None or b is None:
-            return None
-        owned = [paper[m] for m in _module_paths(name, graph) if m in paper]
+        f, b = rec.forward_s, rec.backward_s
+        owned = [paper[m] for m in _module_paths(rec.name, graph) if m in paper]
         if owned:
             owner = owned[0]
             seen.update(owned)
@@ -193,16 +180,15 @@ def layer_times_from_profile(
     return [LayerTime(layer.name, fwd[i], bwd[i]) for i, layer in enumerate(layers)]
 
 
-def _module_paths(record_name: str, graph: Any) -> list[str]:
+def _module_paths(record_name: str, graph: ModelGraph | None) -> list[str]:
     """Module paths a profile record covers: its graph layer's module calls, or its own name."""
-    glayers = getattr(graph, "layers", None) or {}
-    if record_name not in glayers:
+    if graph is None or record_name not in graph.layers:
         return [record_name]
     nodes = graph.nodes
     return [
         nodes[n].target
-        for n in glayers[record_name].nodes
-        if n in nodes and getattr(nodes[n], "module_type", None) is not None
+        for n in graph.layers[record_name].nodes
+        if n in nodes and nodes[n].module_type is not None
     ]
 
 
@@ -216,7 +202,7 @@ def measure_update_and_batch(
 ) -> tuple[float, float]:
     """(optimizer step time per parameter byte, time to make one batch)."""
     rng = torch.get_rng_state()
-    with _Threads(threads if device.type == "cpu" else None):
+    with intra_op_threads(threads if device.type == "cpu" else None):
         try:
             torch.manual_seed(workload.seed)
             model = workload.model().to(device)

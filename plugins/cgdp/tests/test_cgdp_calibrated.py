@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tunekit.observe.breakdown import Breakdown, CollectiveTiming, RankBreakdown, StepParts
 from tunekit.observe.truth import StepTruth
-from tunekit.plugins.cgdp.calibrate import (
+from tunekit.plugins.cgdp.calibrated import (
     HostWork,
     bucket_times,
     calibrate,
@@ -33,13 +33,13 @@ from tunekit.plugins.cgdp.runtime import parameterised_layers
 from tunekit.testing import local_hardware, synthetic_observation
 from tunekit.workload import load_workload
 
-DEEP = "tunekit.plugins.cgdp.workloads:deep_narrow"
+DEEP = "tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow"
 
 
 # -- DDP as the model sees it ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["example:cnn", "tunekit.plugins.cgdp.workloads:wide", DEEP])
+@pytest.mark.parametrize("spec", ["example:cnn", "tunekit.plugins.cgdp.tests.workloads_cgdp:wide", DEEP])
 def test_ddp_buckets_are_the_ones_ddp_assigns(spec):
     model = load_workload(spec).model()
     params = list(reversed([p for p in model.parameters() if p.requires_grad]))

@@ -35,8 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tunekit.costmodel import Calibration
-from tunekit.observe.truth import StepTruth
+from tunekit.api import Calibration, StepTruth
 from tunekit.plugins.overlap_chunking.model import Prediction, StepCosts, calibrate
 
 COMPUTE_LIMITS = (1e-2, 1e2)

@@ -1,0 +1,162 @@
+"""What a tuner plugin may use besides the contract: one stable import path.
+
+A plugin imports from three modules only: :mod:`tunekit.contract` (the hooks
+and their data types), :mod:`tunekit.errors`, and this one. Everything here is
+re-exported from where it lives in the core, so the core can move code without
+breaking a plugin; ``tests/unit/test_public_surface.py`` freezes the list, and
+``tests/unit/test_layout.py`` keeps the built-in plugins to these imports.
+
+What there is, by the step of a tuner's life that needs it:
+
+* **Reading the job** (``diagnose``, ``plan``): :class:`Observation` and what it
+  holds (:class:`ModelSummary`, :class:`Measurement`, :class:`ModelGraph`,
+  :class:`LayerProfile`, :class:`Breakdown`, :class:`StepTruth`,
+  :class:`Hardware`, :class:`TelemetrySummary`, the study cache); block
+  detection; the machine this process runs on.
+* **Measuring here**: steps timed part by part (:func:`time_steps`), layers run
+  standalone (:class:`LayerRunner`), gradient-ready times
+  (:func:`time_groups`), links, collectives and host copies with intervals
+  (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`).
+* **Cost models**: FLOPs to seconds (:class:`ComputeRate`), a model calibrated
+  on the measured baseline (:class:`Calibration`).
+* **Searching**: a MILP wrapper over HiGHS (:class:`MilpModel`) and variable
+  elimination over a cost graph (:func:`solve_elimination`).
+* **The runtime hooks** (``apply``, ``search``): :class:`Session`, the gradient
+  synchronisers (:class:`GradSync`, :class:`DDPSync`, :class:`LocalSync`) and
+  their communication record, the batch source and its loader options, and
+  collective helpers.
+"""
+
+from __future__ import annotations
+
+from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
+from tunekit.hardware import GB, CollectiveFit, Hardware
+from tunekit.observe.blocks import block_units, graph_units, unit_starts
+from tunekit.observe.breakdown import Breakdown
+from tunekit.observe.grad_timing import Clock, time_groups
+from tunekit.observe.graph import Layer, ModelGraph, layer_output, trace_model
+from tunekit.observe.layer_profile import (
+    LayerProfile,
+    LayerRunner,
+    LayerStep,
+    measure_layer,
+    output_member,
+    run_steps,
+    tensor_out,
+    timing_clock,
+)
+from tunekit.observe.local import describe_local_machine
+from tunekit.observe.observation import (
+    LayerInfo,
+    Measurement,
+    ModelSummary,
+    Observation,
+    StudyCache,
+    TelemetrySummary,
+    summarize_model,
+)
+from tunekit.observe.step_timing import (
+    StepTiming,
+    check_threads,
+    intra_op_threads,
+    is_out_of_memory,
+    release_memory,
+    time_steps,
+)
+from tunekit.observe.timing import (
+    Estimate,
+    allreduce_timings,
+    bandwidth_estimate,
+    copy_timings,
+    fit_samples,
+    timed_rounds,
+)
+from tunekit.observe.truth import StepTruth
+from tunekit.runtime.data import BatchSource, LoaderOptions, to_device
+from tunekit.runtime.dist import broadcast_object, single_rank_group
+from tunekit.runtime.session import Session
+from tunekit.runtime.sync import (
+    ALL_FEATURES,
+    CommRecord,
+    DDPSync,
+    GradSync,
+    HookedAccumulation,
+    LocalSync,
+    ddp_supports_bucket_list,
+    declined_features,
+    overlap_ratio,
+)
+from tunekit.search.elimination import CostGraph, EliminationStats
+from tunekit.search.elimination import solve as solve_elimination
+from tunekit.search.ilp import MilpModel, MilpSolution
+from tunekit.workload import Workload
+
+__all__ = [
+    "ALL_FEATURES",
+    "BACKWARD_FLOPS_RATIO",
+    "GB",
+    "BatchSource",
+    "Breakdown",
+    "Calibration",
+    "Clock",
+    "CollectiveFit",
+    "CommRecord",
+    "ComputeRate",
+    "CostGraph",
+    "DDPSync",
+    "EliminationStats",
+    "Estimate",
+    "GradSync",
+    "Hardware",
+    "HookedAccumulation",
+    "Layer",
+    "LayerInfo",
+    "LayerProfile",
+    "LayerRunner",
+    "LayerStep",
+    "LoaderOptions",
+    "LocalSync",
+    "Measurement",
+    "MilpModel",
+    "MilpSolution",
+    "ModelGraph",
+    "ModelSummary",
+    "Observation",
+    "Session",
+    "StepTiming",
+    "StepTruth",
+    "StudyCache",
+    "TelemetrySummary",
+    "Workload",
+    "allreduce_timings",
+    "bandwidth_estimate",
+    "block_units",
+    "broadcast_object",
+    "check_threads",
+    "copy_timings",
+    "ddp_supports_bucket_list",
+    "declined_features",
+    "describe_local_machine",
+    "fit_samples",
+    "graph_units",
+    "intra_op_threads",
+    "is_out_of_memory",
+    "layer_output",
+    "measure_layer",
+    "output_member",
+    "overlap_ratio",
+    "release_memory",
+    "run_steps",
+    "single_rank_group",
+    "solve_elimination",
+    "summarize_model",
+    "tensor_out",
+    "time_groups",
+    "time_steps",
+    "timed_rounds",
+    "timing_clock",
+    "to_device",
+    "trace_model",
+    "training_flops",
+    "unit_starts",
+]
