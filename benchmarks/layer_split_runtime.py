@@ -6,7 +6,7 @@
    and all-reduce times of the 2 ranks over a size sweep, fitted to latency +
    bytes/bandwidth (the hardware model's collective fits).
 2. Builds the cost tables of the example CNN for those 2 ranks, with compute
-   MEASURED per (layer, config) by ``time_layer_split`` at one thread per rank.
+   MEASURED per (layer, config) by layer_split's ``time_layer_split`` at one thread per rank.
 3. Runs plans for real (image parallelism, OWT, DeePa's best, the best under the
    exact-bytes model, and a hand-mixed plan) plus plain DDP, and prints each
    plan's measured median step beside three predictions:

@@ -19,11 +19,10 @@ with the profile's links and backward times from FLOPs.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from itertools import product
 from typing import Any
 
-import psutil
 import torch
 
 from tunekit.api import (
@@ -33,21 +32,31 @@ from tunekit.api import (
     Observation,
     Session,
     StepTruth,
-    bandwidth_estimate,
     block_units,
-    to_device,
 )
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
 from tunekit.plugins.cgdp.calibrated import CalibratedCgdp, HostWork, calibrate
+from tunekit.plugins.cgdp.inputs import (
+    CACHE_VERSION,
+    MEASURED_SOURCES,
+    MIN_GAIN,
+    gpu_host_path,
+    host_rates,
+    layer_times,
+    measure_host_rates,
+    measure_offload,
+    model_truth,
+    peer,
+    peer_bus,
+    peer_cost,
+    profile_host_link,
+)
 from tunekit.plugins.cgdp.model import (
-    AllReduceCost,
     HostRates,
     MiB,
     Prediction,
-    ReduceCosts,
     candidate_chunk_sizes,
-    host_sum_bandwidth,
     memory_estimates,
     predict,
 )
@@ -58,166 +67,6 @@ from tunekit.plugins.cgdp.search import (
     chunk_layout,
     unit_layout,
 )
-
-MEASURED_SOURCES = ("local", "probe")
-"""Hardware sources that describe the machine tunekit runs on (times are measured here)."""
-FLOP_EFFICIENCY = 0.4
-"""Fraction of peak FLOP/s assumed when backward times are estimated for another machine."""
-MIN_GAIN = 0.01
-"""Predicted gains below this fraction of a step are within the model's noise."""
-CACHE_VERSION = "v3"
-"""Bumped when what is cached changes shape (v3: per-pass backward samples, offload step)."""
-
-
-def rank_threads(nproc: int) -> int:
-    """Intra-op threads of one rank, as the trial launcher gives them (cores shared out)."""
-    return max(1, (psutil.cpu_count(logical=False) or 1) // max(nproc, 1))
-
-
-def _layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str, Any]:
-    """Per-layer ``t_bp`` and gradient bytes, and the optimizer's state bytes (JSON-able).
-
-    On this machine: timed from gradient readiness over several passes with a
-    rank's threads (the whole model's backward, so time in layers without
-    parameters falls between the readiness points where it belongs); for a
-    hardware profile: estimated from FLOPs. Where the model is calibrated on a
-    measured baseline only the layers' shares of backward matter.
-    """
-    from tunekit.plugins.cgdp.measure import estimate_backward_times, time_layer_backward
-
-    work, target = obs.workload, obs.hardware.devices[0]
-    model = work.model().to(device)
-    inputs, targets = work.example_batch(work.batch_size)
-    inputs, targets = (
-        to_device(inputs, device),
-        to_device(targets, device),
-    )  # inputs may be a dict (HF)
-    if local:
-        times = time_layer_backward(
-            model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)
-        )
-        source = f"measured from gradient readiness ({len(times.samples)} passes, median shares)"
-    else:
-        times = estimate_backward_times(
-            model, inputs, targets, work.loss, target.peak_flops, FLOP_EFFICIENCY
-        )
-        source = f"FLOPs at {FLOP_EFFICIENCY:.0%} of {target.model}'s peak"
-    opt = work.optimizer(model.parameters(), work.lr)
-    work.loss(model(inputs), targets).backward()
-    opt.step()
-    state = sum(
-        v.numel() * v.element_size()
-        for st in opt.state.values()
-        for v in st.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    )
-    return {**times.to_dict(), "state_bytes": state, "source": source}
-
-
-def _measure_host(device: torch.device, local: bool) -> dict[str, Any]:
-    """What this machine measures for the host path, with intervals (JSON-able, cached).
-
-    Host adds and the sync cost always; the host link only when the hardware
-    is this machine (a profile's host link is read from the profile).
-    """
-    from tunekit.plugins.cgdp.measure import (
-        copy_bandwidths,
-        host_add_bandwidth,
-        measure_sync_overhead,
-    )
-
-    out: dict[str, Any] = {
-        "add_per_core": host_add_bandwidth(threads=1).to_dict(),
-        "sync": measure_sync_overhead(device),
-    }
-    if local:
-        d2h, h2d = copy_bandwidths(device)
-        out.update(d2h=d2h.to_dict(), h2d=h2d.to_dict())
-    return out
-
-
-def _measure_offload(obs: Observation, device: torch.device) -> dict[str, Any]:
-    """The job's optimizer step on the device and under offload, timed here (JSON-able)."""
-    from tunekit.plugins.cgdp.measure import time_offload_step
-
-    work = obs.workload
-    return time_offload_step(
-        work.model, lambda params: work.optimizer(params, work.lr), device,
-        threads=rank_threads(obs.nproc),
-    )  # fmt: skip
-
-
-def _profile_host_link(hw: Hardware) -> dict[str, Any]:
-    """A profile's host link: its D2H fit (with the fit's interval) or its host links."""
-    fit = hw.fit("d2h", 1)
-    if fit is not None:
-        link = bandwidth_estimate(fit)
-    else:
-        link = Estimate.exact(hw.host_bandwidth(hw.devices[0].name))
-    return {"d2h": link.to_dict(), "h2d": link.to_dict()}
-
-
-def _rate(measured: dict[str, float], end: str | None) -> float:
-    """A measured bandwidth at ``end``: the median (None), its interval's ``"slow"`` or ``"fast"`` end."""
-    est = Estimate.from_dict(measured)
-    return {None: est.value, "slow": est.low, "fast": est.high}[end]
-
-
-def _host_rates(
-    obs: Observation, measured: dict[str, Any], hw: Hardware, host_end: str | None = None
-) -> HostRates:
-    """Copy, reduction and synchronisation rates of the host path on ``hw``.
-
-    ``host_end`` picks the end of the host rates' intervals; the reduction's
-    fit comes from ``hw`` (pass ``hw.at_end(...)`` for the ends of its interval).
-    """
-    nproc = obs.nproc
-    # The reduction across ranks: a measured gloo fit when the hardware has one; CPU ranks on
-    # this machine reduce through gloo on loopback whichever sync is used; otherwise the
-    # paper's host-side sum of G contributions.
-    gloo = hw.fit("all_reduce", nproc, "gloo")
-    if gloo is not None:
-        latency, reduce_bw, source = gloo.latency, gloo.bandwidth, "gloo all-reduce fit"
-    elif obs.device_type == "cpu" and hw.source in MEASURED_SOURCES:
-        big = 64 * MiB
-        latency = hw.allreduce_time(0, nproc, "gloo")
-        reduce_bw = big / max(hw.allreduce_time(big, nproc, "gloo") - latency, 1e-12)
-        source = "loopback model"
-    else:
-        # The paper sums on all host cores (OpenMP). Profiles carry no host memory
-        # bandwidth: this machine's per-core add rate times the host's cores (optimistic).
-        latency = 0.0
-        add = _rate(measured["add_per_core"], host_end)
-        reduce_bw = host_sum_bandwidth(add * hw.host.cores, nproc)
-        source = f"host adds on {hw.host.cores} cores at this machine's per-core rate"
-    return HostRates(
-        _rate(measured["d2h"], host_end),
-        _rate(measured["h2d"], host_end),
-        reduce_bw,
-        latency,
-        measured["sync"],
-        source=source,
-    )
-
-
-def _peer(hw: Hardware, nproc: int, backend: str) -> Callable[[float], float]:
-    """Seconds of one all-reduce of ``n`` bytes over the devices' peer links (the DDP baseline)."""
-    return lambda nbytes: hw.allreduce_time(nbytes, nproc, backend)
-
-
-def _peer_cost(hw: Hardware, nproc: int, backend: str) -> AllReduceCost:
-    """The peer all-reduce as ``latency + bytes / bandwidth`` (from the fit or the links)."""
-    big = 64 * MiB
-    latency = hw.allreduce_time(0, nproc, backend)
-    return AllReduceCost(
-        latency, big / max(hw.allreduce_time(big, nproc, backend) - latency, 1e-12)
-    )
-
-
-def _peer_bus(hw: Hardware, nproc: int, backend: str) -> float:
-    """Bus bandwidth of a large peer all-reduce: bytes each rank sends and receives per second."""
-    big = 256 * MiB
-    return 2 * (nproc - 1) / nproc * big / hw.allreduce_time(big, nproc, backend)
 
 
 def _interval_text(est: Estimate) -> str:
@@ -243,26 +92,6 @@ def _truth_lead(truth: StepTruth | None) -> str:
         f"{truth.phrase('comm_exposed')}: all that CGDP can hide, and its own host work "
         "comes on top"
     )
-
-
-def _model_truth(times, hw: Hardware, nproc: int, backend: str, work: HostWork) -> StepTruth:
-    """A stand-in for the baseline when none was measured: the model's own DDP step."""
-    from tunekit.plugins.cgdp.model import ddp_timeline
-
-    backward = sum(times.t_bp)
-    share = times.backward_share or 2 / 3
-    ddp = ddp_timeline(
-        times.t_bp, times.nbytes, ReduceCosts.uniform(_peer_cost(hw, nproc, backend))
-    )
-    step = backward / share + ddp.exposed_s + (work.optimizer_s or 0.0)
-    return StepTruth(step_s=step, source="model: no measured baseline")
-
-
-def _gpu_host_path(obs: Observation, host: dict[str, Any], hw: Hardware) -> ReduceCosts:
-    """A GPU's host path: copy to the host and the host all-reduce, one pipeline (not DDP's NCCL)."""
-    rates = _host_rates(obs, host, hw)
-    per_byte = 1.0 / rates.d2h_bw + 1.0 / rates.reduce_bw
-    return ReduceCosts.uniform(AllReduceCost(rates.reduce_latency, 1.0 / per_byte))
 
 
 def _model_text(f: _Fit, best: _Row) -> str:
@@ -481,10 +310,10 @@ class Cgdp(Tuner):
         layers_key = f"cgdp:layers:{CACHE_VERSION}:{spec}:{target.model}"
         host_key = f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True"
         return {
-            "layers": obs.cached(layers_key, lambda: _layer_times(obs, device, True)),
-            "host": obs.cached(host_key, lambda: _measure_host(device, True)),
+            "layers": obs.cached(layers_key, lambda: layer_times(obs, device, True)),
+            "host": obs.cached(host_key, lambda: measure_host_rates(device, True)),
             "offload": obs.cached(
-                f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: _measure_offload(obs, device)
+                f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: measure_offload(obs, device)
             ),
         }
 
@@ -505,13 +334,13 @@ class Cgdp(Tuner):
             copy_s_per_byte=1.0 / copy,
             optimizer_s=measured["offload"]["device_s"],
             offload_optimizer_s=measured["offload"]["offload_s"],
-            chunk_costs=None if device.type == "cpu" else _gpu_host_path(obs, host, hw),
+            chunk_costs=None if device.type == "cpu" else gpu_host_path(obs, host, hw),
         )
-        truth = obs.truth or _model_truth(times, hw, nproc, backend, work)
+        truth = obs.truth or model_truth(times, hw, nproc, backend, work)
 
         def fit(t_bp, peer_hw: Hardware = hw, during_end: str | None = None) -> CalibratedCgdp:
             return calibrate(
-                truth, t_bp, times.nbytes, times.backward_share, _peer_cost(peer_hw, nproc, backend),
+                truth, t_bp, times.nbytes, times.backward_share, peer_cost(peer_hw, nproc, backend),
                 work, obs.breakdown, during_end,
             )  # fmt: skip
 
@@ -627,32 +456,32 @@ class Cgdp(Tuner):
         backend = "nccl" if target.kind == "gpu" else obs.backend
         hw.allreduce_time(1.0, nproc, backend)  # fails fast if the hardware cannot hold the job
         key = f"cgdp:layers:{obs.workload_spec}:{device}:False:{target.model}"
-        lt = obs.cached(key, lambda: _layer_times(obs, device, False))
+        lt = obs.cached(key, lambda: layer_times(obs, device, False))
         times = LayerTimes.from_dict(lt)
         measured = obs.cached(
             f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:False",
-            lambda: _measure_host(device, False),
+            lambda: measure_host_rates(device, False),
         )
-        measured = {**measured, **_profile_host_link(hw)}
+        measured = {**measured, **profile_host_link(hw)}
 
         def predict_at(host_end: str | None, peer_end: str | None) -> Prediction:
             """The model with the host rates and the peer fits at the given ends of their intervals."""
             peer_hw = hw if peer_end is None else hw.at_end(peer_end)
-            rates = _host_rates(obs, measured, peer_hw, host_end)
-            return predict(times.t_bp, times.nbytes, rates, _peer(peer_hw, nproc, backend))
+            rates = host_rates(obs, measured, peer_hw, host_end)
+            return predict(times.t_bp, times.nbytes, rates, peer(peer_hw, nproc, backend))
 
-        rates = _host_rates(obs, measured, hw)
+        rates = host_rates(obs, measured, hw)
         pred = predict_at(None, None)
         facts = {
             "layers": times.names,
             "t_bp_source": lt["source"],
             "host_bw_gbs": rates.d2h_bw / GB,
             "host_bw": Estimate.from_dict(measured["d2h"]),
-            "peer_allreduce_bus_gbs": _peer_bus(hw, nproc, backend) / GB,
+            "peer_allreduce_bus_gbs": peer_bus(hw, nproc, backend) / GB,
             "peer_bus": Estimate(
-                _peer_bus(hw, nproc, backend),
-                _peer_bus(hw.at_end("slow"), nproc, backend),
-                _peer_bus(hw.at_end("fast"), nproc, backend),
+                peer_bus(hw, nproc, backend),
+                peer_bus(hw.at_end("slow"), nproc, backend),
+                peer_bus(hw.at_end("fast"), nproc, backend),
             ),
             "reduce_source": rates.source,
             "sync_overhead_us": rates.sync_s * 1e6,
