@@ -7,6 +7,10 @@ gradient noise scale of McCandlish et al. (2018).
 
 Memory terms of Eqs. 2-5 are in BITS, as in the paper (fp32 = 32 bits);
 everything else in tunekit is in bytes, so the helpers say which they return.
+
+One module, though long: it is the paper's arithmetic, pure (no torch, no
+processes), laid out in the paper's order so that each equation is found next
+to the erratum and the worked numbers its tests reproduce.
 """
 
 from __future__ import annotations

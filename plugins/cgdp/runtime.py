@@ -18,6 +18,10 @@ ranks whatever order autograd finishes them in. The optimizer steps once
 every chunk is back. With ``offload_optimizer`` the reduced gradients stay
 on the host, where the optimizer's state and step live (ZeRO-Offload
 style); only the updated parameters are copied to the device.
+
+One module, though long: the executor's hooks, host buffers, the chunk
+reducer and the offloaded optimizer share one per-step state machine
+(``CgdpSync``), whose ordering guarantees are easier to check in one place.
 """
 
 from __future__ import annotations

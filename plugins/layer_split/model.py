@@ -35,6 +35,11 @@ a channel-split FC feeding a channel-split FC free, although each consumer
 worker needs every input feature. We apply it only where the consumer's
 sample and channel needs are already on its device (halos are ignored, as the
 paper does); Tables 2 and 3 are unaffected.
+
+One module, though long: the op specs, their windows and the three Eq. 1 tables
+are one model, each table read by the others' code (a transfer's cost needs
+the producer's and the consumer's slices), and the paper's worked tables are
+tested against it as a whole.
 """
 
 from __future__ import annotations

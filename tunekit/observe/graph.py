@@ -26,6 +26,10 @@ buffers (batch-norm statistics) and the global RNG are restored afterwards. A mo
 :meth:`ModelGraph.graph_hash` is stable across processes and runs (op kinds,
 shapes, parameter counts, edges; no object ids), so the study store can key
 cached profiles by it.
+
+One module, though long: tracing (fx, export, the hooks fallback), the grouping
+of nodes into layers and the per-node facts (shapes, bytes, FLOPs) build one
+``ModelGraph`` together, and each step reads what the one before recorded.
 """
 
 from __future__ import annotations

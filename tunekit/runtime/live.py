@@ -19,6 +19,10 @@ refuses the apply, relaunch or stop that needed it (the job keeps its last
 good checkpoint), and status, metrics and events that cannot be written are
 reported once. A change that needs new processes is watched in the relaunched
 job like any other and rolled back by a relaunch.
+
+One module, though long: the control loop, the checkpoint and the rollback of
+a live change are one transaction at a step boundary; split, its invariants
+(what is committed when) would be spread over files.
 """
 
 from __future__ import annotations

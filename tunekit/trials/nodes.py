@@ -36,6 +36,9 @@ Keys, under the prefix::
     job/<n>             the n-th announcement: {"kind": "trial", ...} or {"kind": "end"}
     job/<n>/stop        the coordinator stopped trial n: kill its agent now
     job/<n>/node/<r>    node r's files and its agent's exit code for trial n
+
+One module, though long: the coordinator and the follower are the two ends of
+one protocol on the store above; their keys and messages are read in one place.
 """
 
 from __future__ import annotations
