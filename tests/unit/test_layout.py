@@ -87,3 +87,18 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     res = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(), reason="ruff not installed")
+def test_ruff_format_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    res = subprocess.run([ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+
+
+@pytest.mark.slow
+def test_the_core_and_the_plugin_api_type_check():
+    """mypy over tunekit/ (configured in pyproject.toml), the plugin API included."""
+    pytest.importorskip("mypy")
+    res = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
