@@ -30,8 +30,8 @@ from tunekit.observe.observation import Observation, summarize_model
 from tunekit.observe.probe import probe_hardware
 from tunekit.plugins.layer_split.model import CostOptions, build_tables
 from tunekit.plugins.layer_split.plugin import LayerSplit
-from tunekit.plugins.layer_split.tests.ranks_layer_split import train_plans
 from tunekit.plugins.layer_split.search import evaluate, named_configs, search
+from tunekit.plugins.layer_split.tests.ranks_layer_split import train_plans
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload
 
