@@ -91,7 +91,7 @@ def test_split_timer_times_transformer_layers_at_the_global_batch():
     """The timer runs a per-model constant whole and shape arithmetic at the slice's batch
     (it used to stretch the position embedding to the batch: "size of tensor a (64) must
     match the size of tensor b (8)", and time ``torch.arange`` nowhere)."""
-    from tunekit.observe.layer_profile import SplitTimer
+    from tunekit.plugins.layer_split.measure import SplitTimer
 
     w = tiny_gpt_workload()
     model = w.model()
@@ -308,7 +308,7 @@ def test_diagnosis_plans_the_tiny_gpt_on_this_machine():
 def test_a_layer_the_timer_cannot_run_is_named(monkeypatch):
     """A layer none of whose configs the split timer can run is refused by name (it used to
     end the search with "node 'arange' has no configurations")."""
-    from tunekit.observe.layer_profile import SplitTimer
+    from tunekit.plugins.layer_split.measure import SplitTimer
     from tunekit.plugins.layer_split.plugin import LayerSplit
 
     real = SplitTimer.time
