@@ -192,14 +192,6 @@ class Placement:
     def devices_used(self) -> int:
         return len(set(self.assignment.values()))
 
-    def layer_devices(self) -> dict[str, str]:
-        """Layer name -> device, through the ops' members."""
-        out: dict[str, str] = {}
-        for op, dev in self.assignment.items():
-            for layer in self.members.get(op, [op]):
-                out[layer] = dev
-        return out
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["speedup"] = self.speedup

@@ -47,7 +47,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -91,14 +90,6 @@ class SplitConfig:
         parts = [f"{d}{v}" for d, v in zip(DIMS, self.degrees, strict=True) if v > 1]
         return "".join(parts) or "1"
 
-    def paper_label(self, dims: int = 4) -> str:
-        """The paper's form, ``{n=1, c=2}`` (FC layers show n and c only)."""
-        return (
-            "{"
-            + ", ".join(f"{d}={v}" for d, v in zip(DIMS[:dims], self.degrees, strict=False))
-            + "}"
-        )
-
     @classmethod
     def parse(cls, text: str) -> SplitConfig:
         """Inverse of :meth:`label`."""
@@ -112,13 +103,6 @@ class SplitConfig:
             raise PluginError(f"layer_split: {text!r} is not a config like n2, c2 or h2w2")
         degrees = {d: int(v) for d, v in re.findall(r"([nchw])(\d+)", text)}
         return cls(**degrees)
-
-
-def split_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
-    """Half-open range of chunk ``index`` when ``size`` is split in ``parts`` (torch.tensor_split)."""
-    q, r = divmod(size, parts)
-    lo = index * q + min(index, r)
-    return lo, lo + q + (1 if index < r else 0)
 
 
 def candidate_degrees(ndev: int) -> list[int]:
@@ -136,14 +120,6 @@ class Window:
     stride: int
     pad: int
     dilation: int = 1
-
-    def input_range(self, lo: int, hi: int) -> tuple[int, int]:
-        """Input positions (padding included, may be <0 or >= size) output [lo, hi) reads."""
-        if hi <= lo:
-            return 0, 0
-        return lo * self.stride - self.pad, (hi - 1) * self.stride - self.pad + (
-            self.kernel - 1
-        ) * self.dilation + 1
 
 
 @dataclass(frozen=True)
@@ -563,11 +539,6 @@ def input_boxes(
     return need
 
 
-def input_box(consumer: OpSpec, use: Use, producer: OpSpec, out_box: np.ndarray) -> np.ndarray:
-    """:func:`input_boxes` for one worker's output box."""
-    return input_boxes(consumer, use, producer, np.asarray(out_box)[None])[0]
-
-
 def clip_boxes(boxes: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     size = np.asarray(shape, dtype=np.int64)
     lo = np.clip(boxes[..., 0], 0, size)
@@ -575,21 +546,10 @@ def clip_boxes(boxes: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     return np.stack([lo, hi], axis=-1)
 
 
-def clip_box(box: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-    return clip_boxes(box, shape)
-
-
 def box_numel(box: np.ndarray) -> np.ndarray | int:
     """Elements in a box (or in each of a stack of boxes)."""
     n = np.prod(np.maximum(box[..., 1] - box[..., 0], 0), axis=-1)
     return int(n) if np.ndim(n) == 0 else n
-
-
-def needed_boxes(consumer: OpSpec, use: Use, producer: OpSpec, cfg: SplitConfig) -> np.ndarray:
-    """``(workers, 4, 2)``: what each consumer worker needs from ``producer``, clipped."""
-    return clip_boxes(
-        input_boxes(consumer, use, producer, owned_boxes(consumer, cfg)), producer.shape
-    )
 
 
 # -- hardware rates ----------------------------------------------------------------------
@@ -692,15 +652,6 @@ class Tables:
     rate: Rate
     options: CostOptions
     compute_source: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ndev": self.ndev,
-            "rate": self.rate.source,
-            "compute": self.compute_source,
-            "options": dict(self.options.__dict__),
-            "layers": {v: [c.label() for c in cs] for v, cs in self.spaces.items()},
-        }
 
 
 def update_table(
