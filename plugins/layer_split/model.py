@@ -121,6 +121,14 @@ class Window:
     pad: int
     dilation: int = 1
 
+    def input_range(self, lo, hi):
+        """Input positions (padding included: may be < 0 or >= size) that outputs [lo, hi)
+        read, halo included; elementwise on numpy arrays. One geometry for the transfers
+        the model charges and the slices the split timer runs (``measure.py``)."""
+        return lo * self.stride - self.pad, (
+            (hi - 1) * self.stride - self.pad + (self.kernel - 1) * self.dilation + 1
+        )
+
 
 @dataclass(frozen=True)
 class Use:
@@ -516,10 +524,7 @@ def input_boxes(
                 continue
             lo, hi = out[..., d, 0], out[..., d, 1]
             if halo:
-                need[..., d, 0] = lo * win.stride - win.pad
-                need[..., d, 1] = (
-                    (hi - 1) * win.stride - win.pad + (win.kernel - 1) * win.dilation + 1
-                )
+                need[..., d, 0], need[..., d, 1] = win.input_range(lo, hi)
             else:
                 need[..., d, 0] = lo * win.stride
                 need[..., d, 1] = np.where(
