@@ -44,6 +44,7 @@ The helpers live in modules by concern; import them from here:
 
 # The names marked noqa are as public as the rest (tests and plugins import them) but
 # were never in __all__: a star import brings what it brought before the split.
+from tunekit.runtime.dist import single_rank_group  # noqa: F401  (lives in the runtime)
 from tunekit.testing.conformance import (
     ConformanceError,
     ConformanceReport,
@@ -73,7 +74,6 @@ from tunekit.testing.ranks import (
     default_dtype,
     rank_threads,  # noqa: F401
     run_ranks,
-    single_rank_group,  # noqa: F401
 )
 from tunekit.testing.snapshots import (
     SINGLETON_THREADS,  # noqa: F401

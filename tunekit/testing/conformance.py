@@ -24,9 +24,10 @@ from tunekit import API_VERSION
 from tunekit.config import TuningConfig
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.observe.observation import Observation
+from tunekit.runtime.dist import single_rank_group
 from tunekit.runtime.session import Session
 from tunekit.testing.fixtures import tiny_workload
-from tunekit.testing.ranks import run_ranks, single_rank_group
+from tunekit.testing.ranks import run_ranks
 from tunekit.testing.snapshots import (
     SessionState,
     _changed_params,

@@ -2,7 +2,7 @@
 
 :func:`run_ranks` runs a function on N spawned processes joined in a gloo group
 on loopback (or on the kept ranks of :mod:`tunekit.rank_pool`);
-:func:`single_rank_group` gives one-process code a real group.
+:func:`~tunekit.runtime.dist.single_rank_group` gives one-process code a real group.
 :func:`default_dtype`, :func:`assert_states_close` and :data:`EQUIVALENCE_RTOL`
 compare what such runs trained.
 """
