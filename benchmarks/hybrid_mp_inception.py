@@ -24,11 +24,12 @@ from rich.table import Table
 
 from tunekit.hardware import load_profile
 from tunekit.observe.graph import trace_model
+from tunekit.plugins.hybrid_mp.decompose import cut_ops
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
 from tunekit.plugins.hybrid_mp.render import format_gantt
 from tunekit.plugins.hybrid_mp.schedule import check_schedule
-from tunekit.plugins.hybrid_mp.search import PlacerOptions, cut_ops, place, speedup_bound
+from tunekit.plugins.hybrid_mp.search import PlacerOptions, place, speedup_bound
 from tunekit.workload import load_workload
 
 PAPER = {2: "1.32 (measured), DLPlacer ~1.3", 3: "~1.32 (Fig. 8)", 4: "~1.32 (Fig. 8)"}

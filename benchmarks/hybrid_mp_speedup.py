@@ -34,7 +34,7 @@ from tunekit.observe.layer_profile import profile_layers
 from tunekit.observe.timing import measure_link
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
-from tunekit.plugins.hybrid_mp.plugin import nodes_of
+from tunekit.plugins.hybrid_mp.placement_codec import nodes_of
 from tunekit.plugins.hybrid_mp.render import format_gantt, format_summary
 from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
 from tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp import hybrid_rank, reference_run

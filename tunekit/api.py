@@ -18,7 +18,8 @@ What there is, by the step of a tuner's life that needs it:
   (:func:`time_groups`), links, collectives and host copies with intervals
   (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`).
 * **Cost models**: FLOPs to seconds (:class:`ComputeRate`), a model calibrated
-  on the measured baseline (:class:`Calibration`).
+  on the measured baseline (:class:`Calibration`), the fastest store-and-forward
+  path over a graph of links (:func:`fastest_path`, as :meth:`Hardware.route`).
 * **Searching**: a MILP wrapper over HiGHS (:class:`MilpModel`) and variable
   elimination over a cost graph (:func:`solve_elimination`).
 * **The runtime hooks** (``apply``, ``search``): :class:`Session`, the gradient
@@ -30,7 +31,7 @@ What there is, by the step of a tuner's life that needs it:
 from __future__ import annotations
 
 from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
-from tunekit.hardware import GB, CollectiveFit, Hardware
+from tunekit.hardware import GB, CollectiveFit, Hardware, fastest_path
 from tunekit.observe.blocks import block_units, graph_units, unit_starts
 from tunekit.observe.breakdown import Breakdown
 from tunekit.observe.grad_timing import Clock, time_groups
@@ -137,6 +138,7 @@ __all__ = [
     "ddp_supports_bucket_list",
     "declined_features",
     "describe_local_machine",
+    "fastest_path",
     "fit_samples",
     "graph_units",
     "intra_op_threads",

@@ -43,6 +43,7 @@ import hashlib
 import heapq
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -204,31 +205,18 @@ class Hardware:
         """The fastest store-and-forward path for ``nbytes`` (Dijkstra on link time)."""
         if src == dst:
             return []
-        adj = self.neighbours()
-        best = {src: 0.0}
-        prev: dict[str, tuple[str, Link]] = {}
-        heap = [(0.0, src)]
-        while heap:
-            t, v = heapq.heappop(heap)
-            if v == dst:
-                break
-            if t > best.get(v, math.inf):
-                continue
-            for lk in adj[v]:
-                w = lk.b if lk.a == v else lk.a
-                nt = t + lk.time(nbytes)
-                if nt < best.get(w, math.inf):
-                    best[w] = nt
-                    prev[w] = (v, lk)
-                    heapq.heappush(heap, (nt, w))
-        if dst not in prev:
+        # arc i is links[i] one way or the other: both directions of every link in link
+        # order, the order in which ties are broken
+        links = [lk for lk in self.links for _ in (0, 1)]
+        arcs = [
+            (a, b, lk.latency, lk.bandwidth)
+            for lk in self.links
+            for a, b in ((lk.a, lk.b), (lk.b, lk.a))
+        ]
+        found = fastest_path(self.vertices(), arcs, src, dst, nbytes)
+        if found is None:
             raise HardwareError(f"hardware {self.name!r}: no path from {src} to {dst}")
-        path = []
-        v = dst
-        while v != src:
-            v, lk = prev[v]
-            path.append(lk)
-        return path[::-1]
+        return [links[i] for i in found[1]]
 
     def transfer_time(self, src: str, dst: str, nbytes: float) -> float:
         """Time to move ``nbytes`` from ``src`` to ``dst`` over the fastest path."""
@@ -391,6 +379,53 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
         description=str(data.get("description", "")),
         source=where,
     )
+
+
+def fastest_path(
+    vertices: Iterable[str],
+    arcs: Sequence[tuple[str, str, float, float]],
+    src: str,
+    dst: str,
+    nbytes: float,
+    tolerance: float = 0.0,
+) -> tuple[float, list[int]] | None:
+    """Dijkstra on store-and-forward time: the fastest path of ``nbytes`` from ``src`` to
+    ``dst`` over directed ``arcs`` ``(from, to, latency, bandwidth)``, a hop costing
+    ``latency + nbytes / bandwidth``.
+
+    Returns the delay and the indices of the path's arcs in order, or None when ``dst``
+    cannot be reached. Ties go to the path found first (arcs are tried in the order
+    given, vertices taken by time, then name); a later path replaces a vertex's best
+    only when it is faster by more than ``tolerance`` seconds. :meth:`Hardware.route`
+    routes with it, and so may a plugin's own graph of the machine (``tunekit.api``).
+    """
+    out: dict[str, list[int]] = {v: [] for v in vertices}
+    for i, (a, _, _, _) in enumerate(arcs):
+        out[a].append(i)
+    best = {src: 0.0}
+    prev: dict[str, int] = {}  # vertex -> the arc that reaches it on the best path
+    heap = [(0.0, src)]
+    while heap:
+        t, v = heapq.heappop(heap)
+        if v == dst:
+            break
+        if t > best.get(v, math.inf):
+            continue
+        for i in out[v]:
+            _, w, latency, bandwidth = arcs[i]
+            nt = t + (latency + nbytes / bandwidth)
+            if nt < best.get(w, math.inf) - tolerance:
+                best[w] = nt
+                prev[w] = i
+                heapq.heappush(heap, (nt, w))
+    if dst not in best:
+        return None
+    path: list[int] = []
+    v = dst
+    while v != src:
+        path.append(prev[v])
+        v = arcs[prev[v]][0]
+    return best[dst], path[::-1]
 
 
 def _link_pairs(t: dict, p: str, where: str) -> list[tuple[str, str]]:

@@ -9,12 +9,11 @@ costs D/B(l) + L(l), as in the paper's Eq. 11.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tunekit.api import Hardware
+from tunekit.api import Hardware, fastest_path
 from tunekit.errors import HardwareError
 
 
@@ -98,30 +97,14 @@ class HardwareGraph:
         """Store-and-forward delay of ``nbytes`` on the fastest path, and the path's vertices."""
         if src == dst:
             return 0.0, [src]
-        out: dict[str, list[Arc]] = {v: [] for v in self.vertices}
-        for a in self.arcs:
-            out[a.src].append(a)
-        best = {src: 0.0}
-        prev: dict[str, str] = {}
-        heap = [(0.0, src)]
-        while heap:
-            t, v = heapq.heappop(heap)
-            if v == dst:
-                break
-            if t > best.get(v, math.inf):
-                continue
-            for a in out[v]:
-                nt = t + a.time(nbytes)
-                if nt < best.get(a.dst, math.inf) - 1e-18:
-                    best[a.dst] = nt
-                    prev[a.dst] = v
-                    heapq.heappush(heap, (nt, a.dst))
-        if dst not in best:
+        arcs = [(a.src, a.dst, a.latency, a.bandwidth) for a in self.arcs]
+        # The core's Dijkstra (Hardware.route's); a path must be faster by more than
+        # 1e-18 s to replace one found first, so float noise never flips a tie.
+        found = fastest_path(self.vertices, arcs, src, dst, nbytes, tolerance=1e-18)
+        if found is None:
             raise HardwareError(f"no path from {src} to {dst} in the hardware graph")
-        path = [dst]
-        while path[-1] != src:
-            path.append(prev[path[-1]])
-        return best[dst], path[::-1]
+        delay, path = found
+        return delay, [src] + [self.arcs[i].dst for i in path]
 
     def delay(self, src: str, dst: str, nbytes: float) -> float:
         """Fastest store-and-forward time of ``nbytes`` from ``src`` to ``dst`` (cached)."""

@@ -7,14 +7,13 @@ batch N × B, Pal et al.'s hybrid), and within a replica the traced model runs
 split by the placement:
 
 * The ``torch.fx`` graph is cut into **segments**: maximal runs of nodes on
-  one device in the planned execution order (where the placement's schedule
-  has each op: the midpoint of its interval, so a zero-duration op runs
-  between the ops it sits between, never later).
-  Segments are intervals of a topological order, so every rank can walk the
-  same list and run only its own.
+  one device in the planned execution order
+  (:mod:`~tunekit.plugins.hybrid_mp.split_program`). Every rank walks the
+  same list and runs only its own.
 * **Forward**: a segment's inputs from another device are received
   (``recv``), its outputs needed elsewhere are sent (``isend``), each value
-  once per consuming device. Received values become leaf tensors.
+  once per consuming device (:mod:`~tunekit.plugins.hybrid_mp.channel`).
+  Received values become leaf tensors.
 * **Backward**: segments run in reverse order; each calls
   ``torch.autograd.backward`` on its outputs with the gradients its consumers
   returned, then sends its inputs' gradients back to their producers.
@@ -35,11 +34,9 @@ installed (the tuner ``excludes`` the ``grad_sync`` aspect);
 
 from __future__ import annotations
 
-import heapq
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,12 +45,12 @@ import torch.fx
 from torch import nn
 
 from tunekit.api import ALL_FEATURES, BatchSource, CommRecord, GradSync, Session, broadcast_object
-from tunekit.errors import ConfigError, PluginError
+from tunekit.errors import ConfigError
+from tunekit.plugins.hybrid_mp.channel import Channel
+from tunekit.plugins.hybrid_mp.split_program import Segment, SplitProgram, build_program
 
 __all__ = [
     "HybridSync",
-    "SplitProgram",
-    "build_program",
     "install_hybrid",
     "mesh_coords",
 ]
@@ -62,283 +59,6 @@ __all__ = [
 def mesh_coords(rank: int, mp: int) -> tuple[int, int]:
     """(data-parallel index, model-parallel index) of ``rank`` in an N × ``mp`` mesh."""
     return rank // mp, rank % mp
-
-
-# -- the split program ---------------------------------------------------------------------
-
-
-@dataclass
-class Segment:
-    """A run of fx nodes on one model-parallel device."""
-
-    index: int
-    device: int
-    nodes: list[torch.fx.Node]
-    inputs: list[str] = field(default_factory=list)
-    """Values (node names) this segment reads from other segments."""
-    outputs: list[str] = field(default_factory=list)
-    """Values it produces that later segments read."""
-    has_loss: bool = False
-
-
-@dataclass
-class SplitProgram:
-    """The traced model cut into segments by device, in execution order."""
-
-    gm: torch.fx.GraphModule
-    segments: list[Segment]
-    mp: int
-    producer: dict[str, int]
-    """Value -> index of the segment that produces it."""
-    consumers: dict[str, list[int]]
-    """Value -> indices of the segments that read it (in order)."""
-    replicated: list[torch.fx.Node]
-    """Placeholders and attribute reads: evaluated on every rank."""
-    output_node: torch.fx.Node
-    param_devices: dict[int, set[int]]
-    """id(parameter) -> model-parallel devices that use it."""
-    buffer_devices: dict[int, set[int]]
-
-    @property
-    def loss_device(self) -> int:
-        return next(s.device for s in self.segments if s.has_loss)
-
-    def describe(self) -> list[dict[str, Any]]:
-        """Segments as plain data (for logs and tests)."""
-        return [
-            {
-                "index": s.index,
-                "device": s.device,
-                "nodes": [n.name for n in s.nodes],
-                "inputs": list(s.inputs),
-                "outputs": list(s.outputs),
-            }
-            for s in self.segments
-        ]
-
-
-def build_program(
-    model: nn.Module,
-    node_device: Mapping[str, int],
-    order: Mapping[str, float] | None = None,
-    mp: int | None = None,
-) -> SplitProgram:
-    """Trace ``model`` and cut it into per-device segments.
-
-    ``node_device`` maps fx node names to model-parallel device indices
-    (nodes it leaves out run where their first input runs); ``order`` maps
-    node names to their planned place in time (``placement_nodes`` gives the
-    midpoint of each op's scheduled interval), which leads the execution order
-    among nodes whose inputs are ready: each device then runs its nodes in the
-    schedule's order for that device.
-    """
-    try:
-        gm = torch.fx.symbolic_trace(model)
-    except Exception as exc:
-        raise PluginError(
-            f"hybrid_mp: torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); model parallelism needs a traceable model"
-        ) from exc
-    nodes = list(gm.graph.nodes)
-    fx_pos = {n: i for i, n in enumerate(nodes)}
-    replicated = [n for n in nodes if n.op in ("placeholder", "get_attr")]
-    rep = set(replicated)
-    output_node = next(n for n in nodes if n.op == "output")
-    mp = mp or (max(node_device.values(), default=0) + 1)
-    device: dict[torch.fx.Node, int] = {}
-    for n in nodes:
-        if n in rep:
-            continue
-        if n.name in node_device:
-            device[n] = int(node_device[n.name])
-        else:
-            producers = [a for a in n.all_input_nodes if a not in rep]
-            device[n] = device[producers[0]] if producers else 0
-        if not 0 <= device[n] < mp:
-            raise ConfigError(
-                f"hybrid_mp: node {n.name} placed on device {device[n]}, outside 0..{mp - 1}"
-            )
-    # Execution order: Kahn's algorithm led by the planned times; a node without
-    # one inherits the latest of its inputs'.
-    order = order or {}
-    prio: dict[torch.fx.Node, float] = {}
-    for n in nodes:
-        inherited = max((prio[a] for a in n.all_input_nodes if a in prio), default=0.0)
-        prio[n] = float(order[n.name]) if n.name in order else inherited
-    pending = {n: sum(1 for a in n.all_input_nodes if a not in rep) for n in nodes if n not in rep}
-    users: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            users[a].append(n)
-    ready = [(prio[n], fx_pos[n]) for n, k in pending.items() if k == 0]
-    heapq.heapify(ready)
-    ordered: list[torch.fx.Node] = []
-    while ready:
-        _, pos = heapq.heappop(ready)
-        n = nodes[pos]
-        ordered.append(n)
-        for u in users[n]:
-            if u in pending:
-                pending[u] -= 1
-                if pending[u] == 0:
-                    heapq.heappush(ready, (prio[u], fx_pos[u]))
-    # The output node belongs with whatever produces the model's output.
-    segments: list[Segment] = []
-    for n in ordered:
-        if not segments or segments[-1].device != device[n]:
-            segments.append(Segment(len(segments), device[n], []))
-        segments[-1].nodes.append(n)
-        if n is output_node:
-            segments[-1].has_loss = True
-    seg_of = {n: s.index for s in segments for n in s.nodes}
-    producer: dict[str, int] = {}
-    consumers: dict[str, list[int]] = {}
-    for s in segments:
-        for n in s.nodes:
-            for a in n.all_input_nodes:
-                if a in rep or seg_of[a] == s.index:
-                    continue
-                if a.name not in s.inputs:
-                    s.inputs.append(a.name)
-                    consumers.setdefault(a.name, []).append(s.index)
-                    producer[a.name] = seg_of[a]
-                    src = segments[seg_of[a]]
-                    if a.name not in src.outputs:
-                        src.outputs.append(a.name)
-    # Who uses which parameters and buffers (a module called on two devices shares them).
-    modules = dict(gm.named_modules())
-    param_devices: dict[int, set[int]] = {}
-    buffer_devices: dict[int, set[int]] = {}
-    for n in ordered:
-        owned: list[torch.Tensor] = []
-        bufs: list[torch.Tensor] = []
-        if n.op == "call_module":
-            owned = list(modules[n.target].parameters())
-            bufs = list(modules[n.target].buffers())
-        for a in n.all_input_nodes:
-            if a.op == "get_attr":
-                attr = _attr(gm, str(a.target))
-                if isinstance(attr, nn.Parameter):
-                    owned.append(attr)
-                elif isinstance(attr, torch.Tensor):
-                    bufs.append(attr)
-        for p in owned:
-            param_devices.setdefault(id(p), set()).add(device[n])
-        for b in bufs:
-            buffer_devices.setdefault(id(b), set()).add(device[n])
-    return SplitProgram(
-        gm=gm,
-        segments=segments,
-        mp=mp,
-        producer=producer,
-        consumers=consumers,
-        replicated=replicated,
-        output_node=output_node,
-        param_devices=param_devices,
-        buffer_devices=buffer_devices,
-    )
-
-
-def _attr(root: nn.Module, path: str):
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-# -- moving tensors between ranks ----------------------------------------------------------
-
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
-_HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
-
-
-class _Channel:
-    """Point-to-point transfers, received in the order they were sent.
-
-    Shapes travel in a small header the first time a value crosses for a
-    given input signature. No tags: NCCL has none and matches sends to
-    receives in order, so :meth:`take` receives from a peer strictly in the
-    peer's send order (which both ends compute from the segment list),
-    holding early arrivals until they are needed; gloo runs the same way.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
-        self.records: list[CommRecord] = []
-        self.inbox: dict[tuple, dict[str, torch.Tensor]] = {}
-        self.cursor: dict[tuple, int] = {}
-
-    def start_step(self) -> None:
-        self.inbox.clear()
-        self.cursor.clear()
-
-    def take(
-        self,
-        key: tuple,
-        order: Sequence[str],
-        value: str,
-        src: int,
-        signature: tuple,
-        wanted=lambda _v: True,
-    ) -> torch.Tensor:
-        """``value`` from rank ``src``, which sends the values of ``order`` in that order
-        (those ``wanted`` says it skips are never sent)."""
-        box = self.inbox.setdefault(key, {})
-        pos = self.cursor.get(key, 0)
-        while value not in box:
-            if pos >= len(order):
-                raise PluginError(f"hybrid_mp: {value} never arrives from rank {src}")
-            nxt, pos = order[pos], pos + 1
-            if wanted(nxt):
-                box[nxt] = self.recv(src, f"{key[0]} {nxt}", signature)
-        self.cursor[key] = pos
-        return box.pop(value)
-
-    def send(self, t: torch.Tensor, dst: int, name: str, signature: tuple) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise PluginError(
-                f"hybrid_mp: value {name} ({type(t).__name__}) must cross devices but is not a tensor; "
-                "place its producer and consumers together"
-            )
-        t = t.detach().contiguous()
-        key = (signature, name, dst)
-        if key not in self.shapes:
-            if t.dim() > _HEADER_LEN - 2 or t.dtype not in _DTYPES:
-                raise PluginError(f"hybrid_mp: cannot send {name} ({t.dtype}, {t.dim()} dims)")
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-            header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-            header = header.to(self.device)
-            self.pending.append((dist.isend(header, dst), header))
-            self.shapes[key] = (t.shape, t.dtype)
-        self.pending.append((dist.isend(t, dst), t))
-
-    def recv(self, src: int, name: str, signature: tuple) -> torch.Tensor:
-        key = (signature, name, src)
-        start = time.perf_counter()
-        if key not in self.shapes:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(header, src)
-            h = header.cpu().tolist()
-            self.shapes[key] = (torch.Size(h[2 : 2 + h[1]]), _DTYPES[h[0]])
-        shape, dtype = self.shapes[key]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src)
-        waited = time.perf_counter() - start
-        self.records.append(
-            CommRecord(f"recv {name}", buf.numel() * buf.element_size(), waited, waited)
-        )
-        return buf
-
-    def wait_all(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 # -- the step --------------------------------------------------------------------------------
@@ -375,7 +95,7 @@ class HybridSync(GradSync):
         super().attach(session)
         self.rank = session.rank
         self.dp_index, self.mp_index = mesh_coords(session.rank, self.mp)
-        self.channel = _Channel(session.device)
+        self.channel = Channel(session.device)
         self.runner = _Runner(self.program.gm)
         self.source = BatchSource(
             session.workload,
@@ -513,9 +233,30 @@ class HybridSync(GradSync):
     def _forward_backward(
         self, inputs: Any, targets: torch.Tensor, micro_batches: int = 1
     ) -> torch.Tensor | None:
-        prog, me = self.program, self.mp_index
+        """One micro-batch through this rank's segments: forward in order, then backward in
+        reverse; returns the loss on the rank that computes it (else None)."""
         self.channel.start_step()
         args = inputs if isinstance(inputs, tuple | list) else (inputs,)
+        mine = [s for s in self.program.segments if s.device == self.mp_index]
+        leaves: dict[tuple[str, int], torch.Tensor] = {}  # (value, consuming segment) -> leaf
+        values: dict[str, Any] = {}  # value -> its output where this rank produced it
+        signature = _signature(args)
+        loss = self._forward(mine, args, targets, signature, leaves, values)
+        self._backward(mine, loss, micro_batches, signature, leaves, values)
+        return loss
+
+    def _forward(
+        self,
+        mine: list[Segment],
+        args: Sequence[Any],
+        targets: torch.Tensor,
+        signature: tuple,
+        leaves: dict[tuple[str, int], torch.Tensor],
+        values: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """Run this rank's segments in order: receive each one's inputs from other devices
+        (as leaf tensors), run its nodes, send its outputs to the devices that read them."""
+        prog, me = self.program, self.mp_index
         env: dict[torch.fx.Node, Any] = {}
         self.runner.env = env
         placeholders = [n for n in prog.replicated if n.op == "placeholder"]
@@ -524,13 +265,9 @@ class HybridSync(GradSync):
         for n in prog.replicated:
             if n.op == "get_attr":
                 env[n] = self.runner.run_node(n)
-        signature = _signature(args)
         nodes = {n.name: n for n in prog.gm.graph.nodes}
         received: dict[str, torch.Tensor] = {}
-        leaves: dict[tuple[str, int], torch.Tensor] = {}  # (value, consuming segment) -> leaf
-        values: dict[str, Any] = {}
         loss = None
-        mine = [s for s in prog.segments if s.device == me]
         for seg in mine:
             for v in seg.inputs:
                 src_seg = prog.segments[prog.producer[v]]
@@ -565,6 +302,20 @@ class HybridSync(GradSync):
                 for dev in sorted({prog.segments[c].device for c in prog.consumers[v]} - {me}):
                     self.channel.send(values[v], self.global_rank(dev), f"fwd {v}", signature)
             # later segments on this rank read their inputs from `leaves`, not env
+        return loss
+
+    def _backward(
+        self,
+        mine: list[Segment],
+        loss: torch.Tensor | None,
+        micro_batches: int,
+        signature: tuple,
+        leaves: dict[tuple[str, int], torch.Tensor],
+        values: dict[str, Any],
+    ) -> None:
+        """Run this rank's segments in reverse: backward from each one's outputs with the
+        gradients their consumers returned (and from the loss), then send its inputs'
+        gradients back to their producers."""
         for seg in reversed(mine):
             roots: list[torch.Tensor] = []
             grads: list[torch.Tensor | None] = []
@@ -577,43 +328,63 @@ class HybridSync(GradSync):
                 value = values[v]
                 if not _floating(value):
                     continue
-                total = None
-                for c in prog.consumers[v]:
-                    c_dev = prog.segments[c].device
-                    if c_dev == me:
-                        g = leaves[(v, c)].grad
-                        if g is not None:
-                            total = g if total is None else total + g
-                for dev in sorted({prog.segments[c].device for c in prog.consumers[v]} - {me}):
-                    g = self.channel.take(
-                        ("bwd", dev),
-                        self.bwd_order[dev],
-                        v,
-                        self.global_rank(dev),
-                        signature,
-                        wanted=lambda x: _floating(values[x]),
-                    )
-                    total = g if total is None else total + g
+                total = self._output_gradient(v, values, leaves, signature)
                 if value.requires_grad and total is not None:
                     roots.append(value)
                     grads.append(total)
             if roots:
                 torch.autograd.backward(roots, grads)
-            for v in seg.inputs:
-                src_dev = prog.segments[prog.producer[v]].device
-                local = [c for c in prog.consumers[v] if prog.segments[c].device == me]
-                if src_dev == me or seg.index != local[0]:
-                    continue  # a local value, or not yet every local consumer's gradient
-                leaf = leaves[(v, seg.index)]
-                if not leaf.is_floating_point():
-                    continue
-                total = torch.zeros_like(leaf)
-                for c in local:
-                    g = leaves[(v, c)].grad
-                    if g is not None:
-                        total = total + g
-                self.channel.send(total, self.global_rank(src_dev), f"bwd {v}", signature)
-        return loss
+            self._return_input_gradients(seg, leaves, signature)
+
+    def _output_gradient(
+        self,
+        v: str,
+        values: Mapping[str, Any],
+        leaves: Mapping[tuple[str, int], torch.Tensor],
+        signature: tuple,
+    ) -> torch.Tensor | None:
+        """The gradient of output ``v``: its local consumers' leaves' gradients plus what
+        each other device that reads it returned (None when nothing reached it)."""
+        prog, me = self.program, self.mp_index
+        total = None
+        for c in prog.consumers[v]:
+            c_dev = prog.segments[c].device
+            if c_dev == me:
+                g = leaves[(v, c)].grad
+                if g is not None:
+                    total = g if total is None else total + g
+        for dev in sorted({prog.segments[c].device for c in prog.consumers[v]} - {me}):
+            g = self.channel.take(
+                ("bwd", dev),
+                self.bwd_order[dev],
+                v,
+                self.global_rank(dev),
+                signature,
+                wanted=lambda x: _floating(values[x]),
+            )
+            total = g if total is None else total + g
+        return total
+
+    def _return_input_gradients(
+        self, seg: Segment, leaves: Mapping[tuple[str, int], torch.Tensor], signature: tuple
+    ) -> None:
+        """Send the gradients of ``seg``'s inputs from other devices back to their producers,
+        summed over this rank's consumers: the earliest of them sends, as it runs backward last."""
+        prog, me = self.program, self.mp_index
+        for v in seg.inputs:
+            src_dev = prog.segments[prog.producer[v]].device
+            local = [c for c in prog.consumers[v] if prog.segments[c].device == me]
+            if src_dev == me or seg.index != local[0]:
+                continue  # a local value, or not yet every local consumer's gradient
+            leaf = leaves[(v, seg.index)]
+            if not leaf.is_floating_point():
+                continue
+            total = torch.zeros_like(leaf)
+            for c in local:
+                g = leaves[(v, c)].grad
+                if g is not None:
+                    total = total + g
+            self.channel.send(total, self.global_rank(src_dev), f"bwd {v}", signature)
 
     def _global_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The mean loss over the global batch, the same on every rank."""

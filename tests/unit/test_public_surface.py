@@ -167,6 +167,7 @@ API_NAMES = (
     "ddp_supports_bucket_list",
     "declined_features",
     "describe_local_machine",
+    "fastest_path",
     "fit_samples",
     "graph_units",
     "intra_op_threads",

@@ -11,22 +11,14 @@ from torch import nn
 
 from tunekit.hardware import GB, CollectiveFit
 from tunekit.observe.graph import trace_model
-from tunekit.plugins.hybrid_mp.calibrated import (
-    ExecutorOverheads,
-    Link,
-    compute_beside_s,
-    copies_on_cores,
-    simulate_executor,
-)
-from tunekit.plugins.hybrid_mp.plugin import (
-    OWN_COMPUTE_KEY,
-    HybridMp,
-    HybridOptions,
-    op_graph,
-    param_bytes_of,
-    step_model,
-)
-from tunekit.plugins.hybrid_mp.runtime import build_program
+from tunekit.plugins.hybrid_mp.calibrated import compute_beside_s, copies_on_cores
+from tunekit.plugins.hybrid_mp.executor_costs import ExecutorOverheads, Link
+from tunekit.plugins.hybrid_mp.executor_sim import simulate_executor
+from tunekit.plugins.hybrid_mp.inputs import op_graph
+from tunekit.plugins.hybrid_mp.options import HybridOptions
+from tunekit.plugins.hybrid_mp.plugin import HybridMp
+from tunekit.plugins.hybrid_mp.predict import OWN_COMPUTE_KEY, param_bytes_of, step_model
+from tunekit.plugins.hybrid_mp.split_program import build_program
 from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import Branchy, branchy
 from tunekit.testing import synthetic_observation, tiny_hardware
 from tunekit.workload import Workload

@@ -10,6 +10,7 @@ from tunekit.costmodel import BACKWARD_FLOPS_RATIO
 from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.observe.graph import trace_model
+from tunekit.plugins.hybrid_mp.decompose import cut_ops
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import (
     EpochTable,
@@ -27,7 +28,7 @@ from tunekit.plugins.hybrid_mp.render import (
     save_gantt_png,
 )
 from tunekit.plugins.hybrid_mp.schedule import Placement, check_schedule
-from tunekit.plugins.hybrid_mp.search import PlacerOptions, cut_ops, place
+from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
 from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import branchy
 
 

@@ -10,8 +10,10 @@ import pytest
 
 from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
+from tunekit.plugins.hybrid_mp.decompose import cut_ops
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import Edge, Op, OpGraph
+from tunekit.plugins.hybrid_mp.placer_ilp import _Horizon, _without_solution
 from tunekit.plugins.hybrid_mp.render import format_summary
 from tunekit.plugins.hybrid_mp.schedule import (
     Placement,
@@ -22,10 +24,7 @@ from tunekit.plugins.hybrid_mp.schedule import (
 )
 from tunekit.plugins.hybrid_mp.search import (
     PlacerOptions,
-    _Horizon,
-    _without_solution,
     coarsen,
-    cut_ops,
     pipeline_placement,
     place,
     speedup_bound,

@@ -10,16 +10,16 @@ from tunekit.contract import Aspect
 from tunekit.errors import ConfigError
 from tunekit.hardware import load_profile
 from tunekit.observe.observation import Measurement, Observation, summarize_model
-from tunekit.plugins.hybrid_mp.plugin import (
-    HybridMp,
-    HybridOptions,
+from tunekit.plugins.hybrid_mp.inputs import model_graph
+from tunekit.plugins.hybrid_mp.options import HybridOptions
+from tunekit.plugins.hybrid_mp.placement_codec import (
     decode_placement,
     encode_placement,
-    model_graph,
     nodes_of,
     placement_nodes,
-    worker_plan,
 )
+from tunekit.plugins.hybrid_mp.placers import worker_plan
+from tunekit.plugins.hybrid_mp.plugin import HybridMp
 from tunekit.plugins.hybrid_mp.render import format_decision_table, format_gantt
 from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import branchy
 from tunekit.runtime.session import Session

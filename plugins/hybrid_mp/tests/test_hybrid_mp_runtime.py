@@ -10,10 +10,11 @@ import torch
 from tunekit.observe.graph import trace_model
 from tunekit.plugins.hybrid_mp.hardware_graph import HardwareGraph
 from tunekit.plugins.hybrid_mp.model import op_graph_from_model
-from tunekit.plugins.hybrid_mp.plugin import nodes_of
-from tunekit.plugins.hybrid_mp.runtime import build_program, mesh_coords
+from tunekit.plugins.hybrid_mp.placement_codec import nodes_of
+from tunekit.plugins.hybrid_mp.runtime import mesh_coords
 from tunekit.plugins.hybrid_mp.schedule import check_schedule, device_order_key
 from tunekit.plugins.hybrid_mp.search import PlacerOptions, place
+from tunekit.plugins.hybrid_mp.split_program import build_program
 from tunekit.plugins.hybrid_mp.tests.ranks_hybrid_mp import hybrid_rank, reference_run
 from tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp import Branchy, branchy
 from tunekit.testing import EQUIVALENCE_RTOL, assert_states_close, default_dtype, run_ranks
