@@ -14,6 +14,10 @@ intervals), and a verdict that range could turn says so ("too close to call")
 and lets the trials decide, instead of flipping from run to run. For a
 hardware profile (a machine one does not have) the model runs uncalibrated,
 with the profile's links and backward times from FLOPs.
+
+One module, though past 600 lines: the tuner and the words of its two
+diagnoses (this machine, calibrated; a profile, uncalibrated), which quote the
+same rows; the models' inputs are in ``inputs.py``.
 """
 
 from __future__ import annotations
