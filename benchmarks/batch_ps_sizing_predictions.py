@@ -34,7 +34,8 @@ from scipy.stats import spearmanr
 
 from tunekit.config import TuningConfig
 from tunekit.observe.breakdown import analyze_trial
-from tunekit.orchestrator import PROFILE_STEPS, observe_static
+from tunekit.observe.static import observe_static
+from tunekit.orchestrator import PROFILE_STEPS
 from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.store import Store
 from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial

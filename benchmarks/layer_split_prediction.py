@@ -34,7 +34,8 @@ from scipy.stats import spearmanr
 
 from tunekit.config import TuningConfig
 from tunekit.observe.breakdown import analyze_trial
-from tunekit.orchestrator import PROFILE_STEPS, observe_static
+from tunekit.observe.static import observe_static
+from tunekit.orchestrator import PROFILE_STEPS
 from tunekit.plugins.layer_split.plugin import LayerSplit
 from tunekit.store import Store
 from tunekit.trials.feedback import relative_error

@@ -37,7 +37,8 @@ def one_run(mode: str, workload: str, work: Path) -> dict[str, float]:
     plugins, observe (empty store: the layers are timed), then every tuner's diagnose and plan."""
     from tunekit.observe.breakdown import analyze_trial
     from tunekit.observe.observation import Measurement
-    from tunekit.orchestrator import OBSERVE_LOG, observe_static
+    from tunekit.observe.static import observe_static
+    from tunekit.observe.workload_process import OBSERVE_LOG
     from tunekit.plugin_loading import load_all, select
     from tunekit.store import Store
 
@@ -57,12 +58,12 @@ def one_run(mode: str, workload: str, work: Path) -> dict[str, float]:
         static = observe_static(workload, 2, "cpu", None, store)
         observed_at = time.monotonic()
         from tunekit.observe.kineto import start_profiler_in_main_thread
+        from tunekit.planning import diagnose_and_plan_here
 
         obs = observed(static)
         start_profiler_in_main_thread()  # tunekit auto needed it before tuners profiled from a thread
-        for tuner in tuners.values():
-            if tuner.diagnose(obs).applies:
-                tuner.plan(obs, 8)
+        for _ in diagnose_and_plan_here(tuners, obs, 8):
+            pass
     else:
         observed_at = asyncio.run(_in_child(workload, store, work / OBSERVE_LOG, observed))
     done = time.monotonic()
@@ -70,8 +71,9 @@ def one_run(mode: str, workload: str, work: Path) -> dict[str, float]:
 
 
 async def _in_child(workload: str, store, log: Path, observed) -> float:
-    from tunekit.observe.workload_process import WorkloadProcess, observation_parts
-    from tunekit.orchestrator import observe_in_child
+    from tunekit.observe.static import observe_in_child
+    from tunekit.observe.workload_process import WorkloadProcess
+    from tunekit.planning import ChildHooks, diagnose_and_plan
     from tunekit.plugin_loading import load_all, select
 
     child = WorkloadProcess(log, 600)
@@ -80,12 +82,10 @@ async def _in_child(workload: str, store, log: Path, observed) -> float:
     static = await observe_in_child(workload, 2, "cpu", None, store, child=child)
     observed_at = time.monotonic()
     obs = observed(static)
-    child.setup = {"op": "observation", "parts": observation_parts(obs, obs.cache.items())}
+    hooks = ChildHooks(child, obs)
     async with child:
-        for name in tuners:
-            got = await child.call("diagnose", f"running {name}'s diagnose", plugin=name)
-            if got["diagnosis"]["applies"]:
-                await child.call("plan", f"running {name}'s plan", plugin=name, limit=8)
+        async for _ in diagnose_and_plan(tuners, hooks, 8):
+            pass
     return observed_at
 
 

@@ -15,8 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tunekit.runtime.job_process import JobProcess
 from tunekit.tui.app import TunekitApp
-from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest
+from tunekit.tui.backend import LiveBackend, TuneRequest
 from tunekit.tui.screens.trials import TrialsScreen
 from tunekit.tui.screens.tuners import TunersScreen
 

@@ -26,6 +26,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from tunekit.errors import TunekitError
 from tunekit.events import Event, Notice, Observed, PluginProblem, StudyFinished, TrialFinished
+from tunekit.runtime.client import ApplyOutcome
 from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, TuneRequest
 from tunekit.tui.formatting import describe_config
 from tunekit.tui.screens.apply import ApplyScreen
@@ -522,14 +523,14 @@ class TunekitApp(App[str]):
             return
         state = (
             "rolled_back"
-            if result.get("rolled_back")
+            if result.rolled_back
             else "relaunched"
-            if result.get("relaunching")
+            if result.relaunching
             else "kept"
         )
-        self.call_from_thread(self._applied, state, result.get("message", ""), result)
+        self.call_from_thread(self._applied, state, result.message, result)
 
-    def _applied(self, state: str, message: str, result: Mapping[str, Any] | None) -> None:
+    def _applied(self, state: str, message: str, result: ApplyOutcome | None) -> None:
         self.apply_view = dataclasses.replace(
             self.apply_view, state=state, message=message, result=result
         )
@@ -561,7 +562,7 @@ class TunekitApp(App[str]):
         except TunekitError as exc:
             self.call_from_thread(self._applied, "failed", str(exc), None)
             return
-        self.call_from_thread(self._applied, "rolled_back", result.get("message", ""), result)
+        self.call_from_thread(self._applied, "rolled_back", result.message, result)
 
     # -- failures ----------------------------------------------------------------------------
 

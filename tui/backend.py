@@ -7,39 +7,37 @@ orchestrator. Every method that blocks is called from a worker thread, never
 from the UI's event loop. Tests give the app a backend with fixed data
 instead, so that every screen can be driven without processes.
 
-:class:`JobProcess` starts the live job as a ``tunekit run`` child process.
-A separate process, not a thread of the app: the job's supervisor and its
-torchrun ranks must outlive anything that goes wrong in the UI (a crash
-leaves the job running, to be attached to again), and the supervisor's own
-signal handling (Ctrl+C checkpoints and stops the ranks) keeps working. On a
-normal quit the app asks the job to checkpoint and stop over the control
-socket, and escalates to signals only if it will not.
+What is not the app's own lives in the core and is shared with the CLI: the
+job started as a ``tunekit run`` child process (:mod:`tunekit.runtime.job_process`),
+its metric lines (:mod:`tunekit.runtime.live_metrics`), applying a config
+(:mod:`tunekit.runtime.client`) and the tuners' diagnose-and-plan loop
+(:mod:`tunekit.planning`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
-import signal
-import subprocess
-import sys
-import time
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig
-from tunekit.errors import ControlError, TunekitError, WorkloadError
+from tunekit.errors import ControlError, WorkloadError
 from tunekit.events import Event
-from tunekit.observe.telemetry import TelemetrySampler, read_pid_dir
+from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.plugin_loading import PluginRecord, load_all
+from tunekit.runtime.client import ApplyOutcome, apply_to_run
+from tunekit.runtime.job_process import JobProcess
+from tunekit.runtime.live_metrics import MetricsTail, live_baseline
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, last_error
 from tunekit.tui.state import HISTORY, BaselineView, CandidateView, candidate_view
+
+if TYPE_CHECKING:
+    from tunekit.contract import Tuner
+    from tunekit.planning import TunerStep
 
 # -- what the app asks for -----------------------------------------------------------------
 
@@ -133,13 +131,11 @@ class Backend(ABC):
         """The config a finished trial measured (a search trial's is the one it found)."""
 
     @abstractmethod
-    def apply(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """Apply ``config`` to the live job and wait for the watch verdict (blocking).
-
-        Returns the job's reply with ``message`` and ``rolled_back``."""
+    def apply(self, config: Mapping[str, Any]) -> ApplyOutcome:
+        """Apply ``config`` to the live job and wait for the watch verdict (blocking)."""
 
     @abstractmethod
-    def rollback(self) -> dict[str, Any]:
+    def rollback(self) -> ApplyOutcome:
         """Go back to the config before the last apply (blocking)."""
 
     @abstractmethod
@@ -147,174 +143,7 @@ class Backend(ABC):
         """Stop sampling; stop the job too when ``stop_job`` (and the app started it)."""
 
 
-# -- the live job as a child process -------------------------------------------------------
-
-
-class JobProcess:
-    """A ``tunekit run`` child process started by the app (see the module docstring)."""
-
-    def __init__(self, proc: subprocess.Popen, rd: RunDir, log_path: Path):
-        self.proc = proc
-        self.rd = rd
-        self.log_path = log_path
-
-    @classmethod
-    def start(
-        cls,
-        workload: str,
-        *,
-        nproc: int,
-        store_dir: Path,
-        watch_window: int = 10,
-        min_effect: float = 0.02,
-        device: str = "auto",
-        name: str | None = None,
-        timeout_s: float = 120.0,
-    ) -> JobProcess:
-        """Start the job and return once its run directory exists; a bad workload raises one line."""
-        from tunekit.workload import load_workload, resolve_spec
-
-        spec = resolve_spec(workload)
-        load_workload(spec)  # fail here, in one clear line, not in a child's log
-        run_id = name or time.strftime("tui-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-        logs = Path(store_dir) / "tui"
-        logs.mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"{run_id}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tunekit",
-            "run",
-            spec,
-            "--nproc",
-            str(nproc),
-            "--name",
-            run_id,
-            "--store",
-            str(store_dir),
-            "--watch-window",
-            str(watch_window),
-            "--min-effect",
-            str(min_effect),
-            "--device",
-            device,
-        ]
-        with open(log_path, "ab") as log:
-            # A session of its own: the terminal's Ctrl+C (Textual's to handle) never reaches it.
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise TunekitError(
-                    f"tunekit run exited ({proc.returncode}): {last_error(log_path)}"
-                )
-            try:
-                return cls(proc, RunDir.find(run_id, store_dir), log_path)
-            except ControlError:
-                if time.monotonic() > deadline:
-                    cls(proc, RunDir(Path(store_dir) / "runs" / run_id), log_path).stop(wait_s=5)
-                    raise TunekitError(
-                        f"tunekit run did not create its run directory in {timeout_s:.0f} s"
-                    ) from None
-                time.sleep(0.1)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self, wait_s: float = 60.0) -> int | None:
-        """Checkpoint and stop the job; signals only if it will not stop. Returns the exit code."""
-        deadline = time.monotonic() + wait_s
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:  # the socket appears once the ranks are up: keep asking until then
-                client(self.rd, timeout_s=max(1.0, deadline - time.monotonic())).request("stop")
-                break
-            except (ControlError, OSError):
-                time.sleep(0.5)
-        try:
-            return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        # The supervisor turns SIGINT into "checkpoint and stop the ranks".
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.proc.wait(timeout=10)
-
-    def kill(self) -> None:
-        """Last resort: kill the ranks' process group (the torchrun agent's) and the supervisor."""
-        for pid in read_pid_dir(self.rd.path / "pids").values():
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-        if self.proc.poll() is None:
-            self.proc.kill()
-
-
 # -- the real backend ----------------------------------------------------------------------
-
-
-class MetricsTail:
-    """The last lines of ``metrics.jsonl``, read incrementally."""
-
-    def __init__(self, path: Path, keep: int = HISTORY):
-        self.path = path
-        self.lines: deque[dict[str, Any]] = deque(maxlen=keep)
-        self._offset = 0
-        self._partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        import json
-
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return list(self.lines)
-        if size < self._offset:  # rewritten (a resume truncates it): start over
-            self.lines.clear()
-            self._offset, self._partial = 0, b""
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        *complete, self._partial = data.split(b"\n")
-        for line in complete:
-            if line.strip():
-                try:
-                    self.lines.append(json.loads(line))
-                except ValueError:
-                    continue
-        return list(self.lines)
-
-
-def live_baseline(metrics: Sequence[Mapping[str, Any]], world_size: int, min_steps: int = 8):
-    """The live job's recent steps as a baseline :class:`Measurement`, when it runs the untuned config.
-
-    The first steps after a config change or a relaunch are left out (warm-up).
-    """
-    from tunekit.trials.stats import summarize
-
-    base_id = TuningConfig().config_id
-    run: list[Mapping[str, Any]] = []
-    for m in metrics:  # the trailing run of baseline steps at this world size
-        if m.get("config_id") == base_id and m.get("world_size") == world_size:
-            run.append(m)
-        else:
-            run = []
-    steps = [m["step_s"] for m in run[3:] if m.get("step_s")]
-    if len(steps) < min_steps:
-        return None
-    return summarize(steps, int(run[-1].get("batch_size", 0)) * world_size)
 
 
 class LiveBackend(Backend):
@@ -340,7 +169,7 @@ class LiveBackend(Backend):
         self.workload = spec["workload"]
         self.nproc = int(spec.get("nproc") or 1)
         self.out_dir = self.store_dir / "tui" / self.run_id
-        self._tail = MetricsTail(rd.metrics_file)
+        self._tail = MetricsTail(rd.metrics_file, HISTORY)
         self._sampler = TelemetrySampler(
             rd.path / "pids",
             interval_s=telemetry_interval_s,
@@ -377,7 +206,8 @@ class LiveBackend(Backend):
 
     def diagnose(self, names: Sequence[str], limit: int) -> Iterator[DiagnosisResult]:
         from tunekit.observe.breakdown import Breakdown
-        from tunekit.orchestrator import observe_static
+        from tunekit.observe.static import observe_static
+        from tunekit.planning import diagnose_and_plan_here
         from tunekit.store import Store
 
         records = {r.name: r for r in load_all()}
@@ -398,32 +228,19 @@ class LiveBackend(Backend):
             if self._profile_report and self._profile_report.get("nproc") == self.nproc:
                 obs.breakdown = Breakdown.from_dict(self._profile_report["breakdown"])
                 obs.telemetry = self._profile_report.get("telemetry")
-            for name in names:
+            tuners: dict[str, Tuner] = {}
+            for name in names:  # those that cannot run say so first; the rest diagnose in turn
                 rec = records.get(name)
                 if rec is None or not rec.ok:
                     yield DiagnosisResult(
                         name, error=rec.error if rec else "not installed", baseline=against
                     )
-                    continue
-                tuner = rec.tuner
-                try:
-                    diag = tuner.diagnose(obs)
-                    plan = tuner.plan(obs, limit) if diag.applies else []
-                    defaults = tuner.defaults()
-                    cands = tuple(
-                        candidate_view(
-                            name, {**asdict(c), "knobs": tuner.validate(c.knobs)}, defaults
-                        )
-                        for c in plan
-                    )
-                except Exception as exc:  # a broken plugin is a notification, not a crash
-                    yield DiagnosisResult(
-                        name, error=f"{type(exc).__name__}: {exc}", baseline=against
-                    )
-                    continue
-                yield DiagnosisResult(
-                    name, diag.applies, diag.summary, diag.expected_gain, cands, baseline=against
-                )
+                else:
+                    tuners[name] = rec.tuner
+            for step in diagnose_and_plan_here(tuners, obs, limit):
+                result = _diagnosis_result(step, tuners[step.name], against)
+                if result is not None:
+                    yield result
         finally:
             store.close()
 
@@ -491,14 +308,12 @@ class LiveBackend(Backend):
             return None
         return {k: v for k, v in row.config.items() if k != "search"}
 
-    def apply(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        from tunekit.cli.run import apply_to_run
-
+    def apply(self, config: Mapping[str, Any]) -> ApplyOutcome:
         return apply_to_run(self.rd, TuningConfig.from_dict(dict(config)))
 
-    def rollback(self) -> dict[str, Any]:
+    def rollback(self) -> ApplyOutcome:
         reply = client(self.rd).request("rollback")
-        return {**reply, "message": f"rolled back at step {reply.get('step')}"}
+        return ApplyOutcome(f"rolled back at step {reply.get('step')}", reply)
 
     def close(self, stop_job: bool) -> None:
         self._sampler.stop()
@@ -514,3 +329,29 @@ def attach(run: str, store_dir: Path, device: str = "auto", **options: Any) -> L
     if not rd.read_run().get("workload"):
         raise WorkloadError(f"run {rd.run_id} names no workload")
     return LiveBackend(rd, store_dir, device=device, **options)
+
+
+def _diagnosis_result(step: TunerStep, tuner: Tuner, against: BaselineView) -> DiagnosisResult | None:
+    """The app's row for a tuner once its diagnose-and-plan is over (None while its plan is to come)."""
+    from tunekit.planning import TunerFailed, TunerPlanned
+
+    if isinstance(step, TunerFailed):
+        return DiagnosisResult(step.name, error=step.problem, baseline=against)
+    diag = step.diagnosis
+    if not isinstance(step, TunerPlanned):
+        if diag.applies:
+            return None
+        return DiagnosisResult(
+            step.name, diag.applies, diag.summary, diag.expected_gain, baseline=against
+        )
+    try:
+        defaults = tuner.defaults()
+        cands = tuple(
+            candidate_view(step.name, {**asdict(c), "knobs": cfg.plugins[step.name]}, defaults)
+            for c, cfg in zip(step.candidates, step.configs, strict=True)
+        )
+    except Exception as exc:  # a broken plugin is a notification, not a crash
+        return DiagnosisResult(step.name, error=f"{type(exc).__name__}: {exc}", baseline=against)
+    return DiagnosisResult(
+        step.name, diag.applies, diag.summary, diag.expected_gain, cands, baseline=against
+    )

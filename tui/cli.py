@@ -16,7 +16,8 @@ import click
 
 from tunekit.cli.common import STORE_OPTION, console, ensure_writable, err_console, split_names
 from tunekit.plugin_loading import load_all, select
-from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest, attach
+from tunekit.runtime.job_process import JobProcess
+from tunekit.tui.backend import LiveBackend, TuneRequest, attach
 from tunekit.workload_spec import resolve_spec
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig
 from tunekit.events import (
@@ -35,6 +35,9 @@ from tunekit.events import (
 from tunekit.observe.breakdown import PARTS
 from tunekit.observe.telemetry import summarize_pyspy
 from tunekit.trials.feedback import relative_error
+
+if TYPE_CHECKING:
+    from tunekit.runtime.client import ApplyOutcome
 
 HISTORY = 120
 """Points kept per time series (one per step or per telemetry sample)."""
@@ -739,4 +742,4 @@ class ApplyView:
     state: str = "idle"
     """idle | applying | kept | rolled_back | relaunched | failed | rolling_back."""
     message: str = ""
-    result: Mapping[str, Any] | None = None
+    result: ApplyOutcome | None = None

@@ -20,10 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Candidate, Diagnosis, Tuner
+from tunekit.contract import Tuner
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     BUDGET_SKIP,
@@ -32,7 +30,6 @@ from tunekit.events import (
     Event,
     Notice,
     Observed,
-    Planned,
     PluginProblem,
     ReportWritten,
     Reranked,
@@ -42,28 +39,21 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
-from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.locks import describe_holder
 from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
-from tunekit.observe.graph import ModelGraph, trace_model
-from tunekit.observe.layer_profile import LayerProfile, profile_layers
-from tunekit.observe.local import describe_local_machine
-from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
-from tunekit.observe.probe import probe_hardware
-from tunekit.observe.telemetry import TelemetrySampler
-from tunekit.observe.workload_process import (
-    OBSERVE_LOG,
-    ChildRaised,
-    ObservationFailed,
-    WorkloadProcess,
-    observation_parts,
-    observe_call,
-    stand_in_workload,
+from tunekit.observe.observation import Measurement, Observation
+from tunekit.observe.static import (
+    describe_hardware,
+    observe_in_child,
+    resolve_device_type,
 )
+from tunekit.observe.telemetry import TelemetrySampler
+from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
+from tunekit.planning import ChildHooks, TunerDiagnosed, TunerPlanned, TunerStep, diagnose_and_plan
 from tunekit.plugin_loading import load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
-from tunekit.store import Store, StudyCache, StudyRow, TrialRow
+from tunekit.store import Store, StudyRow, TrialRow
 from tunekit.trials.decide import (
     BASELINE,
     CANDIDATE,
@@ -77,7 +67,7 @@ from tunekit.trials.decide import (
     schedule,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
-from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, rank_threads, run_trial
+from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
 from tunekit.trials.length import trial_length
 from tunekit.trials.nodes import (
     Coordinator,
@@ -89,7 +79,6 @@ from tunekit.trials.nodes import (
     node_summary,
 )
 from tunekit.trials.output import OutputRecord
-from tunekit.workload import Workload, load_workload, resolve_spec
 
 
 @dataclass
@@ -175,163 +164,6 @@ class AutoSettings:
 def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) -> str:
     blob = json.dumps({"graph": graph_hash, "hw": hw_fingerprint, "settings": settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-PROBE_CACHE_PREFIX = "probe"
-
-
-def probe_cache_key(hw: Hardware) -> str:
-    """Where ``tunekit hardware probe`` caches measured fits for this machine's shape."""
-    return f"{PROBE_CACHE_PREFIX}:{hw.fingerprint()}"
-
-
-@dataclass
-class StaticObservation:
-    """What is known about a job before any trial: model, graph, layer times, hardware."""
-
-    spec: str
-    workload: Workload
-    summary: ModelSummary
-    graph: ModelGraph
-    layer_profile: LayerProfile | None
-    hardware: Hardware
-    device_type: str
-    notices: list[str] = field(default_factory=list)
-
-    @property
-    def graph_hash(self) -> str:
-        return self.graph.graph_hash()
-
-    def observation(self, nproc: int, baseline: Measurement | None, store: Store | None) -> Observation:
-        return Observation(
-            workload_spec=self.spec, workload=self.workload, nproc=nproc,
-            backend="nccl" if self.device_type == "cuda" else "gloo", device_type=self.device_type,
-            hardware=self.hardware, model=self.summary, baseline=baseline, graph=self.graph,
-            layer_profile=self.layer_profile,
-            cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}") if store else None,
-        )
-
-
-def _device_type(device: str) -> str:
-    return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
-
-
-def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str:
-    return f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
-
-
-def describe_hardware(world_size: int, device_type: str, hardware: str | None, store: Store,
-                      probe: bool = False) -> tuple[Hardware, list[str]]:
-    """The hardware to plan for: a profile, or this machine with its collectives probed once (cached)."""
-    if hardware:
-        return load_profile(hardware), []
-    notices: list[str] = []
-    hw = describe_local_machine(world_size, device_type)
-    fits = store.cache_get(probe_cache_key(hw))
-    if not fits and probe and world_size >= 2:
-        result = probe_hardware(world_size, device_type=device_type)
-        fits = [asdict(f) for f in result.hardware.collectives]
-        store.cache_put(probe_cache_key(hw), fits)
-        notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
-                       "cached for later studies (tunekit hardware probe re-measures)")
-    if fits:
-        hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
-    return hw, notices
-
-
-
-
-async def observe_in_child(
-    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
-    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
-    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"), child: WorkloadProcess | None = None,
-) -> StaticObservation:
-    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
-    a workload that crashes, hangs or exits while it is built, traced or timed fails with
-    :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
-
-    ``child``: the caller's, left running but idle (the model dropped) for the tuners' hooks
-    later; without it, a child of its own, ended before this returns.
-    """
-    spec = resolve_spec(workload)
-    device_type = _device_type(device)
-    own = child is None
-    child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
-    try:
-        seen = await observe_call(child, "observe", "building and tracing the model", workload=spec, seed=seed)
-        graph = ModelGraph.from_dict(seen["graph"])
-        hw, notices = await asyncio.to_thread(describe_hardware, world_size, device_type, hardware, store, probe)
-        if graph.notice:
-            notices.append(graph.notice)
-        profile = None
-        if time_layers and not hardware:
-            profile = await _layer_profile(child, graph, hw, device_type, store, world_size, threads_per_rank,
-                                           notices)
-        if not own:
-            await observe_call(child, "idle", "dropping the model")
-    finally:
-        if own:
-            await child.close()
-    return StaticObservation(spec, stand_in_workload(seen["workload"]), ModelSummary.from_dict(seen["summary"]),
-                             graph, profile, hw, device_type, notices)
-
-
-async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware, device_type: str, store: Store,
-                         world_size: int, threads_per_rank: int | None, notices: list[str]) -> LayerProfile | None:
-    """The model's layer times: cached in the store, or timed in the workload's process."""
-    key = _layer_profile_key(graph, hw, device_type)
-    if cached := store.cache_get(key):
-        return LayerProfile.from_dict(cached)
-    timed = await observe_call(child, "profile_layers", "timing the model's layers", device=device_type,
-                       threads=rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
-    if not timed["layer_profile"]:
-        notices.append(timed["notice"])
-        return None
-    store.cache_put(key, timed["layer_profile"])
-    return LayerProfile.from_dict(timed["layer_profile"])
-
-
-def observe_static(
-    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
-    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
-) -> StaticObservation:
-    """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
-
-    Runs the workload's code in this process (``tunekit plan``, the TUI); ``tunekit auto``
-    uses :func:`observe_in_child`. Layers are timed with the thread count each rank gets,
-    so that their times add up to a rank's compute; the profile is cached in the store.
-    """
-    spec = resolve_spec(workload)
-    wl = load_workload(spec)
-    device_type = _device_type(device)
-    hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
-    model = wl.model()
-    example = wl.example_batch(wl.batch_size, seed=seed)[0]
-    graph = trace_model(model, example)  # first: a forward pass that fails is one WorkloadError line
-    summary = summarize_model(model, example)
-    if graph.notice:
-        notices.append(graph.notice)
-    profile = None
-    if time_layers and not hardware:
-        key = _layer_profile_key(graph, hw, device_type)
-        cached = store.cache_get(key)
-        if cached:
-            profile = LayerProfile.from_dict(cached)
-        else:
-            threads = rank_threads(world_size, threads_per_rank)
-            before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                profile = profile_layers(model, example, graph, device=device_type, warmup=1, repeats=3,
-                                         hardware_fingerprint=hw.fingerprint())
-            except Exception as exc:  # the workload's own code failed; the baseline trial reports it
-                notices.append(f"could not time the model's layers ({type(exc).__name__}: {exc}); "
-                               "tuners fall back to the whole-step measurements")
-            finally:
-                torch.set_num_threads(before)
-            if profile is not None:
-                store.cache_put(key, profile.to_dict())
-    return StaticObservation(spec, wl, summary, graph, profile, hw, device_type, notices)
 
 
 # -- the pipeline -------------------------------------------------------------------------
@@ -609,7 +441,7 @@ def _describer(tuners: Mapping[str, Tuner]):
 
 def _probe_here(nproc: int, device: str, store: Store) -> list[dict[str, Any]]:
     """This node's collectives on ``nproc`` ranks, from the store's cache or measured now."""
-    hw, _ = describe_hardware(nproc, _device_type(device), None, store, probe=True)
+    hw, _ = describe_hardware(nproc, resolve_device_type(device), None, store, probe=True)
     return [asdict(f) for f in hw.collectives]
 
 
@@ -680,18 +512,34 @@ class _Planning:
     searches: list[PlannedTrial] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)
 
+    def keep(self, step: TunerStep, tuner: Tuner, s: AutoSettings) -> None:
+        """What the schedule and the store need of one step of :func:`diagnose_and_plan`."""
+        name = step.name
+        if isinstance(step, TunerDiagnosed):
+            self.diagnoses[name] = asdict(step.diagnosis)
+        elif isinstance(step, TunerPlanned):
+            if s.in_job_search and type(tuner).search is not Tuner.search:
+                self.searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
+                                                  search={"plugin": name, "max_steps": s.search_steps}))
+            self.plans[name] = [asdict(c) for c in step.candidates]
+            self.pool += [{"plugin": name, "config": cfg.to_dict(), "config_id": cfg.config_id,
+                           "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
+                          for c, cfg in zip(step.candidates, step.configs, strict=True)]
+            self.gains[name] = step.diagnosis.expected_gain or 0.0
+
 
 async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation,
                              child: WorkloadProcess) -> AsyncIterator[Event]:
+    """Every tuner's diagnose and plan, then the schedule they add up to, stored at once."""
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
-    # Tuners time pieces of the model: their hooks run in the workload's process (the one
-    # that observed it; a fresh one after a tuner kills it), under the trial timeout.
-    parts = observation_parts(obs, obs.cache.items() if obs.cache is not None else {})
-    child.setup = {"op": "observation", "parts": parts}
+    # Tuners time pieces of the model: their hooks run in the workload's process, under the
+    # trial timeout.
+    hooks = ChildHooks(child, obs)
     got = _Planning()
     async with child:
-        async for ev in _tuner_hooks(run, child, parts, obs, tuners, limit, got):
-            yield ev
+        async for step in diagnose_and_plan(tuners, hooks, limit):
+            got.keep(step, tuners[step.name], run.s)
+            yield step.event()
     diagnoses, plans, pool, searches, gains = got.diagnoses, got.plans, got.pool, got.searches, got.gains
     searches.sort(key=lambda t: -gains[t.plugin])
     if run.s.rerank:
@@ -725,57 +573,6 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
             for seq, pt in enumerate(planned, start=first)]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
     store.add_trials(sid, rows, observation=observation, drop_pending=True)  # the schedule and its reasons, at once
-
-
-async def _tuner_hooks(run: _Run, child: WorkloadProcess, parts: dict[str, Any], obs: Observation, tuners,
-                       limit: int, out: _Planning) -> AsyncIterator[Event]:
-    """Every tuner's diagnose, then its plan if it applies, in the workload's process."""
-    for name, tuner in tuners.items():
-        got, problem = await tuner_hook(child, "diagnose", name, parts, obs.cache)
-        if problem:  # a broken plugin must not stop the study
-            yield PluginProblem(name, "", "diagnose failed", problem)
-            continue
-        diag = Diagnosis(**got["diagnosis"])
-        out.diagnoses[name] = asdict(diag)
-        yield Diagnosed(name, diag.applies, diag.summary, diag.expected_gain)
-        if not diag.applies:
-            continue
-        got, problem = await tuner_hook(child, "plan", name, parts, obs.cache, limit=limit)
-        try:
-            candidates = [Candidate(**c) for c in got["candidates"]] if not problem else []
-            trials = [_planned(tuner, c) for c in candidates]
-        except Exception as exc:  # knobs its own validate refuses
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem:
-            yield PluginProblem(name, "", "plan failed", problem)
-            continue
-        if run.s.in_job_search and type(tuner).search is not Tuner.search:
-            out.searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
-                                             search={"plugin": name, "max_steps": run.s.search_steps}))
-        out.plans[name] = [asdict(c) for c in candidates]
-        out.pool += [{"plugin": name, "config": t.config.to_dict(), "config_id": t.config.config_id,
-                      "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
-                     for c, t in zip(candidates, trials, strict=True)]
-        yield Planned(name, out.plans[name])
-        out.gains[name] = diag.expected_gain or 0.0
-
-
-async def tuner_hook(child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache,
-                      **args: Any) -> tuple[dict[str, Any], str | None]:
-    """One tuner hook's reply, or the one line on why it failed; keeps what the tuner cached."""
-    try:
-        reply = await child.call(hook, f"running {name}'s {hook}", plugin=name, **args)
-    except ChildRaised as exc:
-        return {}, exc.one_line()
-    except ObservationFailed as exc:
-        if exc.setup:  # the workload no longer loads: no tuner can run, and that is not theirs to report
-            raise
-        return {}, str(exc)
-    for key, value in reply.get("cache_puts", {}).items():
-        parts["cache"][key] = value  # a fresh child, after a tuner killed this one, starts with it
-        if cache is not None:
-            cache.put(key, value)
-    return reply, None
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:
@@ -820,11 +617,6 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
                 "corrected_s": r.corrected_s}
 
     return Reranked(corrector.summary(), [row(r) for r in chosen], [row(r) for r in dropped])
-
-
-def _planned(tuner: Tuner, c: Candidate) -> PlannedTrial:
-    knobs = tuner.validate(c.knobs)
-    return PlannedTrial(CANDIDATE, tuner.name, TuningConfig({tuner.name: knobs}), c.predicted_step_s)
 
 
 async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:

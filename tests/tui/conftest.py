@@ -38,6 +38,7 @@ from tunekit.events import (
     TrialStarted,
 )
 from tunekit.plugin_loading import PluginRecord
+from tunekit.runtime.client import ApplyOutcome
 from tunekit.tui.app import TunekitApp
 from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, TuneRequest
 from tunekit.tui.state import BaselineView, candidate_view
@@ -497,7 +498,7 @@ class FixedBackend(Backend):
             None,
         )
 
-    def apply(self, config: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, config: Mapping[str, Any]) -> ApplyOutcome:
         self.history.append(self.config)
         self.applied.append(dict(config))
         self.config = dict(config)
@@ -510,14 +511,13 @@ class FixedBackend(Backend):
             "speedup": 1.09,
             "ci": [1.04, 1.13],
         }
-        return {
-            "ok": True,
-            "step": 60,
-            "rolled_back": False,
-            "message": "applied at step 60; kept: 1.09x the samples/s of before (95% CI 1.04-1.13)",
-        }
+        return ApplyOutcome(
+            "applied at step 60; kept: 1.09x the samples/s of before (95% CI 1.04-1.13)",
+            {"ok": True, "step": 60},
+            rolled_back=False,
+        )
 
-    def rollback(self) -> dict[str, Any]:
+    def rollback(self) -> ApplyOutcome:
         if not self.history:
             raise ControlError("nothing to roll back: no config was applied to this job")
         self.config = self.history.pop()
@@ -526,7 +526,7 @@ class FixedBackend(Backend):
             "state": "rolled_back",
             "reason": "rolled back on request",
         }
-        return {"ok": True, "step": 61, "message": "rolled back at step 61"}
+        return ApplyOutcome("rolled back at step 61", {"ok": True, "step": 61})
 
     def close(self, stop_job: bool) -> None:
         self.closed = True

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from tunekit.errors import ControlError, WorkloadError
+from tunekit.runtime.job_process import JobProcess
 from tunekit.runtime.rundir import RunDir
 from tunekit.tui.app import TunekitApp
-from tunekit.tui.backend import JobProcess, TuneRequest, attach
+from tunekit.tui.backend import TuneRequest, attach
 
 
 @pytest.fixture

@@ -21,10 +21,11 @@ from support import WORKLOADS
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.plugin_loading import available_tuners
+from tunekit.runtime.job_process import JobProcess
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client
 from tunekit.tui.app import TunekitApp
-from tunekit.tui.backend import JobProcess, LiveBackend, TuneRequest
+from tunekit.tui.backend import LiveBackend, TuneRequest
 from tunekit.tui.screens.apply import ApplyScreen
 from tunekit.tui.screens.confirm import ConfirmScreen
 from tunekit.tui.screens.tuners import TunersScreen

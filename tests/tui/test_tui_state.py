@@ -13,7 +13,7 @@ from tunekit.config import TuningConfig
 from tunekit.events import Decided, StudyStarted, TrialFinished, TrialStarted
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.plugin_loading import load_all
-from tunekit.tui.backend import MetricsTail, live_baseline
+from tunekit.runtime.live_metrics import MetricsTail, live_baseline
 from tunekit.tui.formatting import describe_config, ms, pct, rate, size
 from tunekit.tui.state import (
     HISTORY,

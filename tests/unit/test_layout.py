@@ -32,6 +32,19 @@ def test_core_never_imports_the_tui_or_a_plugin():
     assert not offenders, offenders
 
 
+def test_the_tui_calls_the_core_not_the_cli():
+    """What the CLI and the TUI share lives in the core (docs/architecture.md); only the TUI's own
+    command, tui/cli.py, uses the CLI's shared options."""
+    offenders = []
+    for path in (ROOT / "tui").rglob("*.py"):
+        if path == ROOT / "tui" / "cli.py":
+            continue
+        for name in _imports(path):
+            if name.startswith("tunekit.cli"):
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, offenders
+
+
 def test_plugins_never_import_each_other_or_the_tui():
     offenders = []
     for plugin in (p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists()):

@@ -69,7 +69,7 @@ def test_probe_profile_round_trips_through_toml(tmp_path):
 
 
 def test_intervals_round_trip_through_toml_and_the_store(tmp_path):
-    from tunekit.orchestrator import observe_static, probe_cache_key
+    from tunekit.observe.static import observe_static, probe_cache_key
     from tunekit.store import Store
 
     fits = (
@@ -98,7 +98,7 @@ def test_intervals_round_trip_through_toml_and_the_store(tmp_path):
 
 
 def test_old_cached_fits_and_profiles_without_intervals_still_load(tmp_path):
-    from tunekit.orchestrator import observe_static, probe_cache_key
+    from tunekit.observe.static import observe_static, probe_cache_key
     from tunekit.store import Store
 
     # What `tunekit hardware probe` cached before fits carried intervals.

@@ -162,14 +162,15 @@ async def _drive(settings, as_json: bool) -> dict | None:
 
 
 def _apply_winner(run_dir: RunDir, decision: dict | None, as_json: bool) -> None:
-    from tunekit.cli.run import apply_to_run
+    from tunekit.runtime.client import apply_to_run
 
     if not decision or decision.get("winner") == "baseline":
         message = f"nothing to apply to run {run_dir.run_id}: the baseline stays"
         result = {"applied": False}
     else:
-        result = apply_to_run(run_dir, TuningConfig.from_dict(decision["winner_config"]))
-        message = f"run {run_dir.run_id}: {result['message']}"
+        outcome = apply_to_run(run_dir, TuningConfig.from_dict(decision["winner_config"]))
+        message = f"run {run_dir.run_id}: {outcome.message}"
+        result = outcome.to_dict()
     if as_json:
         click.echo(json.dumps({"event": "Applied", "run": run_dir.run_id, "message": message, **result}, default=str))
     else:

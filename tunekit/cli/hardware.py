@@ -86,7 +86,7 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
         save.write_text(hardware_to_toml(hw))
         console.print(f"profile written to {save}")
     if not no_store:
-        from tunekit.orchestrator import probe_cache_key
+        from tunekit.observe.static import probe_cache_key
         from tunekit.store import Store
 
         store = Store.open_default(store_dir)
@@ -122,7 +122,7 @@ def local_hardware(nproc: int, device: str, store_dir: Path) -> Hardware:
     import torch
 
     from tunekit.observe.local import describe_local_machine
-    from tunekit.orchestrator import probe_cache_key
+    from tunekit.observe.static import probe_cache_key
     from tunekit.store import Store
 
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"

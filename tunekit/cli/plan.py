@@ -50,7 +50,7 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     store = Store.open_default(store_dir)
     try:
         static, study, obs, diag, candidates = asyncio.run(
-            _diagnose_and_plan(tuner.name, workload, nproc, hardware, limit, store, store_dir, timeout_s))
+            _observe_and_plan(tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s))
         tried = []
         truth = obs.truth
         if study is not None:
@@ -140,20 +140,17 @@ def _rate(x: float | None) -> str:
     return "—" if x is None else f"{x:,.1f}"
 
 
-async def _diagnose_and_plan(name: str, workload: str, nproc: int, hardware: str | None, limit: int, store: Store,
-                             store_dir: Path, timeout_s: float):
+async def _observe_and_plan(tuner, workload: str, nproc: int, hardware: str | None, limit: int, store: Store,
+                            store_dir: Path, timeout_s: float):
     """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
     process of the workload's own; returns what was observed, the stored study, the diagnosis
-    and the candidates."""
-    from tunekit.contract import Candidate, Diagnosis
+    and the candidates. A tuner that fails is one line (PluginError)."""
+    from tunekit.errors import PluginError
     from tunekit.observe.observation import Measurement
-    from tunekit.observe.workload_process import (
-        OBSERVE_LOG,
-        ObservationFailed,
-        WorkloadProcess,
-        observation_parts,
-    )
-    from tunekit.orchestrator import observe_in_child, observed_baseline
+    from tunekit.observe.static import observe_in_child
+    from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
+    from tunekit.orchestrator import observed_baseline
+    from tunekit.planning import ChildHooks, TunerFailed, TunerPlanned, diagnose_and_plan
 
     async with WorkloadProcess(store_dir / OBSERVE_LOG, timeout_s) as child:
         try:
@@ -166,22 +163,14 @@ async def _diagnose_and_plan(name: str, workload: str, nproc: int, hardware: str
         obs = static.observation(nproc, baseline, store)
         if base_row is not None:
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
-        parts = observation_parts(obs, obs.cache.items())
-        child.setup = {"op": "observation", "parts": parts}
-        diag = Diagnosis(**(await _hook(child, "diagnose", name, parts, obs))["diagnosis"])
-        planned = (await _hook(child, "plan", name, parts, obs, limit=limit))["candidates"] if diag.applies else []
-    return static, study, obs, diag, [Candidate(**c) for c in planned]
-
-
-async def _hook(child, hook: str, name: str, parts: dict, obs, **args):
-    """One hook's reply; a tuner that fails (or kills its process) is one line."""
-    from tunekit.errors import PluginError
-    from tunekit.orchestrator import tuner_hook
-
-    reply, problem = await tuner_hook(child, hook, name, parts, obs.cache, **args)
-    if problem:
-        raise PluginError(f"{name}'s {hook} failed: {problem}")
-    return reply
+        diag, candidates = None, []
+        async for step in diagnose_and_plan({tuner.name: tuner}, ChildHooks(child, obs), limit):
+            if isinstance(step, TunerFailed):
+                raise PluginError(f"{tuner.name}'s {step.hook} failed: {step.problem}")
+            diag = step.diagnosis
+            if isinstance(step, TunerPlanned):
+                candidates = step.candidates
+    return static, study, obs, diag, candidates
 
 
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):

@@ -14,6 +14,7 @@ from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writab
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError
+from tunekit.runtime.client import apply_to_run
 from tunekit.runtime.control import JobNotRunning
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import (
@@ -22,7 +23,6 @@ from tunekit.runtime.supervisor import (
     prepare_resume,
     supervise,
     supervising,
-    wait_for,
 )
 
 CONFIG_FORMS = """CONFIG is one of: PLUGIN.knob=value pairs (`tunekit plan` prints them),
@@ -170,39 +170,10 @@ def apply_cmd(run, config, nproc, watch, no_wait, store_dir):
     rd = _find(run, store_dir)
     cfg = read_config(config)
     check_batch(cfg, rd.read_status())
-    result = apply_to_run(rd, cfg, nproc=nproc, watch=watch, wait=not no_wait)
-    console.print(result["message"])
-    if result.get("rolled_back"):
+    outcome = apply_to_run(rd, cfg, nproc=nproc, watch=watch, wait=not no_wait)
+    console.print(outcome.message)
+    if outcome.rolled_back:
         raise SystemExit(1)
-
-
-def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, watch: int | None = None,
-                 wait: bool = True) -> dict:
-    """Apply and (by default) wait for the outcome: kept, rolled back, or relaunched."""
-    body = {"config": config.to_dict()}
-    if nproc is not None:
-        body["nproc"] = nproc
-    if watch is not None:
-        body["watch"] = watch
-    reply = client(rd).request("apply", **body)
-    if reply.get("relaunching"):
-        msg = f"relaunching with {reply['nproc']} rank(s) from step {reply['step']}"
-    else:
-        msg = f"applied at step {reply['step']}"
-    if not wait:
-        return {"message": msg + "; watching", **reply}
-
-    def verdict(s: dict) -> bool:  # this apply's watch, not an earlier one still in status.json
-        w = s.get("watch") or {}
-        mine = w.get("applied_at") == reply["step"]
-        return (mine and w.get("state") != "watching") or s.get("status") in ("finished", "stopped")
-
-    # A relaunch is watched in the relaunched job; a crash under the change is rolled back by
-    # the supervisor, which leaves its verdict in status.json: either way the verdict comes.
-    st = wait_for(rd, verdict)
-    w = st.get("watch") or {}
-    rolled = w.get("state") in ("rolled_back", "rolling_back")
-    return {"message": f"{msg}; {'rolled back' if rolled else 'kept'}: {w.get('reason', '')}", "rolled_back": rolled, **reply}
 
 
 @click.command("status")

@@ -1,0 +1,185 @@
+"""What is known about a job before any trial: the model, its graph and layer times, the hardware.
+
+:func:`observe_in_child` runs the workload's code in a child process (``tunekit auto``,
+``tunekit plan``); :func:`observe_static` runs it in this process (the TUI, benchmarks).
+Both cache the layer profile and this machine's collective fits in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.observe.graph import ModelGraph, trace_model
+from tunekit.observe.layer_profile import LayerProfile, profile_layers
+from tunekit.observe.local import describe_local_machine
+from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
+from tunekit.observe.probe import probe_hardware
+from tunekit.observe.workload_process import (
+    OBSERVE_LOG,
+    WorkloadProcess,
+    observe_call,
+    stand_in_workload,
+)
+from tunekit.store import Store, StudyCache
+from tunekit.trials.launcher import rank_threads
+from tunekit.workload import Workload, load_workload, resolve_spec
+
+PROBE_CACHE_PREFIX = "probe"
+
+
+def probe_cache_key(hw: Hardware) -> str:
+    """Where ``tunekit hardware probe`` caches measured fits for this machine's shape."""
+    return f"{PROBE_CACHE_PREFIX}:{hw.fingerprint()}"
+
+
+@dataclass
+class StaticObservation:
+    """What is known about a job before any trial: model, graph, layer times, hardware."""
+
+    spec: str
+    workload: Workload
+    summary: ModelSummary
+    graph: ModelGraph
+    layer_profile: LayerProfile | None
+    hardware: Hardware
+    device_type: str
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def graph_hash(self) -> str:
+        return self.graph.graph_hash()
+
+    def observation(self, nproc: int, baseline: Measurement | None, store: Store | None) -> Observation:
+        return Observation(
+            workload_spec=self.spec, workload=self.workload, nproc=nproc,
+            backend="nccl" if self.device_type == "cuda" else "gloo", device_type=self.device_type,
+            hardware=self.hardware, model=self.summary, baseline=baseline, graph=self.graph,
+            layer_profile=self.layer_profile,
+            cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}") if store else None,
+        )
+
+
+def resolve_device_type(device: str) -> str:
+    """``auto``/``cuda``/``cpu`` as the device the job will run on here."""
+    return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str:
+    return f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
+
+
+def describe_hardware(world_size: int, device_type: str, hardware: str | None, store: Store,
+                      probe: bool = False) -> tuple[Hardware, list[str]]:
+    """The hardware to plan for: a profile, or this machine with its collectives probed once (cached)."""
+    if hardware:
+        return load_profile(hardware), []
+    notices: list[str] = []
+    hw = describe_local_machine(world_size, device_type)
+    fits = store.cache_get(probe_cache_key(hw))
+    if not fits and probe and world_size >= 2:
+        result = probe_hardware(world_size, device_type=device_type)
+        fits = [asdict(f) for f in result.hardware.collectives]
+        store.cache_put(probe_cache_key(hw), fits)
+        notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
+                       "cached for later studies (tunekit hardware probe re-measures)")
+    if fits:
+        hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
+    return hw, notices
+
+
+async def observe_in_child(
+    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
+    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
+    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"), child: WorkloadProcess | None = None,
+) -> StaticObservation:
+    """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
+    a workload that crashes, hangs or exits while it is built, traced or timed fails with
+    :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
+
+    ``child``: the caller's, left running but idle (the model dropped) for the tuners' hooks
+    later; without it, a child of its own, ended before this returns.
+    """
+    spec = resolve_spec(workload)
+    device_type = resolve_device_type(device)
+    own = child is None
+    child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
+    try:
+        seen = await observe_call(child, "observe", "building and tracing the model", workload=spec, seed=seed)
+        graph = ModelGraph.from_dict(seen["graph"])
+        hw, notices = await asyncio.to_thread(describe_hardware, world_size, device_type, hardware, store, probe)
+        if graph.notice:
+            notices.append(graph.notice)
+        profile = None
+        if time_layers and not hardware:
+            profile = await _layer_profile(child, graph, hw, device_type, store, world_size, threads_per_rank,
+                                           notices)
+        if not own:
+            await observe_call(child, "idle", "dropping the model")
+    finally:
+        if own:
+            await child.close()
+    return StaticObservation(spec, stand_in_workload(seen["workload"]), ModelSummary.from_dict(seen["summary"]),
+                             graph, profile, hw, device_type, notices)
+
+
+async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware, device_type: str, store: Store,
+                         world_size: int, threads_per_rank: int | None, notices: list[str]) -> LayerProfile | None:
+    """The model's layer times: cached in the store, or timed in the workload's process."""
+    key = _layer_profile_key(graph, hw, device_type)
+    if cached := store.cache_get(key):
+        return LayerProfile.from_dict(cached)
+    timed = await observe_call(child, "profile_layers", "timing the model's layers", device=device_type,
+                       threads=rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
+    if not timed["layer_profile"]:
+        notices.append(timed["notice"])
+        return None
+    store.cache_put(key, timed["layer_profile"])
+    return LayerProfile.from_dict(timed["layer_profile"])
+
+
+def observe_static(
+    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
+    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
+) -> StaticObservation:
+    """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
+
+    Runs the workload's code in this process (the TUI); ``tunekit auto`` and ``tunekit plan``
+    use :func:`observe_in_child`. Layers are timed with the thread count each rank gets,
+    so that their times add up to a rank's compute; the profile is cached in the store.
+    """
+    spec = resolve_spec(workload)
+    wl = load_workload(spec)
+    device_type = resolve_device_type(device)
+    hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
+    model = wl.model()
+    example = wl.example_batch(wl.batch_size, seed=seed)[0]
+    graph = trace_model(model, example)  # first: a forward pass that fails is one WorkloadError line
+    summary = summarize_model(model, example)
+    if graph.notice:
+        notices.append(graph.notice)
+    profile = None
+    if time_layers and not hardware:
+        key = _layer_profile_key(graph, hw, device_type)
+        cached = store.cache_get(key)
+        if cached:
+            profile = LayerProfile.from_dict(cached)
+        else:
+            threads = rank_threads(world_size, threads_per_rank)
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                profile = profile_layers(model, example, graph, device=device_type, warmup=1, repeats=3,
+                                         hardware_fingerprint=hw.fingerprint())
+            except Exception as exc:  # the workload's own code failed; the baseline trial reports it
+                notices.append(f"could not time the model's layers ({type(exc).__name__}: {exc}); "
+                               "tuners fall back to the whole-step measurements")
+            finally:
+                torch.set_num_threads(before)
+            if profile is not None:
+                store.cache_put(key, profile.to_dict())
+    return StaticObservation(spec, wl, summary, graph, profile, hw, device_type, notices)
