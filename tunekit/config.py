@@ -146,7 +146,8 @@ def check_batch(config: TuningConfig, status: dict) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value in (0, batch.get("workload")):
             continue
         low, high = batch.get("range") or (None, None)
-        if "range" in batch and (low is None or not low <= value <= high):
+        # A range is a (low, high) pair or None (the workload's batch_range), never half-set.
+        if "range" in batch and (low is None or high is None or not low <= value <= high):
             allowed = (f"{low}–{high}, the workload's batch_range" if low is not None
                        else "the workload sets no batch_range")
             raise ConfigError(

@@ -269,6 +269,7 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
                 (key, workload, graph_hash, hw_fingerprint, nproc, json.dumps(settings), time.time()),
             )
+            assert cur.lastrowid is not None  # always set after an INSERT
             return int(cur.lastrowid)
 
     def study(self, study_id: int) -> StudyRow:
@@ -327,6 +328,7 @@ class Store:
                 " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
                 (study_id, seq, role, plugin, config_id, json.dumps(config), predicted_s, corrected_s),
             )
+            assert cur.lastrowid is not None  # always set after an INSERT
             return int(cur.lastrowid)
 
     def add_trials(self, study_id: int, rows: list[dict[str, Any]], observation: dict[str, Any] | None = None,

@@ -171,6 +171,7 @@ class Workload:
         gen = torch.Generator().manual_seed(seed)
         if self.make_batch is not None:
             return self.make_batch(n, gen)
+        assert self.dataset is not None  # __post_init__: exactly one of make_batch, dataset
         ds = self.dataset()
         idx = torch.randint(len(ds), (n,), generator=gen).tolist()
         return torch.utils.data.default_collate([ds[i] for i in idx])
@@ -182,6 +183,7 @@ class Workload:
 def load_workload(spec: str) -> Workload:
     """Build the workload a name points at; raise :class:`WorkloadError` if it cannot."""
     spec = spec.strip()
+    factory: Callable[..., Any] | None
     if spec.startswith(EXAMPLE_PREFIX):
         from tunekit.examples import example_factory
 
@@ -218,6 +220,8 @@ def _import_file(target: str):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # no loader for the suffix (e.g. not .py)
+        raise WorkloadError(f"could not import {target}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     # Let the file import its neighbours, as `python file.py` would.
     sys.path.insert(0, str(path.resolve().parent))

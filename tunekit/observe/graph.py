@@ -405,7 +405,7 @@ def _batch_of(args: tuple) -> int:
 class _ParamLedger:
     """Counts each parameter once, for the first node that uses it (weight sharing)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seen: set[int] = set()
 
     def take(self, params: Iterable[torch.Tensor]) -> tuple[int, int]:
@@ -701,6 +701,7 @@ def group_layers(nodes: dict[str, GraphNode], views: Iterable[str] = ()) -> dict
             )
         )
         if fold:
+            assert producer is not None and producer.layer is not None  # as fold checked
             n.layer = producer.layer
             members[n.layer].append(n.name)
         else:
@@ -766,6 +767,7 @@ def trace_model(
     batch = _batch_of(args)
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    views: Iterable[str]  # op names that fold like reshapes: ATen's views under torch.export
     module, views = None, ()
     model.train()  # as it trains: eval-only fast paths (native MHA) would hide FLOPs
     for m in model.modules():

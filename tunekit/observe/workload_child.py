@@ -27,10 +27,15 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunekit.errors import TunekitError
 from tunekit.trials.exits import enable_fault_report, is_oom
+
+if TYPE_CHECKING:  # imported where used: the child starts light
+    from tunekit.observe.graph import ModelGraph
+    from tunekit.observe.observation import Observation
+    from tunekit.workload import Workload
 
 
 class RecordingCache:
@@ -56,16 +61,16 @@ class _State:
     """What the child keeps between requests."""
 
     def __init__(self) -> None:
-        self.workload = None
+        self.workload: Workload | None = None
         self.spec = ""
-        self.model = None
-        self.example = None
-        self.graph = None
-        self.obs = None
+        self.model: Any = None  # the observed nn.Module and its example input, until idle
+        self.example: Any = None
+        self.graph: ModelGraph | None = None
+        self.obs: Observation | None = None
         self.cache: RecordingCache | None = None
         self.tuners: dict[str, Any] = {}
 
-    def load(self, spec: str):
+    def load(self, spec: str) -> Workload:
         from tunekit.workload import load_workload
 
         if self.workload is None or self.spec != spec:
@@ -150,18 +155,24 @@ def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
 
 def diagnose(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     diag = state.tuner(req["plugin"]).diagnose(_obs(state))
-    return {"diagnosis": asdict(diag), "cache_puts": state.cache.take_puts()}
+    return {"diagnosis": asdict(diag), "cache_puts": _puts(state)}
 
 
 def plan(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     candidates = state.tuner(req["plugin"]).plan(_obs(state), int(req["limit"]))
-    return {"candidates": [asdict(c) for c in candidates], "cache_puts": state.cache.take_puts()}
+    return {"candidates": [asdict(c) for c in candidates], "cache_puts": _puts(state)}
 
 
-def _obs(state: _State):
+def _obs(state: _State) -> Observation:
     if state.obs is None:
         raise RuntimeError("a tuner hook before the observation was set up")
     return state.obs
+
+
+def _puts(state: _State) -> dict[str, Any]:
+    """What the tuner hook just put in the cache."""
+    assert state.cache is not None  # set up with state.obs, which _obs checked first
+    return state.cache.take_puts()
 
 
 HANDLERS = {"observe": observe, "profile_layers": profile_layers, "idle": idle, "observation": observation,

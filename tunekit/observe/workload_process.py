@@ -131,6 +131,7 @@ class WorkloadProcess:
             *die_with_parent(cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_REPLY_LIMIT,
         )
+        assert self.proc.stderr is not None  # stderr=PIPE
         self._pump = asyncio.create_task(pump(self.proc.stderr, self._log))
 
     async def _request(self, request: dict[str, Any], doing: str) -> dict[str, Any]:

@@ -118,6 +118,7 @@ class BatchSource:
     def _shard(self, step: int, rank: int) -> Batch:
         """Rank ``rank``'s shard of step ``step``, on the CPU, without touching the loader."""
         if self._dataset is None:
+            assert self.workload.make_batch is not None  # a workload has one or the other
             gen = torch.Generator().manual_seed(batch_seed(self.seed, step, rank))
             return self.workload.make_batch(self.batch_size, gen)
         sampler = _StepSampler(len(self._dataset), self.batch_size, rank, self.world_size, self.seed, step)
@@ -125,6 +126,7 @@ class BatchSource:
         return torch.utils.data.default_collate([self._dataset[i] for i in idx])
 
     def _from_loader(self, step: int) -> Batch:
+        assert self._dataset is not None  # batch() reads the loader only for a dataset
         if self._iter is None or self._next_step != step:
             sampler = _StepSampler(
                 len(self._dataset), self.batch_size, self.rank, self.world_size, self.seed, step

@@ -125,10 +125,15 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup |
     n = int(size.item())
     if n < 0:
         return None
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine and n else torch.empty(n, dtype=torch.uint8)
+    if mine:
+        assert data is not None  # src sent -1 above for None
+        if n:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group)
+        return bytes(data)
+    buf = torch.empty(n, dtype=torch.uint8)
     if n:
         dist.broadcast(buf, src=src, group=group)
-    return bytes(data) if mine else buf.numpy().tobytes()
+    return buf.numpy().tobytes()
 
 
 @contextmanager

@@ -148,10 +148,12 @@ class InJobTrial:
                 return {"op": "apply", "config": self.configs[self.phases[self.phase]], "source": "trial"}
             c = compare(self.times["current"], self.times["candidate"], min_effect=self.min_effect)
             keep = c.significant
+            candidate_s, current_s = _median(self.times["candidate"]), _median(self.times["current"])
+            assert candidate_s is not None and current_s is not None  # compare() needed samples of both
             self.result = {
                 "kept": "candidate" if keep else "current",
-                "candidate_samples_per_s": 1 / _median(self.times["candidate"]),
-                "current_samples_per_s": 1 / _median(self.times["current"]),
+                "candidate_samples_per_s": 1 / candidate_s,
+                "current_samples_per_s": 1 / current_s,
                 "speedup": c.speedup, "ci": [c.ci_low, c.ci_high], "window": self.window,
             }
             if keep:
@@ -306,6 +308,7 @@ class Controller:
             if self.job.applied:
                 prev = self.job.applied[-1]
             else:  # only a watch handed over by a relaunch is left to undo
+                assert self.watch is not None  # validate() refuses a rollback with nothing to undo
                 prev = {"config": self.watch.info["prev_config"], "nproc": self.watch.info.get("prev_nproc")}
             return self._change(prev["config"], prev.get("nproc"), source="rollback", id=self.ids)
         config = TuningConfig.from_dict(body["config"]).to_dict()
@@ -328,6 +331,7 @@ class Controller:
         s = self.job.session
         applied = list(self.job.applied)
         source = cmd.get("source", "user")
+        watch: dict[str, Any] | None
         if source == "user":
             applied.append({"config": s.config.to_dict(), "nproc": s.world_size})
             watch = Watch(self.before_change(), int(cmd.get("watch", self.window)), self.warm, self.min_effect,
@@ -360,7 +364,8 @@ class Controller:
             self.job.log_event(f"{cmd['op']}_failed", step=step, error=result.get("error"), source=source)
         if cmd.get("finish_trial"):
             self._finish_trial()
-        req = self.waiting.pop(cmd.get("id"), None)
+        cmd_id = cmd.get("id")
+        req = self.waiting.pop(cmd_id, None) if cmd_id is not None else None
         if req is not None:
             req.answer(result)
 
@@ -391,6 +396,7 @@ class Controller:
 
     def _finish_trial(self) -> None:
         trial = self.trial
+        assert trial is not None and trial.result is not None  # called once a trial has its verdict
         self.trial = None
         self.job.log_event("trial_finished", **trial.result)
         trial.request.answer({"ok": True, **trial.result, "config": self.job.session.config.to_dict()})
@@ -557,6 +563,7 @@ class LiveJob:
         """Checkpoint and leave the supervisor a plan; refused (the job goes on) when either fails."""
         path, error = self.checkpoint()
         if error is None and self.controller is not None:
+            assert path is not None  # checkpoint() gives a path whenever it gives no error
             plan = self.controller.relaunch_plan(cmd, path)
             try:
                 self.rd.write_relaunch(plan)
@@ -580,7 +587,9 @@ class LiveJob:
         self.state = "paused"
         if self.controller is not None:
             self.controller.executed(cmd, {"ok": True, "paused_at": self.session.step})
-            self.log_event("paused", step=self.session.step, reason=self.controller.pause[1]["reason"])
+            pause = self.controller.pause
+            assert pause is not None  # rank 0 holds the request that paused the job
+            self.log_event("paused", step=self.session.step, reason=pause[1]["reason"])
             self.write_status()
         while True:
             if self.controller is not None:

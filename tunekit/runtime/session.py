@@ -111,7 +111,10 @@ class Session:
 
     @property
     def grad_sync(self) -> GradSync:
-        return self._grad_sync
+        sync = self._grad_sync
+        # None only while set_grad_sync swaps strategies, which always ends with one set.
+        assert sync is not None, "no gradient strategy: set_grad_sync is attaching one"
+        return sync
 
     def default_grad_sync(self) -> GradSync:
         return DDPSync() if self.world_size > 1 else LocalSync()
@@ -155,8 +158,8 @@ class Session:
         """Micro-batches per optimizer step; the learning rate follows the global batch."""
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ConfigError(f"accumulation must be an int of 1 or more, not {micro_batches!r}")
-        if micro_batches > 1 and "accumulation" not in self._grad_sync.handles:
-            raise ConfigError(f"gradient strategy {self._grad_sync.name} does not honour accumulation")
+        if micro_batches > 1 and "accumulation" not in self.grad_sync.handles:
+            raise ConfigError(f"gradient strategy {self.grad_sync.name} does not honour accumulation")
         self.accumulation = micro_batches
         self.set_lr(self.scaled_lr())
 
@@ -247,7 +250,7 @@ class Session:
 
     def reset(self) -> None:
         """Return to the workload's defaults, keeping parameters, optimizer state and step."""
-        self._grad_sync.flush()
+        self.grad_sync.flush()
         while self._reset_callbacks:
             self._reset_callbacks.pop()()
         self.step_fn = None
@@ -280,7 +283,7 @@ class Session:
             loss = self.step_fn(self, self.step)
         else:
             data_s = 0.0
-            sync = self._grad_sync
+            sync = self.grad_sync
             sync.before_forward()
             total = 0.0
             for micro in range(self.accumulation):
@@ -302,7 +305,7 @@ class Session:
         loss_value = float(loss.detach())  # also waits for the device
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {}
-        records = self._grad_sync.comm_records()
+        records = self.grad_sync.comm_records()
         if records:
             metrics["overlap_R"] = overlap_ratio(records)
             metrics["comm"] = [r.__dict__ for r in records]
@@ -316,7 +319,7 @@ class Session:
         return self.step * self.accumulation + micro
 
     def flush(self) -> None:
-        self._grad_sync.flush()
+        self.grad_sync.flush()
 
     # -- checkpoints -----------------------------------------------------------------
 
@@ -349,8 +352,8 @@ class Session:
         torch.set_rng_state(state["rng"])
 
     def close(self) -> None:
-        self._grad_sync.flush()
-        self._grad_sync.detach()
+        self.grad_sync.flush()
+        self.grad_sync.detach()
         self.data.close()
 
 

@@ -72,6 +72,13 @@ def trial_samples(row: TrialRow) -> list[float]:
     return [s / batch for s in row.result["measurement"]["step_s"]]
 
 
+def _step_s(row: TrialRow) -> list[float]:
+    """Seconds of each measured step ([] for a trial that measured none)."""
+    if row.status != "ok" or not row.result or not row.result.get("measurement"):
+        return []
+    return row.result["measurement"]["step_s"]
+
+
 def global_batch(row: TrialRow) -> int:
     return ranks_global_batch((row.result or {}).get("ranks") or [])
 
@@ -88,7 +95,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     if not base_runs:
         return {"winner": BASELINE, "reason": "no successful baseline measurement", "candidates": []}
     base_rows = [t for t in trials if t.role == BASELINE and trial_samples(t)]
-    base_median = float(statistics.median([x for t in base_rows for x in t.result["measurement"]["step_s"]]))
+    base_median = float(statistics.median([x for t in base_rows for x in _step_s(t)]))
     groups: dict[str, list[TrialRow]] = {}
     for t in trials:
         if t.role != BASELINE:
@@ -105,7 +112,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             "status": first.status if not samples else "ok", "runs": len(samples),
             "predicted_s": first.predicted_s,
             "median_s": float(statistics.median(
-                [x for t in runs if trial_samples(t) for x in t.result["measurement"]["step_s"]])) if samples else None,
+                [x for t in runs if trial_samples(t) for x in _step_s(t)])) if samples else None,
             "global_batch": global_batch(first),
             "spread_s": first.spread_s, "error": unmeasured[0].error if unmeasured and not samples else None,
         }

@@ -98,6 +98,8 @@ class Corrector:
 
     def residual(self, plugin: str | None) -> Residual:
         """The fitted correction of one tuner (none before its first trial)."""
+        if plugin is None:  # a trial no tuner proposed: nothing fitted
+            return Residual()
         return self._fits.get(plugin, Residual())
 
     def corrected(self, plugin: str | None, predicted_s: float | None) -> float | None:

@@ -165,9 +165,9 @@ def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[l
             for i in range(opts.loopback_nodes)
         ]
     if opts.master:
-        host, _, port = opts.master.rpartition(":")
+        host, _, master_port = opts.master.rpartition(":")
         return [base + ["--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank),
-                        "--master-addr", host, "--master-port", port] + worker]
+                        "--master-addr", host, "--master-port", master_port] + worker]
     if opts.nnodes > 1 or opts.rdzv_endpoint:
         if not opts.rdzv_endpoint:
             raise ValueError("several nodes need a rendezvous endpoint (host:port)")
@@ -333,7 +333,7 @@ async def run_trial(
     try:
         while True:
             seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
-            if nodes is not None:
+            if nodes is not None and job is not None:  # (job is set whenever nodes is)
                 nodes.collect(job, trial_dir, sent)
                 if lost := nodes.lost():
                     killed = (CRASH, "; ".join(lost.values()))
@@ -399,6 +399,7 @@ async def _start_agents(cmds: list[list[str]], opts: LaunchOptions, trial_dir: P
             start_new_session=True,
         )
         procs.append(proc)
+        assert proc.stdout is not None  # stdout=PIPE
         pumps.append(asyncio.create_task(pump(proc.stdout, log)))
     return procs, logs, pumps
 

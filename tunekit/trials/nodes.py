@@ -639,7 +639,7 @@ def node_summary(hellos: Mapping[int, dict[str, Any]], nproc: int, compute_s: Ma
     ``r`` holds ranks ``r * nproc`` on); ``telemetry``: each node's sampler summary; ``probes``:
     each node's measured collective fits (its all-reduce among its own ranks is reported).
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in sorted(hellos):
         mine = [compute_s[k] for k in range(r * nproc, (r + 1) * nproc) if k in compute_s]
         host = (telemetry.get(r) or {}).get("host") or {}

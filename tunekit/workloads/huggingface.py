@@ -174,7 +174,8 @@ def hf_workload(
         raise WorkloadError(f"seq_len {seq_len} exceeds the config's {max_len} positions")
 
     def build() -> nn.Module:
-        cls = model_class
+        # Any: AutoModelFor... classes build with from_config, which a plain type lacks.
+        cls: Any = model_class
         if cls.__name__.startswith("AutoModel"):
             return HFModel(cls.from_config(config))
         return HFModel(cls(config))
