@@ -127,8 +127,12 @@ def load(ep: EntryPoint) -> PluginRecord:
 
 def slow_imports(records: list[PluginRecord]) -> list[str]:
     """One line for each plugin whose import took longer than ``SLOW_IMPORT_S``."""
-    return [f"plugin {r.name} ({r.package}) took {r.import_s:.1f} s to import; every rank of every trial "
-            "and relaunch pays that again" for r in records if r.import_s > SLOW_IMPORT_S]
+    return [
+        f"plugin {r.name} ({r.package}) took {r.import_s:.1f} s to import; every rank of every trial "
+        "and relaunch pays that again"
+        for r in records
+        if r.import_s > SLOW_IMPORT_S
+    ]
 
 
 def classify(rec: PluginRecord, cls: object) -> PluginRecord:

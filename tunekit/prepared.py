@@ -230,8 +230,12 @@ def prepare(
     rng = torch.get_rng_state()  # a Session seeds the global generator; leave the user's alone
     try:
         session = Session(
-            workload, rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-            device=device, group=dist.group.WORLD if world > 1 else None,
+            workload,
+            rank=rank,
+            world_size=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+            device=device,
+            group=dist.group.WORLD if world > 1 else None,
             backend=dist.get_backend() if dist.is_initialized() else "gloo",
         )
     finally:

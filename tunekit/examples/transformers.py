@@ -86,7 +86,9 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # arange, not a slice of a stored index: torch.fx traces it (graph capture sees it all)
-        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.tokens(tokens) + self.positions(
+            torch.arange(tokens.shape[1], device=tokens.device)
+        )
         return self.head(self.ln(self.blocks(x)))
 
 

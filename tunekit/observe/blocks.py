@@ -91,7 +91,9 @@ def block_table(
     return out
 
 
-def profile_blocks(graph: Any, profile: Any, batch_size: int | None = None) -> list[dict[str, Any]] | None:
+def profile_blocks(
+    graph: Any, profile: Any, batch_size: int | None = None
+) -> list[dict[str, Any]] | None:
     """A layer profile's layers summed per transformer block (their forward FLOPs from
     ``graph``, at ``batch_size`` samples, default the graph's), or None when the model
     has no blocks or nothing was profiled."""

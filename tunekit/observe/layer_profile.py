@@ -457,8 +457,6 @@ def _leaves(value) -> list[torch.Tensor]:
     return []
 
 
-
-
 def measure_layer(
     runner: LayerRunner,
     layer: str,

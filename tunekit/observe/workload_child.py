@@ -96,8 +96,12 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
     state.graph = trace_model(state.model, state.example)
     summary = summarize_model(state.model, state.example)
-    return {"workload": workload_facts(wl), "summary": summary.to_dict(),
-            "graph": state.graph.to_dict(), "graph_hash": state.graph.graph_hash()}
+    return {
+        "workload": workload_facts(wl),
+        "summary": summary.to_dict(),
+        "graph": state.graph.to_dict(),
+        "graph_hash": state.graph.graph_hash(),
+    }
 
 
 def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +112,22 @@ def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("profile_layers before observe")
     threads = req.get("threads")  # each rank's share of the cores (None: torch's own)
     try:
-        result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1,
-                         repeats=int(req.get("repeats", 3)), threads=int(threads) if threads else None,
-                         hardware_fingerprint=req.get("hardware_fingerprint", ""))
+        result = profile(
+            state.model,
+            state.example,
+            state.graph,
+            device=req["device"],
+            warmup=1,
+            repeats=int(req.get("repeats", 3)),
+            threads=int(threads) if threads else None,
+            hardware_fingerprint=req.get("hardware_fingerprint", ""),
+        )
     except Exception as exc:  # the workload's own code failed; the baseline trial reports it
-        return {"layer_profile": None, "notice": f"could not time the model's layers ({type(exc).__name__}: "
-                                                  f"{exc}); tuners fall back to the whole-step measurements"}
+        return {
+            "layer_profile": None,
+            "notice": f"could not time the model's layers ({type(exc).__name__}: "
+            f"{exc}); tuners fall back to the whole-step measurements",
+        }
     return {"layer_profile": result.to_dict(), "notice": None}
 
 
@@ -141,14 +155,21 @@ def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     p = req["parts"]
     state.cache = RecordingCache(p.get("cache") or {})
     state.obs = Observation(
-        workload_spec=p["workload_spec"], workload=state.load(p["workload_spec"]), nproc=p["nproc"],
-        backend=p["backend"], device_type=p["device_type"], hardware=Hardware.from_dict(p["hardware"]),
+        workload_spec=p["workload_spec"],
+        workload=state.load(p["workload_spec"]),
+        nproc=p["nproc"],
+        backend=p["backend"],
+        device_type=p["device_type"],
+        hardware=Hardware.from_dict(p["hardware"]),
         model=ModelSummary.from_dict(p["summary"]),
         baseline=Measurement(**p["baseline"]) if p.get("baseline") else None,
         graph=ModelGraph.from_dict(p["graph"]) if p.get("graph") else None,
-        layer_profile=LayerProfile.from_dict(p["layer_profile"]) if p.get("layer_profile") else None,
+        layer_profile=LayerProfile.from_dict(p["layer_profile"])
+        if p.get("layer_profile")
+        else None,
         breakdown=Breakdown.from_dict(p["breakdown"]) if p.get("breakdown") else None,
-        telemetry=p.get("telemetry"), cache=state.cache,
+        telemetry=p.get("telemetry"),
+        cache=state.cache,
     )
     return {}
 
@@ -175,14 +196,24 @@ def _puts(state: _State) -> dict[str, Any]:
     return state.cache.take_puts()
 
 
-HANDLERS = {"observe": observe, "profile_layers": profile_layers, "idle": idle, "observation": observation,
-            "diagnose": diagnose, "plan": plan}
+HANDLERS = {
+    "observe": observe,
+    "profile_layers": profile_layers,
+    "idle": idle,
+    "observation": observation,
+    "diagnose": diagnose,
+    "plan": plan,
+}
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """An exception as plain data: its type decides how the parent classifies it."""
-    return {"type": type(exc).__name__, "message": str(exc), "oom": is_oom(exc),
-            "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "oom": is_oom(exc),
+        "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None,
+    }
 
 
 def serve(requests, replies) -> None:
@@ -208,6 +239,7 @@ def main(argv: list[str]) -> int:
     import tunekit.observe.layer_profile
     import tunekit.observe.observation
     import tunekit.plugin_loading  # noqa: F401
+
     serve(sys.stdin.buffer, replies)
     return 0
 

@@ -46,7 +46,9 @@ class _StepSampler(Sampler[list[int]]):
         self.seed, self.start_step = seed, start_step
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
@@ -121,7 +123,9 @@ class BatchSource:
             assert self.workload.make_batch is not None  # a workload has one or the other
             gen = torch.Generator().manual_seed(batch_seed(self.seed, step, rank))
             return self.workload.make_batch(self.batch_size, gen)
-        sampler = _StepSampler(len(self._dataset), self.batch_size, rank, self.world_size, self.seed, step)
+        sampler = _StepSampler(
+            len(self._dataset), self.batch_size, rank, self.world_size, self.seed, step
+        )
         idx = next(iter(sampler))
         return torch.utils.data.default_collate([self._dataset[i] for i in idx])
 

@@ -114,7 +114,9 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     return json.loads(buf.cpu().numpy().tobytes())
 
 
-def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup | None = None) -> bytes | None:
+def broadcast_bytes(
+    data: bytes | None, src: int = 0, group: dist.ProcessGroup | None = None
+) -> bytes | None:
     """Rank ``src``'s ``data`` on every rank of ``group`` over a CPU (gloo) group; ``None`` from
     ``src`` (it had nothing to send) is ``None`` everywhere, so no rank waits for bytes that never come."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -128,7 +130,9 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup |
     if mine:
         assert data is not None  # src sent -1 above for None
         if n:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group)
+            dist.broadcast(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group
+            )
         return bytes(data)
     buf = torch.empty(n, dtype=torch.uint8)
     if n:

@@ -81,10 +81,10 @@ class Session:
         self.model = workload.model().to(self.device)
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.scheduler = workload.scheduler(self.optimizer) if workload.scheduler is not None else None
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if workload.uses_scaler else None
+        self.scheduler = (
+            workload.scheduler(self.optimizer) if workload.scheduler is not None else None
         )
+        self.scaler = torch.amp.GradScaler(self.device.type) if workload.uses_scaler else None
         self.accumulation = workload.accumulation
         """Micro-batches per optimizer step (a batch tuner may trade it against the batch)."""
         self.batch_size = workload.batch_size
@@ -159,7 +159,9 @@ class Session:
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ConfigError(f"accumulation must be an int of 1 or more, not {micro_batches!r}")
         if micro_batches > 1 and "accumulation" not in self.grad_sync.handles:
-            raise ConfigError(f"gradient strategy {self.grad_sync.name} does not honour accumulation")
+            raise ConfigError(
+                f"gradient strategy {self.grad_sync.name} does not honour accumulation"
+            )
         self.accumulation = micro_batches
         self.set_lr(self.scaled_lr())
 
@@ -178,7 +180,9 @@ class Session:
     def set_data_parallel(self, degree: int) -> None:
         """Set the data-parallel degree (global batch = batch_size x degree); rescale the lr."""
         if degree < 1 or self.world_size % degree:
-            raise ConfigError(f"data-parallel degree {degree} must divide the world size {self.world_size}")
+            raise ConfigError(
+                f"data-parallel degree {degree} must divide the world size {self.world_size}"
+            )
         self.dp_world_size = degree
         self.set_lr(self.scaled_lr())
 
@@ -200,7 +204,9 @@ class Session:
         changes by the same factor as its base)."""
         self.lr = lr
         scale = lr / self.workload.lr
-        for i, (group, base) in enumerate(zip(self.optimizer.param_groups, self._base_group_lrs, strict=True)):
+        for i, (group, base) in enumerate(
+            zip(self.optimizer.param_groups, self._base_group_lrs, strict=True)
+        ):
             new_base = base * scale
             if self.scheduler is not None:
                 old_base = self.scheduler.base_lrs[i]
@@ -270,7 +276,9 @@ class Session:
             tuner.apply(self, knobs)
         if self.step_fn is not None:
             # A placement's own training step lists what it honours on the function.
-            self.check_features("the placement's training step", getattr(self.step_fn, "handles", frozenset()))
+            self.check_features(
+                "the placement's training step", getattr(self.step_fn, "handles", frozenset())
+            )
         self.config = TuningConfig({t.name: k for t, k in plan})
 
     # -- the loop --------------------------------------------------------------------

@@ -169,7 +169,9 @@ def hf_workload(
         task = task_of(model_class)
     if getattr(config, "use_cache", None):
         config.use_cache = False  # training: no key/value cache in the outputs
-    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
     if dataset is None and max_len is not None and seq_len > max_len:
         raise WorkloadError(f"seq_len {seq_len} exceeds the config's {max_len} positions")
 
