@@ -55,7 +55,9 @@ class TuningConfig:
         for name in sorted(self.plugins):
             base = (defaults or {}).get(name, {})
             knobs = ", ".join(
-                f"{k}={v}" for k, v in sorted(self.plugins[name].items()) if base.get(k, object()) != v
+                f"{k}={v}"
+                for k, v in sorted(self.plugins[name].items())
+                if base.get(k, object()) != v
             )
             parts.append(f"{name}({knobs})")
         return " + ".join(parts)
@@ -123,8 +125,11 @@ class TuningConfig:
         out = []
         for name in sorted(self.plugins):
             for knob, value in sorted(self.plugins[name].items()):
-                text = value if isinstance(value, str) and _reads_back(value) else json.dumps(
-                    value, separators=(",", ":"))
+                text = (
+                    value
+                    if isinstance(value, str) and _reads_back(value)
+                    else json.dumps(value, separators=(",", ":"))
+                )
                 out.append(f"{name}.{knob}={text}")
         return out
 
@@ -143,12 +148,20 @@ def check_batch(config: TuningConfig, status: dict) -> None:
     batch = status.get("batch") or {}
     for plugin, knobs in config.plugins.items():
         value = knobs.get("batch_size")
-        if not isinstance(value, int) or isinstance(value, bool) or value in (0, batch.get("workload")):
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value in (0, batch.get("workload"))
+        ):
             continue
         low, high = batch.get("range") or (None, None)
-        if "range" in batch and (low is None or not low <= value <= high):
-            allowed = (f"{low}–{high}, the workload's batch_range" if low is not None
-                       else "the workload sets no batch_range")
+        # A range is a (low, high) pair or None (the workload's batch_range), never half-set.
+        if "range" in batch and (low is None or high is None or not low <= value <= high):
+            allowed = (
+                f"{low}–{high}, the workload's batch_range"
+                if low is not None
+                else "the workload sets no batch_range"
+            )
             raise ConfigError(
                 f"{plugin}.batch_size={value} is outside run {status.get('run_id', '?')}'s batch range "
                 f"({allowed}; 0 keeps its own {batch.get('workload')})"
@@ -164,7 +177,9 @@ def _reads_back(text: str) -> bool:
     return False
 
 
-def resolve(config: TuningConfig, tuners: Mapping[str, Tuner]) -> list[tuple[Tuner, dict[str, Any]]]:
+def resolve(
+    config: TuningConfig, tuners: Mapping[str, Tuner]
+) -> list[tuple[Tuner, dict[str, Any]]]:
     """Check a config against installed tuners; return (tuner, full knobs) in apply order.
 
     Refuses unknown tuners, unknown knobs, values out of range, two tuners of
@@ -176,7 +191,9 @@ def resolve(config: TuningConfig, tuners: Mapping[str, Tuner]) -> list[tuple[Tun
         tuner = tuners.get(name)
         if tuner is None:
             installed = ", ".join(sorted(tuners)) or "none"
-            raise ConfigError(f"config names tuner {name!r}, which is not installed (installed: {installed})")
+            raise ConfigError(
+                f"config names tuner {name!r}, which is not installed (installed: {installed})"
+            )
         if tuner.aspect in by_aspect:
             raise ConfigError(
                 f"config combines {by_aspect[tuner.aspect]!r} and {name!r}, which both control "

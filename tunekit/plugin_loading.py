@@ -127,8 +127,12 @@ def load(ep: EntryPoint) -> PluginRecord:
 
 def slow_imports(records: list[PluginRecord]) -> list[str]:
     """One line for each plugin whose import took longer than ``SLOW_IMPORT_S``."""
-    return [f"plugin {r.name} ({r.package}) took {r.import_s:.1f} s to import; every rank of every trial "
-            "and relaunch pays that again" for r in records if r.import_s > SLOW_IMPORT_S]
+    return [
+        f"plugin {r.name} ({r.package}) took {r.import_s:.1f} s to import; every rank of every trial "
+        "and relaunch pays that again"
+        for r in records
+        if r.import_s > SLOW_IMPORT_S
+    ]
 
 
 def classify(rec: PluginRecord, cls: object) -> PluginRecord:
@@ -187,7 +191,8 @@ def load_named(names: list[str]) -> list[PluginRecord]:
 def available_tuners(records: list[PluginRecord] | None = None) -> dict[str, Tuner]:
     """Name -> tuner for the plugins that loaded cleanly."""
     records = load_all() if records is None else records
-    return {r.name: r.tuner for r in records if r.ok}
+    # (an ok record always has its tuner: load() sets both together)
+    return {r.name: r.tuner for r in records if r.ok and r.tuner is not None}
 
 
 def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
@@ -203,5 +208,6 @@ def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tu
             raise PluginError(f"unknown plugin {name!r} (installed: {known})")
         if not rec.ok:
             raise PluginError(f"plugin {name!r} from {rec.package} is {rec.status}: {rec.error}")
+        assert rec.tuner is not None  # ok: load() set it
         chosen[name] = rec.tuner
     return chosen

@@ -35,7 +35,7 @@ from torch import nn
 from tunekit.config import TuningConfig
 from tunekit.errors import ConfigError
 from tunekit.runtime.session import Session
-from tunekit.workload import Batch, Precision, Workload
+from tunekit.workload import Batch, LrScaling, Precision, Workload
 
 __all__ = ["Prepared", "prepare"]
 
@@ -88,7 +88,7 @@ class PushedBatches:
         acc = self.session.accumulation
         m = index - self.session.step * acc
         if acc > 1:
-            inputs, targets = (_map(lambda t, m=m: t.chunk(acc)[m], v) for v in (inputs, targets))
+            inputs, targets = (_map(lambda t: t.chunk(acc)[m], v) for v in (inputs, targets))
         device = self.session.device
         return _map(lambda t: t.to(device), inputs), _map(lambda t: t.to(device), targets)
 
@@ -117,7 +117,9 @@ class Prepared:
     def __init__(self, session: Session):
         self.session = session
         self.data = PushedBatches(session)
-        session.data = self.data
+        # A duck-typed stand-in for the session's BatchSource (batch, global_batch,
+        # set_batch_size, set_options, close); it has no loader, so no .options.
+        session.data = self.data  # type: ignore[assignment]
 
     @property
     def batch_size(self) -> int:
@@ -180,7 +182,7 @@ def prepare(
     config: str | Path | Mapping[str, Any] | TuningConfig | None = "best_config.json",
     *,
     batch_size: int,
-    lr_scaling: str = "linear",
+    lr_scaling: LrScaling = "linear",
     precision: Precision = "fp32",
     accumulation: int = 1,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -228,8 +230,12 @@ def prepare(
     rng = torch.get_rng_state()  # a Session seeds the global generator; leave the user's alone
     try:
         session = Session(
-            workload, rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-            device=device, group=dist.group.WORLD if world > 1 else None,
+            workload,
+            rank=rank,
+            world_size=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+            device=device,
+            group=dist.group.WORLD if world > 1 else None,
             backend=dist.get_backend() if dist.is_initialized() else "gloo",
         )
     finally:

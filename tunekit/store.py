@@ -151,11 +151,15 @@ class Store:
                 if not self.path.is_file():
                     raise StoreError(f"no study store at {self.path}")
                 uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
-                self.conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+                self.conn = sqlite3.connect(
+                    uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False
+                )
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 # Tuners run in worker threads (asyncio.to_thread) one at a time: access is serialised.
-                self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+                self.conn = sqlite3.connect(
+                    self.path, timeout=30, isolation_level=None, check_same_thread=False
+                )
             self.conn.row_factory = sqlite3.Row
             if not readonly:
                 self.conn.execute("PRAGMA journal_mode=WAL")
@@ -173,16 +177,22 @@ class Store:
                 self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self.conn.execute("SELECT count(*) FROM studies").fetchone()
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"study store {self.path} is unreadable or corrupt ({exc}); move it aside") from None
+            raise StoreError(
+                f"study store {self.path} is unreadable or corrupt ({exc}); move it aside"
+            ) from None
         except OSError as exc:
             raise StoreError(f"cannot open study store {self.path}: {exc}") from None
 
     def _check_tables(self) -> None:
-        found = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        found = {
+            r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        }
         missing = [t for t in TABLES if t not in found]
         if missing:
-            raise StoreError(f"study store {self.path} is damaged (no table {missing[0]!r}); "
-                             "it was left untouched: move it aside")
+            raise StoreError(
+                f"study store {self.path} is damaged (no table {missing[0]!r}); "
+                "it was left untouched: move it aside"
+            )
 
     def _loads(self, text: str | None, what: str) -> Any:
         """A JSON cell; a damaged one is a StoreError that names it."""
@@ -191,8 +201,10 @@ class Store:
         try:
             return json.loads(text)
         except (ValueError, RecursionError) as exc:
-            raise StoreError(f"study store {self.path} is damaged: {what} is not valid JSON ({exc}); "
-                             "move the store aside or delete that row") from None
+            raise StoreError(
+                f"study store {self.path} is damaged: {what} is not valid JSON ({exc}); "
+                "move the store aside or delete that row"
+            ) from None
 
     def _migrate(self, version: int) -> None:
         """Bring a store written by an older tunekit up to this schema (columns only added)."""
@@ -221,11 +233,15 @@ class Store:
             return FileLock(path, "tunekit auto", workload=workload).acquire()
         except LockHeld as exc:
             study = f"study {exc.holder['study']}" if exc.holder.get("study") else "a study"
-            raise StoreError(f"{study} of {workload} with these settings is being run by "
-                             f"{describe_holder(exc.holder)}; wait for it to finish, or stop it and "
-                             "continue with `tunekit auto --resume`") from None
+            raise StoreError(
+                f"{study} of {workload} with these settings is being run by "
+                f"{describe_holder(exc.holder)}; wait for it to finish, or stop it and "
+                "continue with `tunekit auto --resume`"
+            ) from None
         except OSError as exc:
-            raise StoreError(f"cannot lock a study in {path.parent}: {exc.strerror or exc}") from None
+            raise StoreError(
+                f"cannot lock a study in {path.parent}: {exc.strerror or exc}"
+            ) from None
 
     def other_runners(self, key: str) -> list[dict[str, Any]]:
         """Who runs other studies in this store right now (they share this machine)."""
@@ -261,14 +277,30 @@ class Store:
     # -- studies -------------------------------------------------------------------
 
     def create_study(
-        self, *, key: str, workload: str, graph_hash: str, hw_fingerprint: str, nproc: int, settings: dict[str, Any]
+        self,
+        *,
+        key: str,
+        workload: str,
+        graph_hash: str,
+        hw_fingerprint: str,
+        nproc: int,
+        settings: dict[str, Any],
     ) -> int:
         with self._tx() as c:
             cur = c.execute(
                 "INSERT INTO studies (key, workload, graph_hash, hw_fingerprint, nproc, settings, status, created)"
                 " VALUES (?, ?, ?, ?, ?, ?, 'running', ?)",
-                (key, workload, graph_hash, hw_fingerprint, nproc, json.dumps(settings), time.time()),
+                (
+                    key,
+                    workload,
+                    graph_hash,
+                    hw_fingerprint,
+                    nproc,
+                    json.dumps(settings),
+                    time.time(),
+                ),
             )
+            assert cur.lastrowid is not None  # always set after an INSERT
             return int(cur.lastrowid)
 
     def study(self, study_id: int) -> StudyRow:
@@ -307,10 +339,16 @@ class Store:
     def _study(self, r: sqlite3.Row) -> StudyRow:
         where = f"study {r['id']}'s"
         return StudyRow(
-            id=r["id"], key=r["key"], workload=r["workload"], graph_hash=r["graph_hash"],
-            hw_fingerprint=r["hw_fingerprint"], nproc=r["nproc"],
+            id=r["id"],
+            key=r["key"],
+            workload=r["workload"],
+            graph_hash=r["graph_hash"],
+            hw_fingerprint=r["hw_fingerprint"],
+            nproc=r["nproc"],
             settings=self._loads(r["settings"], f"{where} settings") or {},
-            status=r["status"], created=r["created"], finished=r["finished"],
+            status=r["status"],
+            created=r["created"],
+            finished=r["finished"],
             observation=self._loads(r["observation"], f"{where} observation"),
             decision=self._loads(r["decision"], f"{where} decision"),
         )
@@ -318,19 +356,42 @@ class Store:
     # -- trials --------------------------------------------------------------------
 
     def add_trial(
-        self, study_id: int, *, seq: int, role: str, plugin: str | None, config_id: str,
-        config: dict[str, Any], predicted_s: float | None = None, corrected_s: float | None = None,
+        self,
+        study_id: int,
+        *,
+        seq: int,
+        role: str,
+        plugin: str | None,
+        config_id: str,
+        config: dict[str, Any],
+        predicted_s: float | None = None,
+        corrected_s: float | None = None,
     ) -> int:
         with self._tx() as c:
             cur = c.execute(
                 "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
                 " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-                (study_id, seq, role, plugin, config_id, json.dumps(config), predicted_s, corrected_s),
+                (
+                    study_id,
+                    seq,
+                    role,
+                    plugin,
+                    config_id,
+                    json.dumps(config),
+                    predicted_s,
+                    corrected_s,
+                ),
             )
+            assert cur.lastrowid is not None  # always set after an INSERT
             return int(cur.lastrowid)
 
-    def add_trials(self, study_id: int, rows: list[dict[str, Any]], observation: dict[str, Any] | None = None,
-                   drop_pending: bool = False) -> None:
+    def add_trials(
+        self,
+        study_id: int,
+        rows: list[dict[str, Any]],
+        observation: dict[str, Any] | None = None,
+        drop_pending: bool = False,
+    ) -> None:
         """Add several trials (each: seq, role, plugin, config_id, config, predicted_s?, corrected_s?)
         and, with ``observation``, set the study's: all in one transaction. ``drop_pending``
         first removes the pending trials after the first baseline (a plan being replaced).
@@ -340,16 +401,30 @@ class Store:
         """
         with self._tx() as c:
             if drop_pending:
-                c.execute("DELETE FROM trials WHERE study_id=? AND seq>0 AND status='pending'", (study_id,))
+                c.execute(
+                    "DELETE FROM trials WHERE study_id=? AND seq>0 AND status='pending'",
+                    (study_id,),
+                )
             for row in rows:
                 c.execute(
                     "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
                     " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending')",
-                    (study_id, row["seq"], row["role"], row.get("plugin"), row["config_id"], json.dumps(row["config"]),
-                     row.get("predicted_s"), row.get("corrected_s")),
+                    (
+                        study_id,
+                        row["seq"],
+                        row["role"],
+                        row.get("plugin"),
+                        row["config_id"],
+                        json.dumps(row["config"]),
+                        row.get("predicted_s"),
+                        row.get("corrected_s"),
+                    ),
                 )
             if observation is not None:
-                c.execute("UPDATE studies SET observation = ? WHERE id = ?", (json.dumps(observation), study_id))
+                c.execute(
+                    "UPDATE studies SET observation = ? WHERE id = ?",
+                    (json.dumps(observation), study_id),
+                )
 
     def replace_pending_candidates(self, study_id: int, rows: list[dict[str, Any]]) -> None:
         """Fill the study's pending candidate slots with ``rows``, in one transaction.
@@ -360,16 +435,30 @@ class Store:
         everything already run keep their rows.
         """
         with self._tx() as c:
-            slots = [r["seq"] for r in c.execute(
-                "SELECT seq FROM trials WHERE study_id=? AND role='candidate' AND status='pending' ORDER BY seq",
-                (study_id,))]
-            c.execute("DELETE FROM trials WHERE study_id=? AND role='candidate' AND status='pending'", (study_id,))
+            slots = [
+                r["seq"]
+                for r in c.execute(
+                    "SELECT seq FROM trials WHERE study_id=? AND role='candidate' AND status='pending' ORDER BY seq",
+                    (study_id,),
+                )
+            ]
+            c.execute(
+                "DELETE FROM trials WHERE study_id=? AND role='candidate' AND status='pending'",
+                (study_id,),
+            )
             for seq, row in zip(slots, rows, strict=False):
                 c.execute(
                     "INSERT INTO trials (study_id, seq, role, plugin, config_id, config, predicted_s, corrected_s,"
                     " status) VALUES (?, ?, 'candidate', ?, ?, ?, ?, ?, 'pending')",
-                    (study_id, seq, row["plugin"], row["config_id"], json.dumps(row["config"]),
-                     row.get("predicted_s"), row.get("corrected_s")),
+                    (
+                        study_id,
+                        seq,
+                        row["plugin"],
+                        row["config_id"],
+                        json.dumps(row["config"]),
+                        row.get("predicted_s"),
+                        row.get("corrected_s"),
+                    ),
                 )
             self._drop_repeated_baselines(c, study_id)
 
@@ -378,7 +467,9 @@ class Store:
         """A pending baseline right after another baseline (the candidates between them were
         dropped) measures nothing new next to it: drop it."""
         previous = None
-        for r in c.execute("SELECT id, role, status FROM trials WHERE study_id=? ORDER BY seq", (study_id,)).fetchall():
+        for r in c.execute(
+            "SELECT id, role, status FROM trials WHERE study_id=? ORDER BY seq", (study_id,)
+        ).fetchall():
             if r["role"] == "baseline" and r["status"] == "pending" and previous == "baseline":
                 c.execute("DELETE FROM trials WHERE id=?", (r["id"],))
                 continue
@@ -386,11 +477,20 @@ class Store:
 
     def start_trial(self, trial_id: int) -> None:
         with self._tx() as c:
-            c.execute("UPDATE trials SET status='running', started=? WHERE id=?", (time.time(), trial_id))
+            c.execute(
+                "UPDATE trials SET status='running', started=? WHERE id=?", (time.time(), trial_id)
+            )
 
     def finish_trial(
-        self, trial_id: int, *, status: str, median_s: float | None = None, spread_s: float | None = None,
-        samples_per_s: float | None = None, result: dict[str, Any] | None = None, error: str | None = None,
+        self,
+        trial_id: int,
+        *,
+        status: str,
+        median_s: float | None = None,
+        spread_s: float | None = None,
+        samples_per_s: float | None = None,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
     ) -> None:
         if status not in FINISHED_STATUSES:
             raise ValueError(f"not a final trial status: {status}")
@@ -398,8 +498,16 @@ class Store:
             c.execute(
                 "UPDATE trials SET status=?, median_s=?, spread_s=?, samples_per_s=?, result=?, error=?, finished=?"
                 " WHERE id=?",
-                (status, median_s, spread_s, samples_per_s, json.dumps(result) if result is not None else None,
-                 error, time.time(), trial_id),
+                (
+                    status,
+                    median_s,
+                    spread_s,
+                    samples_per_s,
+                    json.dumps(result) if result is not None else None,
+                    error,
+                    time.time(),
+                    trial_id,
+                ),
             )
 
     def set_corrected(self, trial_id: int, corrected_s: float | None) -> None:
@@ -410,13 +518,17 @@ class Store:
     def set_trial_config(self, trial_id: int, config_id: str, config: dict[str, Any]) -> None:
         """Replace a trial's config (an in-job search records the config it settled on)."""
         with self._tx() as c:
-            c.execute("UPDATE trials SET config=?, config_id=? WHERE id=?", (json.dumps(config), config_id, trial_id))
+            c.execute(
+                "UPDATE trials SET config=?, config_id=? WHERE id=?",
+                (json.dumps(config), config_id, trial_id),
+            )
 
     def reset_unfinished(self, study_id: int) -> int:
         """Trials left 'running' by an interrupted study go back to 'pending'."""
         with self._tx() as c:
             cur = c.execute(
-                "UPDATE trials SET status='pending', started=NULL WHERE study_id=? AND status='running'", (study_id,)
+                "UPDATE trials SET status='pending', started=NULL WHERE study_id=? AND status='running'",
+                (study_id,),
             )
             return cur.rowcount
 
@@ -424,12 +536,22 @@ class Store:
         rows = self._query("SELECT * FROM trials WHERE study_id = ? ORDER BY seq", (study_id,))
         return [
             TrialRow(
-                id=r["id"], study_id=r["study_id"], seq=r["seq"], role=r["role"], plugin=r["plugin"],
-                config_id=r["config_id"], config=self._loads(r["config"], f"trial {r['id']}'s config") or {},
+                id=r["id"],
+                study_id=r["study_id"],
+                seq=r["seq"],
+                role=r["role"],
+                plugin=r["plugin"],
+                config_id=r["config_id"],
+                config=self._loads(r["config"], f"trial {r['id']}'s config") or {},
                 predicted_s=r["predicted_s"],
-                status=r["status"], median_s=r["median_s"], spread_s=r["spread_s"],
-                samples_per_s=r["samples_per_s"], result=self._loads(r["result"], f"trial {r['id']}'s result"),
-                error=r["error"], started=r["started"], finished=r["finished"],
+                status=r["status"],
+                median_s=r["median_s"],
+                spread_s=r["spread_s"],
+                samples_per_s=r["samples_per_s"],
+                result=self._loads(r["result"], f"trial {r['id']}'s result"),
+                error=r["error"],
+                started=r["started"],
+                finished=r["finished"],
                 corrected_s=r["corrected_s"] if "corrected_s" in r.keys() else None,  # noqa: SIM118 (schema 1, read-only)
             )
             for r in rows
@@ -450,8 +572,10 @@ class Store:
 
     def cache_items(self, prefix: str) -> dict[str, Any]:
         """Every cached entry whose key starts with ``prefix``, keyed by the rest of the key."""
-        rows = self._query("SELECT key, value FROM cache WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
-        return {r["key"][len(prefix):]: json.loads(r["value"]) for r in rows}
+        rows = self._query(
+            "SELECT key, value FROM cache WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)
+        )
+        return {r["key"][len(prefix) :]: json.loads(r["value"]) for r in rows}
 
     def log_event(self, study_id: int | None, kind: str, payload: dict[str, Any]) -> None:
         with self._tx() as c:
@@ -461,9 +585,17 @@ class Store:
             )
 
     def events(self, study_id: int) -> list[dict[str, Any]]:
-        rows = self._query("SELECT ts, kind, payload FROM events WHERE study_id = ? ORDER BY id", (study_id,))
-        return [{"ts": r["ts"], "kind": r["kind"], "payload": self._loads(r["payload"], f"a {r['kind']!r} event")}
-                for r in rows]
+        rows = self._query(
+            "SELECT ts, kind, payload FROM events WHERE study_id = ? ORDER BY id", (study_id,)
+        )
+        return [
+            {
+                "ts": r["ts"],
+                "kind": r["kind"],
+                "payload": self._loads(r["payload"], f"a {r['kind']!r} event"),
+            }
+            for r in rows
+        ]
 
 
 class StudyCache:

@@ -55,9 +55,7 @@ class Workload:
     """Builds a map-style dataset whose items are ``(input, target)``."""
     loss: Callable[[Any, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
     """``(model output, targets) -> scalar loss`` (a mean over the batch)."""
-    optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] = (
-        _default_optimizer
-    )
+    optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer] = _default_optimizer
     """``(parameters, lr) -> optimizer``."""
     batch_size: int = 32
     """Samples per data-parallel rank and step (the DDP convention)."""
@@ -91,37 +89,58 @@ class Workload:
     def __post_init__(self) -> None:
         if (self.make_batch is None) == (self.dataset is None):
             raise self._error("make_batch/dataset", "give exactly one of make_batch and dataset")
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+        if (
+            not isinstance(self.batch_size, int)
+            or isinstance(self.batch_size, bool)
+            or self.batch_size < 1
+        ):
             raise self._error("batch_size", f"must be a positive int, not {self.batch_size!r}")
         if not isinstance(self.lr, int | float) or not (self.lr > 0 and math.isfinite(self.lr)):
             raise self._error("lr", f"must be a positive number, not {self.lr!r}")
         if self.lr_scaling not in ("linear", "sqrt", "none"):
-            raise self._error("lr_scaling", f"must be linear, sqrt or none, not {self.lr_scaling!r}")
+            raise self._error(
+                "lr_scaling", f"must be linear, sqrt or none, not {self.lr_scaling!r}"
+            )
         if self.batch_range is not None:
             try:
                 lo, hi = self.batch_range
             except (TypeError, ValueError):
-                raise self._error("batch_range", f"must be (low, high), not {self.batch_range!r}") from None
+                raise self._error(
+                    "batch_range", f"must be (low, high), not {self.batch_range!r}"
+                ) from None
             if not (1 <= lo <= self.batch_size <= hi):
                 raise self._error(
                     "batch_range", f"{self.batch_range} must contain batch_size {self.batch_size}"
                 )
         for name in ("model", "loss", "optimizer"):
             if not callable(getattr(self, name)):
-                raise self._error(name, f"must be callable, not {type(getattr(self, name)).__name__}")
+                raise self._error(
+                    name, f"must be callable, not {type(getattr(self, name)).__name__}"
+                )
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise self._error("precision", f"must be fp32, bf16 or fp16, not {self.precision!r}")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
-            raise self._error("grad_scaler", f"must be True, False or None, not {self.grad_scaler!r}")
+            raise self._error(
+                "grad_scaler", f"must be True, False or None, not {self.grad_scaler!r}"
+            )
         if self.precision == "fp16" and self.grad_scaler is False:
             raise self._error(
-                "grad_scaler", "fp16 needs a GradScaler against gradient underflow: "
-                "leave grad_scaler on, or use precision='bf16'"
+                "grad_scaler",
+                "fp16 needs a GradScaler against gradient underflow: "
+                "leave grad_scaler on, or use precision='bf16'",
             )
         if self.grad_scaler and self.precision != "fp16":
-            raise self._error("grad_scaler", f"only fp16 scales the loss; precision is {self.precision}")
-        if not isinstance(self.accumulation, int) or isinstance(self.accumulation, bool) or self.accumulation < 1:
-            raise self._error("accumulation", f"must be an int of 1 or more, not {self.accumulation!r}")
+            raise self._error(
+                "grad_scaler", f"only fp16 scales the loss; precision is {self.precision}"
+            )
+        if (
+            not isinstance(self.accumulation, int)
+            or isinstance(self.accumulation, bool)
+            or self.accumulation < 1
+        ):
+            raise self._error(
+                "accumulation", f"must be an int of 1 or more, not {self.accumulation!r}"
+            )
         if self.scheduler is not None and not callable(self.scheduler):
             raise self._error("scheduler", "must be a function optimizer -> LR scheduler")
         if self.clip_grad_norm is not None and (
@@ -129,7 +148,9 @@ class Workload:
             or not isinstance(self.clip_grad_norm, int | float)
             or not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm))
         ):
-            raise self._error("clip_grad_norm", f"must be a positive number or None, not {self.clip_grad_norm!r}")
+            raise self._error(
+                "clip_grad_norm", f"must be a positive number or None, not {self.clip_grad_norm!r}"
+            )
 
     def _error(self, field_name: str, problem: str) -> WorkloadError:
         return WorkloadError(f"workload {self.name!r}: {field_name} {problem} (see {DOC})")
@@ -171,6 +192,7 @@ class Workload:
         gen = torch.Generator().manual_seed(seed)
         if self.make_batch is not None:
             return self.make_batch(n, gen)
+        assert self.dataset is not None  # __post_init__: exactly one of make_batch, dataset
         ds = self.dataset()
         idx = torch.randint(len(ds), (n,), generator=gen).tolist()
         return torch.utils.data.default_collate([ds[i] for i in idx])
@@ -182,6 +204,7 @@ class Workload:
 def load_workload(spec: str) -> Workload:
     """Build the workload a name points at; raise :class:`WorkloadError` if it cannot."""
     spec = spec.strip()
+    factory: Callable[..., Any] | None
     if spec.startswith(EXAMPLE_PREFIX):
         from tunekit.examples import example_factory
 
@@ -204,8 +227,7 @@ def load_workload(spec: str) -> Workload:
         raise WorkloadError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(workload, Workload):
         raise WorkloadError(
-            f"{where} returned {type(workload).__name__}, expected a tunekit.Workload "
-            f"(see {DOC})"
+            f"{where} returned {type(workload).__name__}, expected a tunekit.Workload (see {DOC})"
         )
     return workload
 
@@ -218,6 +240,8 @@ def _import_file(target: str):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # no loader for the suffix (e.g. not .py)
+        raise WorkloadError(f"could not import {target}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     # Let the file import its neighbours, as `python file.py` would.
     sys.path.insert(0, str(path.resolve().parent))

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from tunekit.workload import Workload
+from tunekit.workload import Precision, Workload
 
 
 class Attention(nn.Module):
@@ -86,7 +86,9 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # arange, not a slice of a stored index: torch.fx traces it (graph capture sees it all)
-        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.tokens(tokens) + self.positions(
+            torch.arange(tokens.shape[1], device=tokens.device)
+        )
         return self.head(self.ln(self.blocks(x)))
 
 
@@ -120,7 +122,7 @@ def _adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _precision() -> str:
+def _precision() -> Precision:
     """bf16 where the device has it natively (a CUDA GPU); CPUs train in fp32."""
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 

@@ -59,8 +59,10 @@ def graph_units(graph: Any) -> dict[str, str] | None:
     rows = []
     for name, layer in graph.layers.items():
         anchor = graph.nodes.get(layer.nodes[0]) if layer.nodes else None
-        module = anchor is not None and anchor.module_type is not None
-        rows.append((name, anchor.target if module else None, anchor.module_type if module else ""))
+        if anchor is not None and anchor.module_type is not None:  # a module call
+            rows.append((name, anchor.target, anchor.module_type))
+        else:
+            rows.append((name, None, ""))
     units = path_units(rows)
     return None if units is None else dict(zip(graph.layers, units, strict=True))
 
@@ -89,7 +91,9 @@ def block_table(
     return out
 
 
-def profile_blocks(graph: Any, profile: Any, batch_size: int | None = None) -> list[dict[str, Any]] | None:
+def profile_blocks(
+    graph: Any, profile: Any, batch_size: int | None = None
+) -> list[dict[str, Any]] | None:
     """A layer profile's layers summed per transformer block (their forward FLOPs from
     ``graph``, at ``batch_size`` samples, default the graph's), or None when the model
     has no blocks or nothing was profiled."""

@@ -273,7 +273,7 @@ class Breakdown:
 # -- analysis ----------------------------------------------------------------------------------
 
 
-def _starts(name: str, prefixes: Sequence[str]) -> bool:
+def _starts(name: str, prefixes: tuple[str, ...]) -> bool:
     return name.startswith(prefixes)
 
 
@@ -289,7 +289,7 @@ def _compute_thread(trace: Trace, cpu_events: list[TraceEvent]):
     busy: dict[Any, float] = {}
     for e in cpu_events:
         busy[e.tid] = busy.get(e.tid, 0.0) + e.dur
-    return max(busy, key=busy.get) if busy else None
+    return max(busy, key=lambda tid: busy[tid]) if busy else None
 
 
 def _comm_threads(trace: Trace, cpu_events: list[TraceEvent], main_tid) -> set:
@@ -301,7 +301,8 @@ def _comm_threads(trace: Trace, cpu_events: list[TraceEvent], main_tid) -> set:
 
 def _top_level(events: list[TraceEvent]) -> list[TraceEvent]:
     """Events not nested inside another event of the same thread."""
-    out, end_by_tid = [], {}
+    out: list[TraceEvent] = []
+    end_by_tid: dict[Any, float] = {}
     for e in events:  # sorted by (ts, -dur)
         if e.ts >= end_by_tid.get(e.tid, float("-inf")):
             out.append(e)
@@ -407,16 +408,17 @@ def _paint(
 def _union_seconds(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
     a, b = window
     clipped = sorted((max(s, a), min(e, b)) for s, e in intervals if min(e, b) > max(s, a))
-    total, cur_s, cur_e = 0.0, None, None
+    total = 0.0
+    cur: tuple[float, float] | None = None  # the merged interval being extended
     for s, e in clipped:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if cur is None or s > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = (s, e)
         else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+            cur = (cur[0], max(cur[1], e))
+    if cur is not None:
+        total += cur[1] - cur[0]
     return total * 1e-6
 
 
@@ -463,7 +465,7 @@ def analyze_rank(
         labelled.append((c.ts, c.end, in_flight_label, idx))
     steps = []
     for k, (a, b) in enumerate(windows):
-        extra = []
+        extra: list[tuple[float, float, str, int | None]] = []
         if not data_ranges:
             # No data annotation: the rank gets its batch between the step's start
             # and its first forward (the Session's loop order).

@@ -154,11 +154,12 @@ def time_groups(
             starts = [t.get(("fs", j)) for j in range(n)]
             f_end, b_end = t[("fwd_end",)], t[("bwd_end",)]
             for j in range(n):
-                if starts[j] is None:
+                start = starts[j]
+                if start is None:
                     fwd[j].append(0.0)
                     continue
                 nxt = next((s for s in starts[j + 1 :] if s is not None), f_end)
-                lead = starts[j] if j else 0.0  # time before the first group is its own
+                lead = start if j else 0.0  # time before the first group is its own
                 fwd[j].append(nxt - lead)
             passed = cumulative = 0.0
             cum = [0.0] * n

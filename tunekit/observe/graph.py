@@ -405,7 +405,7 @@ def _batch_of(args: tuple) -> int:
 class _ParamLedger:
     """Counts each parameter once, for the first node that uses it (weight sharing)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seen: set[int] = set()
 
     def take(self, params: Iterable[torch.Tensor]) -> tuple[int, int]:
@@ -444,7 +444,9 @@ class _CountingShapeProp(torch.fx.Interpreter):
         return result
 
 
-def _layer_norm_flops(x_shape, normalized_shape, weight=None, *args, out_shape=None, **kwargs) -> int:
+def _layer_norm_flops(
+    x_shape, normalized_shape, weight=None, *args, out_shape=None, **kwargs
+) -> int:
     """LayerNorm: 5 FLOPs per element with its affine scale and shift (mean, subtract,
     variance, normalise, scale-and-shift), 4 without (fvcore's convention)."""
     return math.prod(x_shape) * (5 if weight is not None else 4)
@@ -530,9 +532,23 @@ def _quiet_logger(name: str):
 
 
 # ATen views and copies that only re-lay out their producer's tensor: they fold like reshapes.
-_EXPORT_VIEWS = {"expand", "slice", "select", "to", "clone", "alias", "unsafe_view", "t",
-                 "to_copy", "split", "chunk", "unflatten", "expand_as", "lift_fresh_copy",
-                 "native_dropout"}
+_EXPORT_VIEWS = {
+    "expand",
+    "slice",
+    "select",
+    "to",
+    "clone",
+    "alias",
+    "unsafe_view",
+    "t",
+    "to_copy",
+    "split",
+    "chunk",
+    "unflatten",
+    "expand_as",
+    "lift_fresh_copy",
+    "native_dropout",
+}
 
 
 def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], Any]:
@@ -562,7 +578,9 @@ def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], 
             if owner is not None:
                 target, module_type = owner
                 attrs = _module_attrs(model.get_submodule(owner[0])) if owner[0] else {}
-            weights = [_resolve_attr(gm, str(p.target)) for p in n.all_input_nodes if p.op == "get_attr"]
+            weights = [
+                _resolve_attr(gm, str(p.target)) for p in n.all_input_nodes if p.op == "get_attr"
+            ]
             numel, nbytes = ledger.take(w for w in weights if isinstance(w, nn.Parameter))
         inputs = [
             p.name
@@ -571,9 +589,18 @@ def _trace_export(model: nn.Module, args: tuple) -> tuple[dict[str, GraphNode], 
             and (p.op == "placeholder" or prop.outputs.get(p.name, (None,))[0] is not None)
         ]
         nodes[n.name] = GraphNode(
-            name=n.name, op=op, target=target, module_type=module_type, inputs=inputs,
-            output_shape=shape, output_dtype=dtype, param_numel=numel, param_bytes=nbytes,
-            activation_bytes=act, flops=int(prop.flops.get(n.name, 0)), attrs=attrs,
+            name=n.name,
+            op=op,
+            target=target,
+            module_type=module_type,
+            inputs=inputs,
+            output_shape=shape,
+            output_dtype=dtype,
+            param_numel=numel,
+            param_bytes=nbytes,
+            activation_bytes=act,
+            flops=int(prop.flops.get(n.name, 0)),
+            attrs=attrs,
         )
     # Parameters no op reads (unused heads) still belong to the model: keep the total exact.
     numel, nbytes = ledger.take(model.parameters())
@@ -701,6 +728,7 @@ def group_layers(nodes: dict[str, GraphNode], views: Iterable[str] = ()) -> dict
             )
         )
         if fold:
+            assert producer is not None and producer.layer is not None  # as fold checked
             n.layer = producer.layer
             members[n.layer].append(n.name)
         else:
@@ -766,6 +794,7 @@ def trace_model(
     batch = _batch_of(args)
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    views: Iterable[str]  # op names that fold like reshapes: ATen's views under torch.export
     module, views = None, ()
     model.train()  # as it trains: eval-only fast paths (native MHA) would hide FLOPs
     for m in model.modules():
@@ -782,7 +811,11 @@ def trace_model(
                 why = f"torch.fx could not trace {type(model).__name__} ({_reason(exc)})"
                 try:
                     with _quiet_logger("torch._subclasses.fake_tensor"):
-                        (nodes, module), method, views = _trace_export(model, args), "export", _EXPORT_VIEWS
+                        (nodes, module), method, views = (
+                            _trace_export(model, args),
+                            "export",
+                            _EXPORT_VIEWS,
+                        )
                     notice = f"{why}; captured with torch.export instead (ATen-level graph)"
                 except Exception as exc2:
                     notice = (
@@ -805,8 +838,9 @@ def trace_model(
         for m, training in modes:
             m.training = training
     layers = group_layers(nodes, views)
-    return ModelGraph(nodes=nodes, layers=layers, batch_size=batch, method=method, notice=notice,
-                      module=module)
+    return ModelGraph(
+        nodes=nodes, layers=layers, batch_size=batch, method=method, notice=notice, module=module
+    )
 
 
 def _reason(exc: Exception) -> str:

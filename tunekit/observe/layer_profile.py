@@ -226,7 +226,9 @@ def _time_fn(
     return fwd, bwd
 
 
-def _activation_memory(forward: Callable[[], Any], params: set[int], device: torch.device):
+def _activation_memory(
+    forward: Callable[[], Any], params: set[int], device: torch.device
+) -> tuple[int, int, str]:
     """(bytes kept for backward, peak bytes, method) of one forward pass."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -455,8 +457,6 @@ def _leaves(value) -> list[torch.Tensor]:
     return []
 
 
-
-
 def measure_layer(
     runner: LayerRunner,
     layer: str,
@@ -465,7 +465,7 @@ def measure_layer(
     warmup: int,
     repeats: int,
     memory: bool = False,
-) -> tuple[Any, list[float], list[float], float, float, str]:
+) -> tuple[Any, list[float], list[float], int, int, str]:
     """Time ``layer`` run standalone through ``steps`` (its member ops, as
     :meth:`LayerRunner.steps` gives them or changed by the caller) on ``inputs``.
 

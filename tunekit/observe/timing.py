@@ -338,8 +338,11 @@ def allreduce_timings(
     device = torch.device(device)
     sync = _syncer(device)
     bufs = _buffers(sizes, device)
+    # Built apart from the call: against timed_rounds' Callable[[], object] mypy cannot
+    # infer a lambda that binds its buffer as a default.
+    actions = {n: (lambda b=b: dist.all_reduce(b, group=group)) for n, b in bufs.items()}
     times = timed_rounds(
-        {n: (lambda b=b: dist.all_reduce(b, group=group)) for n, b in bufs.items()},
+        actions,
         repeats,
         warmup,
         before=_barrier_then(sync, control),

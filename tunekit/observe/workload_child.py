@@ -27,10 +27,15 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunekit.errors import TunekitError
 from tunekit.trials.exits import enable_fault_report, is_oom
+
+if TYPE_CHECKING:  # imported where used: the child starts light
+    from tunekit.observe.graph import ModelGraph
+    from tunekit.observe.observation import Observation
+    from tunekit.workload import Workload
 
 
 class RecordingCache:
@@ -56,16 +61,16 @@ class _State:
     """What the child keeps between requests."""
 
     def __init__(self) -> None:
-        self.workload = None
+        self.workload: Workload | None = None
         self.spec = ""
-        self.model = None
-        self.example = None
-        self.graph = None
-        self.obs = None
+        self.model: Any = None  # the observed nn.Module and its example input, until idle
+        self.example: Any = None
+        self.graph: ModelGraph | None = None
+        self.obs: Observation | None = None
         self.cache: RecordingCache | None = None
         self.tuners: dict[str, Any] = {}
 
-    def load(self, spec: str):
+    def load(self, spec: str) -> Workload:
         from tunekit.workload import load_workload
 
         if self.workload is None or self.spec != spec:
@@ -91,8 +96,12 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
     state.graph = trace_model(state.model, state.example)
     summary = summarize_model(state.model, state.example)
-    return {"workload": workload_facts(wl), "summary": summary.to_dict(),
-            "graph": state.graph.to_dict(), "graph_hash": state.graph.graph_hash()}
+    return {
+        "workload": workload_facts(wl),
+        "summary": summary.to_dict(),
+        "graph": state.graph.to_dict(),
+        "graph_hash": state.graph.graph_hash(),
+    }
 
 
 def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
@@ -103,12 +112,22 @@ def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("profile_layers before observe")
     threads = req.get("threads")  # each rank's share of the cores (None: torch's own)
     try:
-        result = profile(state.model, state.example, state.graph, device=req["device"], warmup=1,
-                         repeats=int(req.get("repeats", 3)), threads=int(threads) if threads else None,
-                         hardware_fingerprint=req.get("hardware_fingerprint", ""))
+        result = profile(
+            state.model,
+            state.example,
+            state.graph,
+            device=req["device"],
+            warmup=1,
+            repeats=int(req.get("repeats", 3)),
+            threads=int(threads) if threads else None,
+            hardware_fingerprint=req.get("hardware_fingerprint", ""),
+        )
     except Exception as exc:  # the workload's own code failed; the baseline trial reports it
-        return {"layer_profile": None, "notice": f"could not time the model's layers ({type(exc).__name__}: "
-                                                  f"{exc}); tuners fall back to the whole-step measurements"}
+        return {
+            "layer_profile": None,
+            "notice": f"could not time the model's layers ({type(exc).__name__}: "
+            f"{exc}); tuners fall back to the whole-step measurements",
+        }
     return {"layer_profile": result.to_dict(), "notice": None}
 
 
@@ -136,42 +155,65 @@ def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     p = req["parts"]
     state.cache = RecordingCache(p.get("cache") or {})
     state.obs = Observation(
-        workload_spec=p["workload_spec"], workload=state.load(p["workload_spec"]), nproc=p["nproc"],
-        backend=p["backend"], device_type=p["device_type"], hardware=Hardware.from_dict(p["hardware"]),
+        workload_spec=p["workload_spec"],
+        workload=state.load(p["workload_spec"]),
+        nproc=p["nproc"],
+        backend=p["backend"],
+        device_type=p["device_type"],
+        hardware=Hardware.from_dict(p["hardware"]),
         model=ModelSummary.from_dict(p["summary"]),
         baseline=Measurement(**p["baseline"]) if p.get("baseline") else None,
         graph=ModelGraph.from_dict(p["graph"]) if p.get("graph") else None,
-        layer_profile=LayerProfile.from_dict(p["layer_profile"]) if p.get("layer_profile") else None,
+        layer_profile=LayerProfile.from_dict(p["layer_profile"])
+        if p.get("layer_profile")
+        else None,
         breakdown=Breakdown.from_dict(p["breakdown"]) if p.get("breakdown") else None,
-        telemetry=p.get("telemetry"), cache=state.cache,
+        telemetry=p.get("telemetry"),
+        cache=state.cache,
     )
     return {}
 
 
 def diagnose(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     diag = state.tuner(req["plugin"]).diagnose(_obs(state))
-    return {"diagnosis": asdict(diag), "cache_puts": state.cache.take_puts()}
+    return {"diagnosis": asdict(diag), "cache_puts": _puts(state)}
 
 
 def plan(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     candidates = state.tuner(req["plugin"]).plan(_obs(state), int(req["limit"]))
-    return {"candidates": [asdict(c) for c in candidates], "cache_puts": state.cache.take_puts()}
+    return {"candidates": [asdict(c) for c in candidates], "cache_puts": _puts(state)}
 
 
-def _obs(state: _State):
+def _obs(state: _State) -> Observation:
     if state.obs is None:
         raise RuntimeError("a tuner hook before the observation was set up")
     return state.obs
 
 
-HANDLERS = {"observe": observe, "profile_layers": profile_layers, "idle": idle, "observation": observation,
-            "diagnose": diagnose, "plan": plan}
+def _puts(state: _State) -> dict[str, Any]:
+    """What the tuner hook just put in the cache."""
+    assert state.cache is not None  # set up with state.obs, which _obs checked first
+    return state.cache.take_puts()
+
+
+HANDLERS = {
+    "observe": observe,
+    "profile_layers": profile_layers,
+    "idle": idle,
+    "observation": observation,
+    "diagnose": diagnose,
+    "plan": plan,
+}
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """An exception as plain data: its type decides how the parent classifies it."""
-    return {"type": type(exc).__name__, "message": str(exc), "oom": is_oom(exc),
-            "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "oom": is_oom(exc),
+        "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None,
+    }
 
 
 def serve(requests, replies) -> None:
@@ -197,6 +239,7 @@ def main(argv: list[str]) -> int:
     import tunekit.observe.layer_profile
     import tunekit.observe.observation
     import tunekit.plugin_loading  # noqa: F401
+
     serve(sys.stdin.buffer, replies)
     return 0
 

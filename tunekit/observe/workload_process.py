@@ -92,7 +92,8 @@ class WorkloadProcess:
         return self
 
     async def __aexit__(self, exc_type, *_exc) -> None:
-        await self.close(kill=exc_type is not None)  # interrupted (Ctrl-C) or failed: do not wait for it
+        # Interrupted (Ctrl-C) or failed: do not wait for it.
+        await self.close(kill=exc_type is not None)
 
     async def call(self, op: str, doing: str, **args: Any) -> dict[str, Any]:
         """Send one request; its result. ``doing`` words the failure ("building and tracing the model").
@@ -107,7 +108,9 @@ class WorkloadProcess:
                 await self._request(self.setup, "loading the workload")
             except ChildRaised as exc:
                 await self.close()
-                raise ObservationFailed(CRASH, f"{exc.one_line()} while loading the workload", setup=True) from None
+                raise ObservationFailed(
+                    CRASH, f"{exc.one_line()} while loading the workload", setup=True
+                ) from None
             except ObservationFailed as exc:
                 exc.setup = True
                 raise
@@ -128,9 +131,14 @@ class WorkloadProcess:
         self._children += 1
         cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
         self.proc = await asyncio.create_subprocess_exec(
-            *die_with_parent(cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, limit=_REPLY_LIMIT,
+            *die_with_parent(cmd),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=_REPLY_LIMIT,
         )
+        assert self.proc.stderr is not None  # stderr=PIPE
         self._pump = asyncio.create_task(pump(self.proc.stderr, self._log))
 
     async def _request(self, request: dict[str, Any], doing: str) -> dict[str, Any]:
@@ -142,14 +150,19 @@ class WorkloadProcess:
             line = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
         except TimeoutError:
             await self.close(kill=True)
-            raise ObservationFailed(HANG, f"no result within {self.timeout_s:.0f} s (the trial timeout) while {doing}; "
-                                          f"killed the workload's process{self._see_log()}") from None
+            raise ObservationFailed(
+                HANG,
+                f"no result within {self.timeout_s:.0f} s (the trial timeout) while {doing}; "
+                f"killed the workload's process{self._see_log()}",
+            ) from None
         except (BrokenPipeError, ConnectionResetError):
             line = b""
         if not line:  # the child is gone: say how, from its exit status
             code = await self._reap()
             where = fault_location(self.fault_path)
-            how = f"the workload's process {describe_exit(code)}" + (f" at {where}" if where else "")
+            how = f"the workload's process {describe_exit(code)}" + (
+                f" at {where}" if where else ""
+            )
             if code is not None and code >= 0:
                 how += " without a result"
             await self.close(kill=True)
@@ -203,7 +216,9 @@ async def observe_call(child: WorkloadProcess, op: str, doing: str, **args: Any)
     try:
         return await child.call(op, doing, **args)
     except ChildRaised as exc:
-        raise exc.as_tunekit_error() or ObservationFailed(CRASH, f"{exc.one_line()} while {doing}") from None
+        raise exc.as_tunekit_error() or ObservationFailed(
+            CRASH, f"{exc.one_line()} while {doing}"
+        ) from None
 
 
 # -- what crosses between tunekit and the child ------------------------------------------------
@@ -211,13 +226,23 @@ async def observe_call(child: WorkloadProcess, op: str, doing: str, **args: Any)
 
 def workload_facts(wl: Workload) -> dict[str, Any]:
     """What tunekit's own process needs to know of a workload it does not run (JSON)."""
-    return {"name": wl.name, "batch_size": wl.batch_size, "lr": wl.lr, "lr_scaling": wl.lr_scaling,
-            "batch_range": list(wl.batch_range) if wl.batch_range else None, "seed": wl.seed,
-            "description": wl.description, "extra": wl.extra,
-            # The training features (Observation.global_batch counts micro-batches); a scheduler by
-            # its presence only: its factory is code, and runs only where the workload does.
-            "precision": wl.precision, "grad_scaler": wl.grad_scaler, "accumulation": wl.accumulation,
-            "clip_grad_norm": wl.clip_grad_norm, "scheduler": wl.scheduler is not None}
+    return {
+        "name": wl.name,
+        "batch_size": wl.batch_size,
+        "lr": wl.lr,
+        "lr_scaling": wl.lr_scaling,
+        "batch_range": list(wl.batch_range) if wl.batch_range else None,
+        "seed": wl.seed,
+        "description": wl.description,
+        "extra": wl.extra,
+        # The training features (Observation.global_batch counts micro-batches); a scheduler by
+        # its presence only: its factory is code, and runs only where the workload does.
+        "precision": wl.precision,
+        "grad_scaler": wl.grad_scaler,
+        "accumulation": wl.accumulation,
+        "clip_grad_norm": wl.clip_grad_norm,
+        "scheduler": wl.scheduler is not None,
+    }
 
 
 def stand_in_workload(facts: dict[str, Any]) -> Workload:
@@ -228,24 +253,39 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         raise RuntimeError(f"workload {facts['name']!r} runs in its own process, not in tunekit's")
 
     batch_range = tuple(facts["batch_range"]) if facts.get("batch_range") else None
-    return Workload(name=facts["name"], model=runs_in_its_own_process, make_batch=runs_in_its_own_process,
-                    batch_size=facts["batch_size"], lr=facts["lr"], lr_scaling=facts["lr_scaling"],
-                    batch_range=batch_range, seed=facts.get("seed", 0), description=facts.get("description", ""),
-                    extra=facts.get("extra") or {}, precision=facts.get("precision", "fp32"),
-                    grad_scaler=facts.get("grad_scaler"), accumulation=facts.get("accumulation", 1),
-                    clip_grad_norm=facts.get("clip_grad_norm"),
-                    scheduler=runs_in_its_own_process if facts.get("scheduler") else None)
+    return Workload(
+        name=facts["name"],
+        model=runs_in_its_own_process,
+        make_batch=runs_in_its_own_process,
+        batch_size=facts["batch_size"],
+        lr=facts["lr"],
+        lr_scaling=facts["lr_scaling"],
+        batch_range=batch_range,
+        seed=facts.get("seed", 0),
+        description=facts.get("description", ""),
+        extra=facts.get("extra") or {},
+        precision=facts.get("precision", "fp32"),
+        grad_scaler=facts.get("grad_scaler"),
+        accumulation=facts.get("accumulation", 1),
+        clip_grad_norm=facts.get("clip_grad_norm"),
+        scheduler=runs_in_its_own_process if facts.get("scheduler") else None,
+    )
 
 
 def observation_parts(obs: Observation, cache: dict[str, Any]) -> dict[str, Any]:
     """An :class:`Observation` as the child rebuilds it (``workload_child.observation``): plain
     data, the workload by name, and ``cache``, the study's cached entries for tuners."""
     return {
-        "workload_spec": obs.workload_spec, "nproc": obs.nproc, "backend": obs.backend,
-        "device_type": obs.device_type, "hardware": obs.hardware.to_dict(), "summary": obs.model.to_dict(),
+        "workload_spec": obs.workload_spec,
+        "nproc": obs.nproc,
+        "backend": obs.backend,
+        "device_type": obs.device_type,
+        "hardware": obs.hardware.to_dict(),
+        "summary": obs.model.to_dict(),
         "baseline": obs.baseline.to_dict() if obs.baseline else None,
         "graph": obs.graph.to_dict() if obs.graph is not None else None,
         "layer_profile": obs.layer_profile.to_dict() if obs.layer_profile is not None else None,
         "breakdown": obs.breakdown.to_dict() if obs.breakdown is not None else None,
-        "telemetry": obs.telemetry, "cache": cache,
+        "telemetry": obs.telemetry,
+        "cache": cache,
     }

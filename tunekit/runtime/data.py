@@ -46,7 +46,9 @@ class _StepSampler(Sampler[list[int]]):
         self.seed, self.start_step = seed, start_step
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
@@ -118,13 +120,17 @@ class BatchSource:
     def _shard(self, step: int, rank: int) -> Batch:
         """Rank ``rank``'s shard of step ``step``, on the CPU, without touching the loader."""
         if self._dataset is None:
+            assert self.workload.make_batch is not None  # a workload has one or the other
             gen = torch.Generator().manual_seed(batch_seed(self.seed, step, rank))
             return self.workload.make_batch(self.batch_size, gen)
-        sampler = _StepSampler(len(self._dataset), self.batch_size, rank, self.world_size, self.seed, step)
+        sampler = _StepSampler(
+            len(self._dataset), self.batch_size, rank, self.world_size, self.seed, step
+        )
         idx = next(iter(sampler))
         return torch.utils.data.default_collate([self._dataset[i] for i in idx])
 
     def _from_loader(self, step: int) -> Batch:
+        assert self._dataset is not None  # batch() reads the loader only for a dataset
         if self._iter is None or self._next_step != step:
             sampler = _StepSampler(
                 len(self._dataset), self.batch_size, self.rank, self.world_size, self.seed, step

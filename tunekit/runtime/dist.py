@@ -114,7 +114,9 @@ def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
     return json.loads(buf.cpu().numpy().tobytes())
 
 
-def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup | None = None) -> bytes | None:
+def broadcast_bytes(
+    data: bytes | None, src: int = 0, group: dist.ProcessGroup | None = None
+) -> bytes | None:
     """Rank ``src``'s ``data`` on every rank of ``group`` over a CPU (gloo) group; ``None`` from
     ``src`` (it had nothing to send) is ``None`` everywhere, so no rank waits for bytes that never come."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -125,10 +127,17 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: dist.ProcessGroup |
     n = int(size.item())
     if n < 0:
         return None
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine and n else torch.empty(n, dtype=torch.uint8)
+    if mine:
+        assert data is not None  # src sent -1 above for None
+        if n:
+            dist.broadcast(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group
+            )
+        return bytes(data)
+    buf = torch.empty(n, dtype=torch.uint8)
     if n:
         dist.broadcast(buf, src=src, group=group)
-    return bytes(data) if mine else buf.numpy().tobytes()
+    return buf.numpy().tobytes()
 
 
 @contextmanager

@@ -65,24 +65,59 @@ class Watch:
     Per sample, not per step: a batch change makes steps longer by design.
     """
 
-    def __init__(self, before: list[float], window: int, warm: int, min_effect: float,
-                 step: int, prev: dict, new: dict, checkpoint: str | None, **more: Any):
+    def __init__(
+        self,
+        before: list[float],
+        window: int,
+        warm: int,
+        min_effect: float,
+        step: int,
+        prev: dict,
+        new: dict,
+        checkpoint: str | None,
+        **more: Any,
+    ):
         self.before, self.window, self.warm, self.min_effect = before, window, warm, min_effect
         self.after: list[float] = []
         self.seen = 0
         self.state = "watching"
         self.reason = ""
-        self.info = {"applied_at": step, "prev_config": prev, "config": new, "checkpoint": checkpoint, **more}
+        self.info = {
+            "applied_at": step,
+            "prev_config": prev,
+            "config": new,
+            "checkpoint": checkpoint,
+            **more,
+        }
 
     @classmethod
     def restore(cls, record: dict[str, Any], warm: int, min_effect: float) -> Watch:
         """A watch handed over by a relaunch: still watching (the steps before it came along),
         or its verdict (status shows it)."""
-        info = {k: v for k, v in record.items()
-                if k not in ("state", "reason", "before", "window", "before_s_per_sample", "after_s_per_sample")}
-        w = cls(list(record.get("before") or []), int(record.get("window") or 10), warm, min_effect,
-                info.pop("applied_at", None), info.pop("prev_config", None), info.pop("config", None),
-                info.pop("checkpoint", None), **info)
+        info = {
+            k: v
+            for k, v in record.items()
+            if k
+            not in (
+                "state",
+                "reason",
+                "before",
+                "window",
+                "before_s_per_sample",
+                "after_s_per_sample",
+            )
+        }
+        w = cls(
+            list(record.get("before") or []),
+            int(record.get("window") or 10),
+            warm,
+            min_effect,
+            info.pop("applied_at", None),
+            info.pop("prev_config", None),
+            info.pop("config", None),
+            info.pop("checkpoint", None),
+            **info,
+        )
         w.state, w.reason = record.get("state", "watching"), record.get("reason", "")
         return w
 
@@ -111,16 +146,25 @@ class Watch:
         self.info.update(speedup=c.speedup, ci=[c.ci_low, c.ci_high])
         if slower:
             self.state = "rolling_back"
-            self.reason = (f"throughput fell to {c.speedup:.0%} of before, slower beyond noise "
-                           f"({_rate(_median(self.after))} vs {_rate(_median(self.before))})")
+            self.reason = (
+                f"throughput fell to {c.speedup:.0%} of before, slower beyond noise "
+                f"({_rate(_median(self.after))} vs {_rate(_median(self.before))})"
+            )
             return True
         self.state = "kept"
-        self.reason = f"{c.speedup:.2f}x the samples/s of before (95% CI {c.ci_low:.2f}-{c.ci_high:.2f})"
+        self.reason = (
+            f"{c.speedup:.2f}x the samples/s of before (95% CI {c.ci_low:.2f}-{c.ci_high:.2f})"
+        )
         return False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state": self.state, "reason": self.reason, "before_s_per_sample": _median(self.before),
-                "after_s_per_sample": _median(self.after) if self.after else None, **self.info}
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "before_s_per_sample": _median(self.before),
+            "after_s_per_sample": _median(self.after) if self.after else None,
+            **self.info,
+        }
 
     def pinned_checkpoint(self) -> str | None:
         """The checkpoint a crash under this watch goes back to: not to be rotated away."""
@@ -130,7 +174,15 @@ class Watch:
 class InJobTrial:
     """Candidate and current config in alternating windows (X A X A), judged in seconds per sample."""
 
-    def __init__(self, request: Request, candidate: dict, current: dict, window: int, warm: int, min_effect: float):
+    def __init__(
+        self,
+        request: Request,
+        candidate: dict,
+        current: dict,
+        window: int,
+        warm: int,
+        min_effect: float,
+    ):
         self.request = request
         self.configs = {"candidate": candidate, "current": current}
         self.phases = ["candidate", "current", "candidate", "current"]
@@ -141,18 +193,32 @@ class InJobTrial:
         self.result: dict[str, Any] | None = None
 
     def next_command(self) -> dict | None:
-        if self.phase == -1 or (self.in_phase >= self.window + self.warm and self.phase < len(self.phases)):
+        if self.phase == -1 or (
+            self.in_phase >= self.window + self.warm and self.phase < len(self.phases)
+        ):
             self.phase += 1
             self.in_phase = 0
             if self.phase < len(self.phases):
-                return {"op": "apply", "config": self.configs[self.phases[self.phase]], "source": "trial"}
+                return {
+                    "op": "apply",
+                    "config": self.configs[self.phases[self.phase]],
+                    "source": "trial",
+                }
             c = compare(self.times["current"], self.times["candidate"], min_effect=self.min_effect)
             keep = c.significant
+            candidate_s, current_s = (
+                _median(self.times["candidate"]),
+                _median(self.times["current"]),
+            )
+            # compare() needed samples of both
+            assert candidate_s is not None and current_s is not None
             self.result = {
                 "kept": "candidate" if keep else "current",
-                "candidate_samples_per_s": 1 / _median(self.times["candidate"]),
-                "current_samples_per_s": 1 / _median(self.times["current"]),
-                "speedup": c.speedup, "ci": [c.ci_low, c.ci_high], "window": self.window,
+                "candidate_samples_per_s": 1 / candidate_s,
+                "current_samples_per_s": 1 / current_s,
+                "speedup": c.speedup,
+                "ci": [c.ci_low, c.ci_high],
+                "window": self.window,
             }
             if keep:
                 return {"op": "apply", "config": self.configs["candidate"], "source": "trial"}
@@ -169,7 +235,12 @@ class InJobTrial:
         return self.result is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "phases": self.phases, "window": self.window, "result": self.result}
+        return {
+            "phase": self.phase,
+            "phases": self.phases,
+            "window": self.window,
+            "result": self.result,
+        }
 
 
 def _median(xs: list[float]) -> float | None:
@@ -198,7 +269,9 @@ class Controller:
         self.ids = 0
         self.history: deque[tuple[int, float, str]] = deque(maxlen=500)
         handed = spec.get("watch")  # from the launch before a relaunch
-        self.watch: Watch | None = Watch.restore(handed, self.warm, self.min_effect) if handed else None
+        self.watch: Watch | None = (
+            Watch.restore(handed, self.warm, self.min_effect) if handed else None
+        )
         self.trial: InJobTrial | None = None
         self.pause: tuple[Request, dict[str, Any]] | None = None
         """The request holding the job paused, and what status says of it."""
@@ -213,15 +286,25 @@ class Controller:
     def status(self) -> dict[str, Any]:
         s = self.job.session
         return {
-            "status": self.job.state, "run_id": self.job.rd.run_id, "step": s.step,
-            "total_steps": self.job.total, "world_size": s.world_size, "config": s.config.to_dict(),
-            "config_id": s.config.config_id, "last": self.last,
+            "status": self.job.state,
+            "run_id": self.job.rd.run_id,
+            "step": s.step,
+            "total_steps": self.job.total,
+            "world_size": s.world_size,
+            "config": s.config.to_dict(),
+            "config_id": s.config.config_id,
+            "last": self.last,
             "watch": self.watch.to_dict() if self.watch else None,
-            "trial": self.trial.to_dict() if self.trial else None, "pid": os.getpid(),
+            "trial": self.trial.to_dict() if self.trial else None,
+            "pid": os.getpid(),
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
-            "launch": self.job.spec.get("launch"), "warnings": sorted(self.job.warned.values()),
-            "batch": {"size": s.batch_size, "workload": s.workload.batch_size,
-                      "range": list(s.workload.batch_range) if s.workload.batch_range else None},
+            "launch": self.job.spec.get("launch"),
+            "warnings": sorted(self.job.warned.values()),
+            "batch": {
+                "size": s.batch_size,
+                "workload": s.workload.batch_size,
+                "range": list(s.workload.batch_range) if s.workload.batch_range else None,
+            },
         }
 
     def validate(self, msg: dict[str, Any]) -> str | None:
@@ -257,14 +340,19 @@ class Controller:
                 return True
         for name in set(current) - set(config.plugins):
             tuner = self.job.tuners[name]
-            if any(k.live == "relaunch" and current[name].get(k.name) != k.default for k in tuner.knobs()):
+            if any(
+                k.live == "relaunch" and current[name].get(k.name) != k.default
+                for k in tuner.knobs()
+            ):
                 return True
         return False
 
     def _change(self, config: dict, nproc: int | None, **cmd: Any) -> dict:
         """An apply at this step boundary, or a relaunch when the change needs new processes."""
         world = self.job.session.world_size
-        if (nproc is not None and nproc != world) or self._needs_relaunch(TuningConfig.from_dict(config)):
+        if (nproc is not None and nproc != world) or self._needs_relaunch(
+            TuningConfig.from_dict(config)
+        ):
             return {**cmd, "op": RELAUNCH, "config": config, "nproc": nproc or world}
         return {**cmd, "op": "apply", "config": config}
 
@@ -292,7 +380,12 @@ class Controller:
             return None
         if self.pause is not None and req.op != "stop":
             why = self.pause[1]["reason"] or "paused"
-            req.answer({"ok": False, "error": f"the job is paused ({why}); {req.op} is refused until it resumes"})
+            req.answer(
+                {
+                    "ok": False,
+                    "error": f"the job is paused ({why}); {req.op} is refused until it resumes",
+                }
+            )
             return None
         self.ids += 1
         self.waiting[self.ids] = req
@@ -300,67 +393,128 @@ class Controller:
         if req.op == "stop":
             return {"op": STOP, "id": self.ids}
         if req.op == PAUSE:
-            self.pause = (req, {"step": self.job.session.step, "reason": str(body.get("reason") or "")[:200]})
+            self.pause = (
+                req,
+                {"step": self.job.session.step, "reason": str(body.get("reason") or "")[:200]},
+            )
             return {"op": PAUSE, "id": self.ids}
         if req.op == "rollback":
             if self.job.applied:
                 prev = self.job.applied[-1]
             else:  # only a watch handed over by a relaunch is left to undo
-                prev = {"config": self.watch.info["prev_config"], "nproc": self.watch.info.get("prev_nproc")}
+                assert self.watch is not None  # validate() refuses a rollback with nothing to undo
+                prev = {
+                    "config": self.watch.info["prev_config"],
+                    "nproc": self.watch.info.get("prev_nproc"),
+                }
             return self._change(prev["config"], prev.get("nproc"), source="rollback", id=self.ids)
         config = TuningConfig.from_dict(body["config"]).to_dict()
         if req.op == "trial":
-            self.trial = InJobTrial(req, config, self.job.session.config.to_dict(),
-                                    int(body.get("window", self.window)), self.warm, self.min_effect)
+            self.trial = InJobTrial(
+                req,
+                config,
+                self.job.session.config.to_dict(),
+                int(body.get("window", self.window)),
+                self.warm,
+                self.min_effect,
+            )
             self.job.log_event("trial_started", config=config, window=self.trial.window)
             del self.waiting[self.ids]
             return self.next_command()
-        return self._change(config, body.get("nproc"), source="user", id=self.ids,
-                            watch=int(body.get("watch", self.window)))
+        return self._change(
+            config,
+            body.get("nproc"),
+            source="user",
+            id=self.ids,
+            watch=int(body.get("watch", self.window)),
+        )
 
     def before_change(self) -> list[float]:
         """Seconds per sample of the last steps under the config running now."""
         cid = self.job.session.config.config_id
-        return [t for (_, t, c) in list(self.history)[-self.window:] if c == cid]
+        return [t for (_, t, c) in list(self.history)[-self.window :] if c == cid]
 
     def relaunch_plan(self, cmd: dict, checkpoint: Path) -> dict[str, Any]:
         """What the supervisor needs to relaunch: world, config, checkpoint, and the watch to hand on."""
         s = self.job.session
         applied = list(self.job.applied)
         source = cmd.get("source", "user")
+        watch: dict[str, Any] | None
         if source == "user":
             applied.append({"config": s.config.to_dict(), "nproc": s.world_size})
-            watch = Watch(self.before_change(), int(cmd.get("watch", self.window)), self.warm, self.min_effect,
-                          s.step, s.config.to_dict(), cmd["config"], str(checkpoint),
-                          prev_nproc=s.world_size, nproc=cmd["nproc"]).handover()
+            watch = Watch(
+                self.before_change(),
+                int(cmd.get("watch", self.window)),
+                self.warm,
+                self.min_effect,
+                s.step,
+                s.config.to_dict(),
+                cmd["config"],
+                str(checkpoint),
+                prev_nproc=s.world_size,
+                nproc=cmd["nproc"],
+            ).handover()
         else:  # a rollback, asked for or the watch's verdict: undo the newest change
             if applied:
                 applied.pop()
             record = self.watch.to_dict() if self.watch else {}
             reason = cmd.get("reason") or "rolled back on request"
             watch = {**record, "state": "rolled_back", "reason": reason} if record else None
-        return {"launch": self.job.spec.get("launch"), "config": cmd["config"], "nproc": cmd["nproc"],
-                "checkpoint": str(checkpoint), "step": s.step, "source": source, "watch": watch, "applied": applied}
+        return {
+            "launch": self.job.spec.get("launch"),
+            "config": cmd["config"],
+            "nproc": cmd["nproc"],
+            "checkpoint": str(checkpoint),
+            "step": s.step,
+            "source": source,
+            "watch": watch,
+            "applied": applied,
+        }
 
     def executed(self, cmd: dict, result: dict[str, Any]) -> None:
         """Answer the request behind ``cmd`` and start or end a watch."""
         source = cmd.get("source")
         step = self.job.session.step
         if cmd["op"] == "apply" and source == "user" and result.get("ok"):
-            before = [t for (_, t, cid) in list(self.history)[-self.window:] if cid == result["prev_config_id"]]
-            self.watch = Watch(before, int(cmd.get("watch", self.window)), self.warm, self.min_effect,
-                               step, result["prev_config"], result["config"], result.get("checkpoint"))
+            before = [
+                t
+                for (_, t, cid) in list(self.history)[-self.window :]
+                if cid == result["prev_config_id"]
+            ]
+            self.watch = Watch(
+                before,
+                int(cmd.get("watch", self.window)),
+                self.warm,
+                self.min_effect,
+                step,
+                result["prev_config"],
+                result["config"],
+                result.get("checkpoint"),
+            )
             self.job.log_event("applied", step=step, config=result["config"])
-        elif cmd["op"] in ("apply", RELAUNCH) and source in ("rollback", "watch") and result.get("ok"):
-            self.job.log_event("rolled_back", step=step, config=result.get("config", cmd["config"]),
-                               reason=cmd.get("reason", "requested"), ok=True, relaunch=cmd["op"] == RELAUNCH)
+        elif (
+            cmd["op"] in ("apply", RELAUNCH)
+            and source in ("rollback", "watch")
+            and result.get("ok")
+        ):
+            self.job.log_event(
+                "rolled_back",
+                step=step,
+                config=result.get("config", cmd["config"]),
+                reason=cmd.get("reason", "requested"),
+                ok=True,
+                relaunch=cmd["op"] == RELAUNCH,
+            )
             if self.watch is not None and source == "rollback":
                 self.watch.state, self.watch.reason = "rolled_back", "rolled back on request"
         elif not result.get("ok"):
-            self.job.log_event(f"{cmd['op']}_failed", step=step, error=result.get("error"), source=source)
+            self.job.log_event(
+                f"{cmd['op']}_failed", step=step, error=result.get("error"), source=source
+            )
         if cmd.get("finish_trial"):
             self._finish_trial()
-        req = self.waiting.pop(cmd.get("id"), None)
+        cmd_id = cmd.get("id")
+        req = self.waiting.pop(cmd_id, None) if cmd_id is not None else None
         if req is not None:
             req.answer(result)
 
@@ -369,10 +523,22 @@ class Controller:
         cid = s.config.config_id
         per_sample = rec.step_s / s.global_batch
         self.history.append((rec.step, per_sample, cid))
-        self.last = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s,
-                     "samples_per_s": s.global_batch / rec.step_s if rec.step_s else None}
-        metric = {"step": rec.step, "loss": rec.loss, "step_s": rec.step_s, "samples_per_s": self.last["samples_per_s"],
-                  "config_id": cid, "world_size": s.world_size, "batch_size": s.batch_size, "t": time.time()}
+        self.last = {
+            "step": rec.step,
+            "loss": rec.loss,
+            "step_s": rec.step_s,
+            "samples_per_s": s.global_batch / rec.step_s if rec.step_s else None,
+        }
+        metric = {
+            "step": rec.step,
+            "loss": rec.loss,
+            "step_s": rec.step_s,
+            "samples_per_s": self.last["samples_per_s"],
+            "config_id": cid,
+            "world_size": s.world_size,
+            "batch_size": s.batch_size,
+            "t": time.time(),
+        }
         if rec.metrics.get("overlap_R") is not None:
             metric["overlap_R"] = rec.metrics["overlap_R"]
         self.job.quietly("metrics.jsonl", self.job.rd.append_metric, metric)
@@ -382,22 +548,32 @@ class Controller:
         if self.watch is not None and self.watch.update(per_sample):
             prev = self.watch.info["prev_config"]
             nproc = self.watch.info.get("prev_nproc") if self.watch.relaunch else None
-            self.internal.append(self._change(prev, nproc, source="watch", reason=self.watch.reason))
+            self.internal.append(
+                self._change(prev, nproc, source="watch", reason=self.watch.reason)
+            )
             self.watch.state = "rolled_back"
-        if self.watch is not None and self.watch.state in ("kept",) and not self.watch.info.get("logged"):
+        if (
+            self.watch is not None
+            and self.watch.state in ("kept",)
+            and not self.watch.info.get("logged")
+        ):
             self.watch.info["logged"] = True
             self.job.log_event("watch_kept", step=s.step, reason=self.watch.reason)
         self.job.write_status()
 
     def _finish_trial(self) -> None:
         trial = self.trial
+        assert trial is not None and trial.result is not None  # called once a trial has its verdict
         self.trial = None
         self.job.log_event("trial_finished", **trial.result)
-        trial.request.answer({"ok": True, **trial.result, "config": self.job.session.config.to_dict()})
+        trial.request.answer(
+            {"ok": True, **trial.result, "config": self.job.session.config.to_dict()}
+        )
 
     def close(self) -> None:
         self.server.close()
-        if self.socket.parent != self.job.rd.path:  # a private folder of its own (or shared): tidy if empty
+        # A private folder of its own (or shared): tidy if empty.
+        if self.socket.parent != self.job.rd.path:
             with contextlib.suppress(OSError):
                 self.socket.parent.rmdir()
 
@@ -425,8 +601,14 @@ class LiveJob:
         self.tuners = self._load_tuners()
         workload = load_workload(self.spec["workload"])
         self.session = Session(
-            workload, rank=self.ctx.rank, world_size=world, local_rank=self.ctx.local_rank,
-            device=self.ctx.device, group=self.ctx.group, backend=self.ctx.backend, seed=self.spec.get("seed"),
+            workload,
+            rank=self.ctx.rank,
+            world_size=world,
+            local_rank=self.ctx.local_rank,
+            device=self.ctx.device,
+            group=self.ctx.group,
+            backend=self.ctx.backend,
+            seed=self.spec.get("seed"),
         )
         config = TuningConfig.from_dict(self.spec.get("config") or {})
         resume = self.spec.get("resume")
@@ -446,8 +628,13 @@ class LiveJob:
         self.state = "running"
         self.controller = Controller(self) if self.ctx.rank == 0 else None
         if self.controller is not None:
-            self.log_event("started", step=self.session.step, world_size=world, config=config.to_dict(),
-                           resumed=bool(resume))
+            self.log_event(
+                "started",
+                step=self.session.step,
+                world_size=world,
+                config=config.to_dict(),
+                resumed=bool(resume),
+            )
             self.write_status()
 
     def _resume_state(self, path: Path) -> dict[str, Any]:
@@ -470,10 +657,14 @@ class LiveJob:
     def _hold_run(self) -> FileLock:
         """Rank 0 holds the run while it trains: no second job may write into its folder."""
         try:
-            return FileLock(self.rd.rank0_lock, "rank 0 of the live job", run=self.rd.run_id).acquire()
+            return FileLock(
+                self.rd.rank0_lock, "rank 0 of the live job", run=self.rd.run_id
+            ).acquire()
         except LockHeld as exc:
-            raise TunekitError(f"run {self.rd.run_id} already has a job training: its rank 0 is "
-                               f"{describe_holder(exc.holder)}") from None
+            raise TunekitError(
+                f"run {self.rd.run_id} already has a job training: its rank 0 is "
+                f"{describe_holder(exc.holder)}"
+            ) from None
 
     def _load_tuners(self) -> dict[str, Any]:
         """Exactly the tuners the supervisor saw when it created the run, and no others."""
@@ -492,7 +683,11 @@ class LiveJob:
         except OSError as exc:
             if what not in self.warned:
                 self.warned[what] = f"cannot write {what}: {exc.strerror or exc}"
-                print(f"tunekit run: {self.warned[what]}; training goes on", file=sys.stderr, flush=True)
+                print(
+                    f"tunekit run: {self.warned[what]}; training goes on",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
 
     def log_event(self, kind: str, **payload: Any) -> None:
@@ -514,7 +709,11 @@ class LiveJob:
         dist.broadcast(size, src=0, group=self.control_group)
         if int(size) == 0:
             return None
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         dist.broadcast(buf, src=0, group=self.control_group)
         return json.loads(bytes(buf.tolist())) if cmd is None else cmd
 
@@ -538,8 +737,11 @@ class LiveJob:
         elif op == STOP:
             path, error = self.checkpoint()
             if error:  # stopping now would lose every step since the last checkpoint
-                result = {"ok": False, "error": f"{error}; the job was not stopped, so that steps since its last "
-                                               "checkpoint are not lost: make room and stop it again"}
+                result = {
+                    "ok": False,
+                    "error": f"{error}; the job was not stopped, so that steps since its last "
+                    "checkpoint are not lost: make room and stop it again",
+                }
             else:
                 result = {"ok": True, "stopped_at": self.session.step, "checkpoint": str(path)}
                 outcome = STOP
@@ -557,19 +759,33 @@ class LiveJob:
         """Checkpoint and leave the supervisor a plan; refused (the job goes on) when either fails."""
         path, error = self.checkpoint()
         if error is None and self.controller is not None:
+            assert path is not None  # checkpoint() gives a path whenever it gives no error
             plan = self.controller.relaunch_plan(cmd, path)
             try:
                 self.rd.write_relaunch(plan)
             except OSError as exc:
                 error = f"cannot write {self.rd.relaunch_file}: {exc.strerror or exc}"
         if self.anyone(error is not None):
-            return {"ok": False, "error": f"{error or 'rank 0 could not prepare the relaunch'}; "
-                                          "the job goes on as it was"}
+            return {
+                "ok": False,
+                "error": f"{error or 'rank 0 could not prepare the relaunch'}; "
+                "the job goes on as it was",
+            }
         if self.controller is not None:
-            self.log_event("relaunch", step=self.session.step, nproc=cmd["nproc"], config=cmd["config"],
-                           source=cmd.get("source", "user"))
-        return {"ok": True, "relaunching": True, "step": self.session.step, "nproc": cmd["nproc"],
-                "config": cmd["config"]}
+            self.log_event(
+                "relaunch",
+                step=self.session.step,
+                nproc=cmd["nproc"],
+                config=cmd["config"],
+                source=cmd.get("source", "user"),
+            )
+        return {
+            "ok": True,
+            "relaunching": True,
+            "step": self.session.step,
+            "nproc": cmd["nproc"],
+            "config": cmd["config"],
+        }
 
     def _hold(self, cmd: dict) -> str | None:
         """Every rank waits at this step boundary until rank 0 passes on a resume (or a stop).
@@ -580,7 +796,9 @@ class LiveJob:
         self.state = "paused"
         if self.controller is not None:
             self.controller.executed(cmd, {"ok": True, "paused_at": self.session.step})
-            self.log_event("paused", step=self.session.step, reason=self.controller.pause[1]["reason"])
+            pause = self.controller.pause
+            assert pause is not None  # rank 0 holds the request that paused the job
+            self.log_event("paused", step=self.session.step, reason=pause[1]["reason"])
             self.write_status()
         while True:
             if self.controller is not None:
@@ -605,8 +823,11 @@ class LiveJob:
         if cmd.get("source") == "user":  # the point a crash under the new config goes back to
             checkpoint, error = self.checkpoint()
             if error:
-                return {"ok": False, "error": f"{error}; the apply was refused and the job goes on with its "
-                                              "config and its last good checkpoint"}
+                return {
+                    "ok": False,
+                    "error": f"{error}; the apply was refused and the job goes on with its "
+                    "config and its last good checkpoint",
+                }
         error = None
         try:
             s.apply_config(TuningConfig.from_dict(cmd["config"]), self.tuners)
@@ -617,16 +838,26 @@ class LiveJob:
         if failed:
             s.apply_config(prev, self.tuners)
             why = error or f"the runtime hook failed on rank(s) {failed}"
-            return {"ok": False, "error": f"{why}; rolled back to the previous config", "rolled_back": True,
-                    "config": prev.to_dict()}
+            return {
+                "ok": False,
+                "error": f"{why}; rolled back to the previous config",
+                "rolled_back": True,
+                "config": prev.to_dict(),
+            }
         if cmd.get("source") == "user":
             self.applied.append({"config": prev.to_dict(), "nproc": s.world_size})
         elif cmd.get("source") in ("rollback", "watch") and self.applied:
             self.applied.pop()
         if self.controller is not None and cmd.get("source") in ("user", "rollback", "watch"):
             self.quietly("run.json", self.rd.update_run, applied=self.applied)
-        return {"ok": True, "step": s.step, "config": s.config.to_dict(), "prev_config": prev.to_dict(),
-                "prev_config_id": prev.config_id, "checkpoint": str(checkpoint) if checkpoint else None}
+        return {
+            "ok": True,
+            "step": s.step,
+            "config": s.config.to_dict(),
+            "prev_config": prev.to_dict(),
+            "prev_config_id": prev.config_id,
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }
 
     # -- state ---------------------------------------------------------------------------
 
@@ -642,8 +873,11 @@ class LiveJob:
             watch = self.controller.watch
             pinned = watch.pinned_checkpoint() if watch is not None else None
             try:
-                path = self.rd.save_checkpoint(self.session.step, {"session": state, "world_size": self.ctx.world_size},
-                                               keep=(Path(pinned),) if pinned else ())
+                path = self.rd.save_checkpoint(
+                    self.session.step,
+                    {"session": state, "world_size": self.ctx.world_size},
+                    keep=(Path(pinned),) if pinned else (),
+                )
             except CheckpointError as exc:
                 error = str(exc)
                 self.log_event("checkpoint_failed", step=self.session.step, error=error)

@@ -81,10 +81,10 @@ class Session:
         self.model = workload.model().to(self.device)
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.scheduler = workload.scheduler(self.optimizer) if workload.scheduler is not None else None
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if workload.uses_scaler else None
+        self.scheduler = (
+            workload.scheduler(self.optimizer) if workload.scheduler is not None else None
         )
+        self.scaler = torch.amp.GradScaler(self.device.type) if workload.uses_scaler else None
         self.accumulation = workload.accumulation
         """Micro-batches per optimizer step (a batch tuner may trade it against the batch)."""
         self.batch_size = workload.batch_size
@@ -111,7 +111,10 @@ class Session:
 
     @property
     def grad_sync(self) -> GradSync:
-        return self._grad_sync
+        sync = self._grad_sync
+        # None only while set_grad_sync swaps strategies, which always ends with one set.
+        assert sync is not None, "no gradient strategy: set_grad_sync is attaching one"
+        return sync
 
     def default_grad_sync(self) -> GradSync:
         return DDPSync() if self.world_size > 1 else LocalSync()
@@ -155,8 +158,10 @@ class Session:
         """Micro-batches per optimizer step; the learning rate follows the global batch."""
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ConfigError(f"accumulation must be an int of 1 or more, not {micro_batches!r}")
-        if micro_batches > 1 and "accumulation" not in self._grad_sync.handles:
-            raise ConfigError(f"gradient strategy {self._grad_sync.name} does not honour accumulation")
+        if micro_batches > 1 and "accumulation" not in self.grad_sync.handles:
+            raise ConfigError(
+                f"gradient strategy {self.grad_sync.name} does not honour accumulation"
+            )
         self.accumulation = micro_batches
         self.set_lr(self.scaled_lr())
 
@@ -175,7 +180,9 @@ class Session:
     def set_data_parallel(self, degree: int) -> None:
         """Set the data-parallel degree (global batch = batch_size x degree); rescale the lr."""
         if degree < 1 or self.world_size % degree:
-            raise ConfigError(f"data-parallel degree {degree} must divide the world size {self.world_size}")
+            raise ConfigError(
+                f"data-parallel degree {degree} must divide the world size {self.world_size}"
+            )
         self.dp_world_size = degree
         self.set_lr(self.scaled_lr())
 
@@ -197,7 +204,9 @@ class Session:
         changes by the same factor as its base)."""
         self.lr = lr
         scale = lr / self.workload.lr
-        for i, (group, base) in enumerate(zip(self.optimizer.param_groups, self._base_group_lrs, strict=True)):
+        for i, (group, base) in enumerate(
+            zip(self.optimizer.param_groups, self._base_group_lrs, strict=True)
+        ):
             new_base = base * scale
             if self.scheduler is not None:
                 old_base = self.scheduler.base_lrs[i]
@@ -247,7 +256,7 @@ class Session:
 
     def reset(self) -> None:
         """Return to the workload's defaults, keeping parameters, optimizer state and step."""
-        self._grad_sync.flush()
+        self.grad_sync.flush()
         while self._reset_callbacks:
             self._reset_callbacks.pop()()
         self.step_fn = None
@@ -267,7 +276,9 @@ class Session:
             tuner.apply(self, knobs)
         if self.step_fn is not None:
             # A placement's own training step lists what it honours on the function.
-            self.check_features("the placement's training step", getattr(self.step_fn, "handles", frozenset()))
+            self.check_features(
+                "the placement's training step", getattr(self.step_fn, "handles", frozenset())
+            )
         self.config = TuningConfig({t.name: k for t, k in plan})
 
     # -- the loop --------------------------------------------------------------------
@@ -280,7 +291,7 @@ class Session:
             loss = self.step_fn(self, self.step)
         else:
             data_s = 0.0
-            sync = self._grad_sync
+            sync = self.grad_sync
             sync.before_forward()
             total = 0.0
             for micro in range(self.accumulation):
@@ -302,7 +313,7 @@ class Session:
         loss_value = float(loss.detach())  # also waits for the device
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {}
-        records = self._grad_sync.comm_records()
+        records = self.grad_sync.comm_records()
         if records:
             metrics["overlap_R"] = overlap_ratio(records)
             metrics["comm"] = [r.__dict__ for r in records]
@@ -316,7 +327,7 @@ class Session:
         return self.step * self.accumulation + micro
 
     def flush(self) -> None:
-        self._grad_sync.flush()
+        self.grad_sync.flush()
 
     # -- checkpoints -----------------------------------------------------------------
 
@@ -349,8 +360,8 @@ class Session:
         torch.set_rng_state(state["rng"])
 
     def close(self) -> None:
-        self._grad_sync.flush()
-        self._grad_sync.detach()
+        self.grad_sync.flush()
+        self.grad_sync.detach()
         self.data.close()
 
 

@@ -243,7 +243,7 @@ class DDPSync(GradSync):
         cursor = max(p[2] for p in pending)  # the last post: backward's last gradient
         finished = {i: (p[3][0] if p[3] else now) for i, p in enumerate(pending)}
         blocked = {}
-        for i in sorted(finished, key=finished.get):
+        for i in sorted(finished, key=lambda k: finished[k]):
             blocked[i] = max(0.0, finished[i] - cursor)
             cursor = max(cursor, finished[i])
         return [

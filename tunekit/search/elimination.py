@@ -43,11 +43,13 @@ Pure numpy; no torch.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -170,7 +172,8 @@ class Solution:
     """Configuration index chosen for every node."""
     cost: float
     """Eq. 1 of the assignment."""
-    stats: EliminationStats = field(repr=False, default=None)
+    stats: EliminationStats = field(repr=False)
+    """What the search did (every solver fills it in)."""
 
 
 # -- min-plus product --------------------------------------------------------------------
@@ -293,7 +296,13 @@ class _Elim:
         return int(np.argmin(self.left[cu] + self.right[:, cv]))
 
 
-_UNKNOWN = object()
+class _Unknown(enum.Enum):
+    """The sentinel type of an edge whose structure is not looked at yet."""
+
+    TOKEN = 0
+
+
+_UNKNOWN: Final = _Unknown.TOKEN
 
 
 class _Working:
@@ -302,7 +311,7 @@ class _Working:
     def __init__(self, graph: CostGraph):
         self.cost = {v: c.copy() for v, c in graph._cost.items()}
         self.table: dict[tuple[Node, Node], np.ndarray] = {}
-        self.sparse: dict[tuple[Node, Node], object] = {}
+        self.sparse: dict[tuple[Node, Node], _Sparse | _Unknown | None] = {}
         """Per edge: its :class:`_Sparse` structure, None (general), or not yet looked at."""
         self.succ: dict[Node, set[Node]] = {v: set() for v in self.cost}
         self.pred: dict[Node, set[Node]] = {v: set() for v in self.cost}
@@ -428,7 +437,7 @@ def _solve_residual(
     nodes = list(work.cost)
     sizes = [work.cost[v].size for v in nodes]
     joint = math.prod(sizes)
-    factors = [((v,), work.cost[v]) for v in nodes]
+    factors: list[tuple[tuple, np.ndarray]] = [((v,), work.cost[v]) for v in nodes]
     factors += [((u, v), t) for (u, v), t in work.table.items()]
     if joint <= enumerate_limit:
         return _enumerate(nodes, factors), "enumeration", joint
@@ -467,20 +476,21 @@ def _variable_elimination(
     nodes: list[Node], factors: list[tuple[tuple, np.ndarray]], factor_limit: int
 ) -> dict[Node, int]:
     """Exact DP: eliminate variables in min-size order, keeping argmin tables."""
-    size = {v: None for v in nodes}
-    for scope, t in factors:
-        for v, k in zip(scope, t.shape, strict=True):
+    size: dict[Node, int] = {}  # every node has a factor: its own cost vector
+    for s, t in factors:
+        for v, k in zip(s, t.shape, strict=True):
             size[v] = k
     live = list(factors)
     remaining = set(nodes)
     trail: list[tuple[Node, tuple, np.ndarray]] = []
     while remaining:
-        best = None
+        best: tuple[int, Node, set[Node]] | None = None
         for x in remaining:
             scope = {v for s, _ in live if x in s for v in s} - {x}
             cost = math.prod(size[v] for v in scope) * size[x]
             if best is None or cost < best[0]:
                 best = (cost, x, scope)
+        assert best is not None  # remaining is not empty
         cost, x, scope = best
         if cost > factor_limit:
             raise _TooLarge
@@ -553,6 +563,7 @@ def _condition(
         value = const + sum(float(t[tuple(assignment[v] for v in s)]) for s, t in sub)
         if value < best_cost:
             best_cost, best = value, {**assignment, x: cx}
+    assert best is not None  # costs are finite: the first branch is never cut
     return best
 
 
@@ -568,6 +579,7 @@ def brute_force(graph: CostGraph) -> Solution:
         value = graph.evaluate(assignment)
         if value < best_cost:
             best_cost, best = value, assignment
+    assert best is not None  # costs are finite; no nodes: the empty assignment
     stats = EliminationStats(len(nodes), len(graph.edges), len(nodes), len(graph.edges))
     stats.residual_method = "brute-force"
     return Solution(best, best_cost, stats)

@@ -72,6 +72,13 @@ def trial_samples(row: TrialRow) -> list[float]:
     return [s / batch for s in row.result["measurement"]["step_s"]]
 
 
+def _step_s(row: TrialRow) -> list[float]:
+    """Seconds of each measured step ([] for a trial that measured none)."""
+    if row.status != "ok" or not row.result or not row.result.get("measurement"):
+        return []
+    return row.result["measurement"]["step_s"]
+
+
 def global_batch(row: TrialRow) -> int:
     return ranks_global_batch((row.result or {}).get("ranks") or [])
 
@@ -86,9 +93,13 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     base_runs = [trial_samples(t) for t in trials if t.role == BASELINE]
     base_runs = [r for r in base_runs if r]
     if not base_runs:
-        return {"winner": BASELINE, "reason": "no successful baseline measurement", "candidates": []}
+        return {
+            "winner": BASELINE,
+            "reason": "no successful baseline measurement",
+            "candidates": [],
+        }
     base_rows = [t for t in trials if t.role == BASELINE and trial_samples(t)]
-    base_median = float(statistics.median([x for t in base_rows for x in t.result["measurement"]["step_s"]]))
+    base_median = float(statistics.median([x for t in base_rows for x in _step_s(t)]))
     groups: dict[str, list[TrialRow]] = {}
     for t in trials:
         if t.role != BASELINE:
@@ -100,14 +111,24 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
         samples = [r for r in samples if r]
         unmeasured = [t for t in runs if t.status in FAILED_STATUSES or t.status == "skipped"]
         row = {
-            "trial_id": first.id, "seq": first.seq, "role": first.role, "plugin": first.plugin,
-            "config": first.config, "config_id": first.config_id, "description": describe(first.config),
-            "status": first.status if not samples else "ok", "runs": len(samples),
+            "trial_id": first.id,
+            "seq": first.seq,
+            "role": first.role,
+            "plugin": first.plugin,
+            "config": first.config,
+            "config_id": first.config_id,
+            "description": describe(first.config),
+            "status": first.status if not samples else "ok",
+            "runs": len(samples),
             "predicted_s": first.predicted_s,
-            "median_s": float(statistics.median(
-                [x for t in runs if trial_samples(t) for x in t.result["measurement"]["step_s"]])) if samples else None,
+            "median_s": float(
+                statistics.median([x for t in runs if trial_samples(t) for x in _step_s(t)])
+            )
+            if samples
+            else None,
             "global_batch": global_batch(first),
-            "spread_s": first.spread_s, "error": unmeasured[0].error if unmeasured and not samples else None,
+            "spread_s": first.spread_s,
+            "error": unmeasured[0].error if unmeasured and not samples else None,
         }
         if samples:
             row["comparison"] = compare_runs(base_runs, samples, min_effect=min_effect).to_dict()
@@ -124,8 +145,12 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
         best = max(winners, key=lambda r: r["comparison"]["speedup"])
         c = best["comparison"]
         decision.update(
-            winner=best["description"], winner_trial=best["trial_id"], winner_config=best["config"],
-            speedup=c["speedup"], ci=[c["ci_low"], c["ci_high"]], winner_median_s=best["median_s"],
+            winner=best["description"],
+            winner_trial=best["trial_id"],
+            winner_config=best["config"],
+            speedup=c["speedup"],
+            ci=[c["ci_low"], c["ci_high"]],
+            winner_median_s=best["median_s"],
             winner_global_batch=best["global_batch"],
             reason=f"{c['speedup'] - 1:.1%} more samples/s than the baseline over {best['runs']} run(s) "
             f"(95% CI {c['ci_low']:.3f}-{c['ci_high']:.3f}x)",
@@ -133,10 +158,15 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     else:
         ok = [r for r in rows if "comparison" in r]
         decision.update(
-            winner=BASELINE, winner_config=TuningConfig().to_dict(), speedup=1.0, winner_median_s=base_median,
+            winner=BASELINE,
+            winner_config=TuningConfig().to_dict(),
+            speedup=1.0,
+            winner_median_s=base_median,
             reason=(
-                "no candidate beat the baseline beyond noise" if ok
-                else "no candidate trial succeeded" if rows
+                "no candidate beat the baseline beyond noise"
+                if ok
+                else "no candidate trial succeeded"
+                if rows
                 else "no tuner proposed a candidate for this job"
             ),
         )
@@ -159,7 +189,8 @@ def baseline_drift(trials: list[TrialRow], limit: float = DRIFT_LIMIT) -> dict[s
 def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, Any] | None:
     """The fastest candidate measured once that looks faster than the baseline: worth a second run."""
     rows = [
-        r for r in decision.get("candidates", [])
+        r
+        for r in decision.get("candidates", [])
         if r.get("comparison") and r["runs"] == 1 and r["comparison"]["speedup"] > 1 + min_effect
     ]
     return max(rows, key=lambda r: r["comparison"]["speedup"]) if rows else None

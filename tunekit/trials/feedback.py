@@ -67,7 +67,9 @@ class Residual:
         )
 
 
-def _ridge(x: np.ndarray, y: np.ndarray, prior_mean: np.ndarray, prior_sd: np.ndarray) -> np.ndarray:
+def _ridge(
+    x: np.ndarray, y: np.ndarray, prior_mean: np.ndarray, prior_sd: np.ndarray
+) -> np.ndarray:
     """Posterior mean of y = X w with Gaussian noise NOISE_SD and prior N(prior_mean, prior_sd^2)."""
     design = np.column_stack([np.ones_like(x), x])
     precision = design.T @ design / NOISE_SD**2 + np.diag(1.0 / prior_sd**2)
@@ -98,6 +100,8 @@ class Corrector:
 
     def residual(self, plugin: str | None) -> Residual:
         """The fitted correction of one tuner (none before its first trial)."""
+        if plugin is None:  # a trial no tuner proposed: nothing fitted
+            return Residual()
         return self._fits.get(plugin, Residual())
 
     def corrected(self, plugin: str | None, predicted_s: float | None) -> float | None:
@@ -162,9 +166,7 @@ class Ranked:
     """Predicted fraction of time per sample saved against the baseline, corrected."""
 
 
-def rank_pool(
-    pool: Iterable[PoolEntry], corrector: Corrector, base_batch: int
-) -> list[Ranked]:
+def rank_pool(pool: Iterable[PoolEntry], corrector: Corrector, base_batch: int) -> list[Ranked]:
     """Every entry with its corrected prediction and per-sample gain (unsorted)."""
     base_per_sample = corrector.baseline_s / base_batch
     out = []
@@ -188,6 +190,7 @@ def choose_next(
     prediction is slower than the baseline by more than ``min_gain`` is dropped;
     one with no prediction is kept, after the predicted ones.
     """
+
     def key(r: Ranked) -> float:
         return -(r.gain if r.gain is not None else -math.inf)
 
@@ -195,7 +198,9 @@ def choose_next(
     dropped = [r for r in ranked if r.gain is not None and r.gain <= -min_gain]
     first: list[Ranked] = []
     for r in kept:
-        if r.entry.plugin not in tried_plugins and all(f.entry.plugin != r.entry.plugin for f in first):
+        if r.entry.plugin not in tried_plugins and all(
+            f.entry.plugin != r.entry.plugin for f in first
+        ):
             first.append(r)
     rest = [r for r in kept if r not in first]
     return (first + rest)[:slots], dropped

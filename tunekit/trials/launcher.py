@@ -137,8 +137,12 @@ class TrialOutcome:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.runtime.worker",
-                   report_dir: Path | None = None) -> list[list[str]]:
+def agent_commands(
+    spec_path: Path,
+    opts: LaunchOptions,
+    module: str = "tunekit.runtime.worker",
+    report_dir: Path | None = None,
+) -> list[list[str]]:
     """The torchrun command line of each agent: ``module`` runs in every rank with ``spec_path``.
 
     With ``report_dir``, agent ``i`` writes its failed ranks' exit statuses to
@@ -148,12 +152,28 @@ def agent_commands(spec_path: Path, opts: LaunchOptions, module: str = "tunekit.
     if report_dir is None:
         return cmds
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    return [[sys.executable, "-m", "tunekit.trials.agent", str(report_dir / f"agent{i}.json"), *cmd[len(torchrun):]]
-            for i, cmd in enumerate(cmds)]
+    return [
+        [
+            sys.executable,
+            "-m",
+            "tunekit.trials.agent",
+            str(report_dir / f"agent{i}.json"),
+            *cmd[len(torchrun) :],
+        ]
+        for i, cmd in enumerate(cmds)
+    ]
 
 
 def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[list[str]]:
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts.nproc), "--max-restarts", "0"]
+    base = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(opts.nproc),
+        "--max-restarts",
+        "0",
+    ]
     worker = ["-m", module, str(spec_path)]
     if opts.loopback_nodes > 1:
         port = free_port()
@@ -165,9 +185,21 @@ def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[l
             for i in range(opts.loopback_nodes)
         ]
     if opts.master:
-        host, _, port = opts.master.rpartition(":")
-        return [base + ["--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank),
-                        "--master-addr", host, "--master-port", port] + worker]
+        host, _, master_port = opts.master.rpartition(":")
+        return [
+            base
+            + [
+                "--nnodes",
+                str(opts.nnodes),
+                "--node-rank",
+                str(opts.node_rank),
+                "--master-addr",
+                host,
+                "--master-port",
+                master_port,
+            ]
+            + worker
+        ]
     if opts.nnodes > 1 or opts.rdzv_endpoint:
         if not opts.rdzv_endpoint:
             raise ValueError("several nodes need a rendezvous endpoint (host:port)")
@@ -240,8 +272,13 @@ class StallWatch:
     The same lines give the trial's start-up time and its pace when the timeout comes.
     """
 
-    def __init__(self, spec: TrialSpec, limit_s: float | None, clock: Callable[[], float] = time.monotonic,
-                 started: float | None = None):
+    def __init__(
+        self,
+        spec: TrialSpec,
+        limit_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
+    ):
         self.limit_s = limit_s
         self.clock = clock
         self.started = clock() if started is None else started
@@ -283,7 +320,9 @@ class StallWatch:
         """Timed steps are under way and the last one finished recently for their pace."""
         # At least a second: lines are read every quarter second, millisecond steps
         # would otherwise look stopped between two reads.
-        return self.last_at is not None and self.clock() - self.last_at <= max(self._silence_limit(), 1.0)
+        return self.last_at is not None and self.clock() - self.last_at <= max(
+            self._silence_limit(), 1.0
+        )
 
     def timed_out(self, timeout_s: float) -> tuple[str, str]:
         """The status and error line of a trial killed at its timeout: too slow while steps finish, else hung."""
@@ -319,12 +358,21 @@ async def run_trial(
     start = time.monotonic()
     job = None
     if nodes is not None:
-        job, master = nodes.announce_trial(asdict(spec), {
-            "nproc": opts.nproc, "nnodes": opts.nnodes, "threads_per_rank": opts.threads_per_rank,
-            "env": opts.env, "timeout_s": opts.timeout_s})
+        job, master = nodes.announce_trial(
+            asdict(spec),
+            {
+                "nproc": opts.nproc,
+                "nnodes": opts.nnodes,
+                "threads_per_rank": opts.threads_per_rank,
+                "env": opts.env,
+                "timeout_s": opts.timeout_s,
+            },
+        )
         opts = replace(opts, master=master, node_rank=0)
     sent: dict[int, int | None] = {}  # follower -> its agent's exit code, once its files are here
-    procs, logs, pumps = await _start_agents(agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir)
+    procs, logs, pumps = await _start_agents(
+        agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir
+    )
     killed: tuple[str, str] | None = None  # (status, why) of a trial we had to kill
     stopped_after_results = False
     watch = StallWatch(spec, opts.stall_s, started=start)
@@ -333,7 +381,7 @@ async def run_trial(
     try:
         while True:
             seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
-            if nodes is not None:
+            if nodes is not None and job is not None:  # (job is set whenever nodes is)
                 nodes.collect(job, trial_dir, sent)
                 if lost := nodes.lost():
                     killed = (CRASH, "; ".join(lost.values()))
@@ -372,7 +420,9 @@ async def run_trial(
         # We stopped the agents (torchrun exits 1 on our SIGTERM): the rank files speak.
         codes = [0] * len(procs)
     elif nodes is not None:
-        codes += [sent.get(r, 0) for r in nodes.followers]  # a missing node is named by its missing ranks
+        codes += [
+            sent.get(r, 0) for r in nodes.followers
+        ]  # a missing node is named by its missing ranks
     outcome = collect(trial_dir, opts, codes, killed, time.monotonic() - start, output, nodes)
     outcome.startup_s = watch.startup_s
     return outcome
@@ -380,8 +430,13 @@ async def run_trial(
 
 def _fresh_trial_dir(trial_dir: Path) -> None:
     trial_dir.mkdir(parents=True, exist_ok=True)
-    stale = [*trial_dir.glob("rank*.json"), *trial_dir.glob("agent*.json"), *trial_dir.glob("faults/rank*"),
-             *trial_dir.glob("traces/rank*.json"), trial_dir / "progress.jsonl"]
+    stale = [
+        *trial_dir.glob("rank*.json"),
+        *trial_dir.glob("agent*.json"),
+        *trial_dir.glob("faults/rank*"),
+        *trial_dir.glob("traces/rank*.json"),
+        trial_dir / "progress.jsonl",
+    ]
     for path in stale:
         path.unlink(missing_ok=True)
 
@@ -395,16 +450,21 @@ async def _start_agents(cmds: list[list[str]], opts: LaunchOptions, trial_dir: P
         log = CappedLog(trial_dir / f"agent{i}.log")
         logs.append(log)
         proc = await asyncio.create_subprocess_exec(
-            *die_with_parent(cmd), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            *die_with_parent(cmd),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
         procs.append(proc)
+        assert proc.stdout is not None  # stdout=PIPE
         pumps.append(asyncio.create_task(pump(proc.stdout, log)))
     return procs, logs, pumps
 
 
-async def run_node_agent(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path,
-                         stop_now: Callable[[], str | None]) -> int | None:
+async def run_node_agent(
+    spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, stop_now: Callable[[], str | None]
+) -> int | None:
     """A follower's part of a trial: this node's agent, until it exits, ``opts.timeout_s`` passes
     or ``stop_now`` gives a reason to stop; returns its exit code (None: killed)."""
     trial_dir = Path(trial_dir)
@@ -412,7 +472,9 @@ async def run_node_agent(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path,
     spec_path = trial_dir / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec), indent=2))
     start = time.monotonic()
-    procs, logs, pumps = await _start_agents(agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir)
+    procs, logs, pumps = await _start_agents(
+        agent_commands(spec_path, opts, report_dir=trial_dir), opts, trial_dir
+    )
     why = None
     try:
         while any(p.returncode is None for p in procs):
@@ -430,17 +492,25 @@ async def run_node_agent(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path,
     return None if why else procs[0].returncode
 
 
-async def run_live_agent(rd: RunDir, opts: LaunchOptions, log_path: Path,
-                         stop_now: Callable[[], str | None]) -> int | None:
+async def run_live_agent(
+    rd: RunDir, opts: LaunchOptions, log_path: Path, stop_now: Callable[[], str | None]
+) -> int | None:
     """A follower's part of a live run: this node's agent of ``tunekit.runtime.live``, until it
     exits or ``stop_now`` gives a reason to stop; returns its exit code (None: stopped)."""
     env = launch_env(opts)
-    env["PYTHONSAFEPATH"] = "1"  # as the supervisor starts node 0's: not the working directory on the path
+    env["PYTHONSAFEPATH"] = (
+        "1"  # as the supervisor starts node 0's: not the working directory on the path
+    )
     (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with open(fd, "ab") as log:
-        proc = await asyncio.create_subprocess_exec(*die_with_parent(cmd), stdout=log, stderr=asyncio.subprocess.STDOUT,
-                                                    env=env, start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            *die_with_parent(cmd),
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     why = None
     try:
         while proc.returncode is None:
@@ -465,7 +535,9 @@ async def _finish_logs(pumps: list[asyncio.Task], logs: list[CappedLog]) -> list
     return [log.close() for log in logs]
 
 
-def run_trial_sync(spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None) -> TrialOutcome:
+def run_trial_sync(
+    spec: TrialSpec, opts: LaunchOptions, trial_dir: Path, on_progress: ProgressFn | None = None
+) -> TrialOutcome:
     """:func:`run_trial` for callers without an event loop."""
     return asyncio.run(run_trial(spec, opts, trial_dir, on_progress))
 
@@ -474,7 +546,9 @@ def _all_ranks_reported(trial_dir: Path, world_size: int) -> bool:
     return all((trial_dir / f"rank{r}.json").exists() for r in range(world_size))
 
 
-def _forward_progress(path: Path, seen: int, on_progress: ProgressFn | None, watch: StallWatch) -> int:
+def _forward_progress(
+    path: Path, seen: int, on_progress: ProgressFn | None, watch: StallWatch
+) -> int:
     if not path.exists():
         return seen
     lines = path.read_text().splitlines()
@@ -507,8 +581,15 @@ async def stop_all(procs) -> None:
             continue
 
 
-def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None], killed: tuple[str, str] | None,
-            wall_s: float, output: list[OutputRecord] | None = None, nodes: Coordinator | None = None) -> TrialOutcome:
+def collect(
+    trial_dir: Path,
+    opts: LaunchOptions,
+    returncodes: list[int | None],
+    killed: tuple[str, str] | None,
+    wall_s: float,
+    output: list[OutputRecord] | None = None,
+    nodes: Coordinator | None = None,
+) -> TrialOutcome:
     """Turn the rank files, the agents' reports and their exit codes into an outcome
     (``killed``: the status and reason of a killed trial; ``nodes``: the followers, to name
     a node none of whose ranks reported)."""
@@ -524,8 +605,14 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
     # Ranks that ended without writing a result: killed by a signal, or exited early.
     deaths = [f for f in _agent_failures(trial_dir) if f["rank"] not in reported]
     failed = [r for r in ranks if r.get("status") != OK]
-    out = TrialOutcome(status=OK, error="", wall_s=wall_s, trial_dir=str(trial_dir), ranks=ranks,
-                       output=[o.to_dict() for o in output or []])
+    out = TrialOutcome(
+        status=OK,
+        error="",
+        wall_s=wall_s,
+        trial_dir=str(trial_dir),
+        ranks=ranks,
+        output=[o.to_dict() for o in output or []],
+    )
     if killed:
         out.status, out.error = killed
     elif any(r.get("status") == OOM for r in ranks):
@@ -533,7 +620,9 @@ def collect(trial_dir: Path, opts: LaunchOptions, returncodes: list[int | None],
         out.error = next(r["error"] for r in ranks if r.get("status") == OOM)
     elif failed or deaths or any(rc != 0 for rc in returncodes) or len(ranks) < opts.world_size:
         out.status = CRASH
-        out.error = _silent_nodes(reported, opts, nodes) or _crash_reason(trial_dir, failed, deaths, returncodes)
+        out.error = _silent_nodes(reported, opts, nodes) or _crash_reason(
+            trial_dir, failed, deaths, returncodes
+        )
     if out.ok:
         out.measurement = measurement_from_ranks(ranks)
         out.search = ranks[0].get("search")
@@ -544,7 +633,11 @@ def _silent_nodes(reported: set, opts: LaunchOptions, nodes: Coordinator | None)
     """One line naming the followers none of whose ranks reported, or ''."""
     if nodes is None:
         return ""
-    silent = [r for r in nodes.followers if not any(r * opts.nproc + i in reported for i in range(opts.nproc))]
+    silent = [
+        r
+        for r in nodes.followers
+        if not any(r * opts.nproc + i in reported for i in range(opts.nproc))
+    ]
     if not silent:
         return ""
     return "; ".join(f"{nodes.describe(r)} sent no result for its ranks" for r in silent)
@@ -561,13 +654,17 @@ def _agent_failures(trial_dir: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda f: f.get("timestamp") or 0)
 
 
-def _crash_reason(trial_dir: Path, failed: list[dict], deaths: list[dict], returncodes: list[int | None]) -> str:
+def _crash_reason(
+    trial_dir: Path, failed: list[dict], deaths: list[dict], returncodes: list[int | None]
+) -> str:
     """One line on why a trial crashed, from the most basic fact there is."""
     # A rank killed by a signal comes first: its peers then fail on a broken connection.
     for d in deaths:
         if signal_name(d.get("exitcode")):
             where = fault_location(trial_dir / "faults" / f"rank{d['rank']}.txt")
-            return f"rank {d['rank']} {describe_exit(d['exitcode'])}" + (f" at {where}" if where else "")
+            return f"rank {d['rank']} {describe_exit(d['exitcode'])}" + (
+                f" at {where}" if where else ""
+            )
     if error := next((r["error"] for r in failed if r.get("error")), ""):
         return error
     if deaths:

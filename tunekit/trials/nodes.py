@@ -74,7 +74,14 @@ BEAT_S = 1.0
 LOST_S = 20.0
 """A node whose heartbeat stands still this long is gone (it beats every second from a thread
 of its own, so a busy node still beats)."""
-SHIPPED = ("rank*.json", "agent0.json", "agent0.log", "faults/rank*.txt", "traces/rank*.json", "telemetry.json")
+SHIPPED = (
+    "rank*.json",
+    "agent0.json",
+    "agent0.log",
+    "faults/rank*.txt",
+    "traces/rank*.json",
+    "telemetry.json",
+)
 """The files of a trial a follower sends back (relative to its trial folder)."""
 
 
@@ -112,7 +119,9 @@ def read_token(token_file: Path | None, env: Mapping[str, str] | None = None) ->
         try:
             token = Path(token_file).read_text().strip()
         except OSError as exc:
-            raise NodesError(f"cannot read the node token from {token_file}: {exc.strerror or exc}") from None
+            raise NodesError(
+                f"cannot read the node token from {token_file}: {exc.strerror or exc}"
+            ) from None
         if not token:
             raise NodesError(f"the node token file {token_file} is empty")
         return token
@@ -156,7 +165,9 @@ class Channel:
             raw = json.loads(self.store.get(self.prefix + key))
             body, mac = raw["body"], raw["mac"]
         except (ValueError, KeyError, TypeError):
-            raise NodesError(f"the value at {key} on the coordinator's store is not tunekit's") from None
+            raise NodesError(
+                f"the value at {key} on the coordinator's store is not tunekit's"
+            ) from None
         if not hmac.compare_digest(str(mac), self._mac(key, body)):
             raise NodesError(f"the value at {key} is not signed with this study's node token")
         return json.loads(body)
@@ -171,8 +182,13 @@ class Channel:
 def _connect(endpoint: Endpoint, master: bool, timeout_s: float):
     from torch.distributed import TCPStore
 
-    return TCPStore(endpoint.host, endpoint.port, is_master=master, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s))
+    return TCPStore(
+        endpoint.host,
+        endpoint.port,
+        is_master=master,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 class _Heartbeat:
@@ -222,8 +238,13 @@ def describe_node() -> dict[str, Any]:
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # a broken CUDA install: the node still joins, with no GPU named
         gpus = []
-    return {"host": socket.gethostname(), "pid": os.getpid(), "cores": psutil.cpu_count(logical=False) or 1,
-            "memory_bytes": psutil.virtual_memory().total, "gpus": gpus}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cores": psutil.cpu_count(logical=False) or 1,
+        "memory_bytes": psutil.virtual_memory().total,
+        "gpus": gpus,
+    }
 
 
 # -- a node's files, packed for the store ---------------------------------------------------------
@@ -262,7 +283,9 @@ class Coordinator:
         try:
             self.channel = Channel(_connect(endpoint, True, 30.0), token)
         except Exception as exc:  # the port is taken, or the host is not this machine
-            raise NodesError(f"cannot host the coordinator at {endpoint}: {_first_line(exc)}") from None
+            raise NodesError(
+                f"cannot host the coordinator at {endpoint}: {_first_line(exc)}"
+            ) from None
         self.beat = _Heartbeat(endpoint, token, "coord/beat")
         self.nodes: dict[int, dict[str, Any]] = {}
         """Every follower's hello, by node rank."""
@@ -286,8 +309,12 @@ class Coordinator:
                 self.watches[r] = _Watch(self.channel, f"node/{r}/beat")
         return sorted(self.nodes)
 
-    def wait_for_followers(self, timeout_s: float, token_hint: str = "",
-                           on_join: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+    def wait_for_followers(
+        self,
+        timeout_s: float,
+        token_hint: str = "",
+        on_join: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
         """Block until every follower has joined; a NodesError naming the missing ones after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         seen: set[int] = set()
@@ -300,11 +327,14 @@ class Coordinator:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                names = ("node " if len(missing) == 1 else "nodes ") + ", ".join(str(r) for r in missing)
+                names = ("node " if len(missing) == 1 else "nodes ") + ", ".join(
+                    str(r) for r in missing
+                )
                 raise NodesError(
                     f"{names} did not join within {timeout_s:.0f} s: start {'its' if len(missing) == 1 else 'their'} "
                     f"follower (`{self.follow_command(missing[0], token_hint)}`, or the same tunekit command with "
-                    f"--node-rank {missing[0]}) with the same node token")
+                    f"--node-rank {missing[0]}) with the same node token"
+                )
             time.sleep(0.2)
 
     def describe(self, r: int) -> str:
@@ -315,20 +345,30 @@ class Coordinator:
         """Followers that stopped answering (checked now), with why."""
         for r, watch in self.watches.items():
             if r not in self.gone and (silent := watch.silent_s()) > self.lost_s:
-                self.gone[r] = f"{self.describe(r)} stopped answering for {silent:.0f} s: its follower is gone"
+                self.gone[r] = (
+                    f"{self.describe(r)} stopped answering for {silent:.0f} s: its follower is gone"
+                )
         return dict(self.gone)
 
     def announce_trial(self, spec: dict[str, Any], launch: dict[str, Any]) -> tuple[int, str]:
         """Announce a trial; returns its job number and the static rendezvous (host:port) of its ranks."""
         master = self._master()
-        job = self._announce({"kind": "trial", "spec": spec, "launch": {**launch, "master": master}})
+        job = self._announce(
+            {"kind": "trial", "spec": spec, "launch": {**launch, "master": master}}
+        )
         return job, master
 
     def announce_live(self, run: dict[str, Any], run_id: str, nproc: int) -> tuple[int, str]:
         """Announce a launch of live run ``run_id`` (its run.json); returns the job and its rendezvous."""
         master = self._master()
-        job = self._announce({"kind": "live", "run": run, "run_id": run_id,
-                              "launch": {"nproc": nproc, "nnodes": self.nnodes, "master": master}})
+        job = self._announce(
+            {
+                "kind": "live",
+                "run": run,
+                "run_id": run_id,
+                "launch": {"nproc": nproc, "nnodes": self.nnodes, "master": master},
+            }
+        )
         return job, master
 
     def probe(self, nproc: int, timeout_s: float) -> dict[int, dict[str, Any]]:
@@ -339,7 +379,10 @@ class Coordinator:
         deadline = time.monotonic() + timeout_s
         while len(replies) < len(self.followers) and time.monotonic() < deadline:
             for r in self.followers:
-                if r not in replies and (body := self.channel.get(f"job/{job}/node/{r}")) is not None:
+                if (
+                    r not in replies
+                    and (body := self.channel.get(f"job/{job}/node/{r}")) is not None
+                ):
                     replies[r] = body
             if self.lost():
                 break
@@ -370,8 +413,11 @@ class Coordinator:
         command = self.follow_command(1, token_hint)
         if self.nnodes > 2:
             command = command.replace("--node-rank 1", "--node-rank N")
-        how = (f"copy {token_hint.split()[-1]} there, or set $TUNEKIT_NODE_TOKEN to its content" if token_hint
-               else "with the same node token")
+        how = (
+            f"copy {token_hint.split()[-1]} there, or set $TUNEKIT_NODE_TOKEN to its content"
+            if token_hint
+            else "with the same node token"
+        )
         return f"coordinating {self.nnodes} nodes at {self.endpoint}: on {which} run `{command}` ({how})"
 
     def _announce(self, body: dict[str, Any]) -> int:
@@ -398,14 +444,17 @@ class Coordinator:
             self._announce({"kind": "end"})
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and any(
-                    self.channel.get(f"node/{r}/bye") is None for r in self.nodes if r not in self.gone):
+                self.channel.get(f"node/{r}/bye") is None for r in self.nodes if r not in self.gone
+            ):
                 time.sleep(0.1)
         except Exception:  # closing anyway
             pass
         self.beat.stop()
 
 
-def host_coordinator(endpoint: str, nnodes: int, token: str | None, store_dir: Path) -> tuple[Coordinator, str]:
+def host_coordinator(
+    endpoint: str, nnodes: int, token: str | None, store_dir: Path
+) -> tuple[Coordinator, str]:
     """Node 0's coordinator, with ``token`` or a fresh one made in ``store_dir``; returns it and how a
     follower gets that token (`` --token-file PATH``, or '' when the token was given)."""
     hint = ""
@@ -432,8 +481,16 @@ def _first_line(exc: BaseException) -> str:
 class Follower:
     """One node's follower: joins the coordinator's store and runs each announced trial's agent here."""
 
-    def __init__(self, endpoint: Endpoint, node_rank: int, token: str, work_dir: Path,
-                 join_timeout_s: float = 300.0, lost_s: float = LOST_S, say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        node_rank: int,
+        token: str,
+        work_dir: Path,
+        join_timeout_s: float = 300.0,
+        lost_s: float = LOST_S,
+        say: Callable[[str], None] = print,
+    ):
         if node_rank < 1:
             raise NodesError("a follower's node rank is 1 or more (node 0 is the coordinator)")
         self.endpoint, self.node_rank, self.token = endpoint, node_rank, token
@@ -441,8 +498,10 @@ class Follower:
         try:
             self.channel = Channel(_connect(endpoint, False, join_timeout_s), token)
         except Exception as exc:
-            raise NodesError(f"no coordinator answered at {endpoint} within {join_timeout_s:.0f} s "
-                             f"({_first_line(exc)})") from None
+            raise NodesError(
+                f"no coordinator answered at {endpoint} within {join_timeout_s:.0f} s "
+                f"({_first_line(exc)})"
+            ) from None
         self.beat: _Heartbeat | None = None
 
     def run(self) -> int:
@@ -450,7 +509,8 @@ class Follower:
         ch = self.channel
         try:
             self.beat = _Heartbeat(self.endpoint, self.token, f"node/{self.node_rank}/beat")
-            job = ch.count("jobs")  # what was announced before this follower joined is not its business
+            # What was announced before this follower joined is not its business.
+            job = ch.count("jobs")
             ch.put(f"node/{self.node_rank}/hello", describe_node())
             coordinator = _Watch(ch, "coord/beat")
             self.say(f"node {self.node_rank} joined the coordinator at {self.endpoint}")
@@ -470,8 +530,10 @@ class Follower:
         except NodesError:
             raise
         except Exception as exc:  # the store's connection broke: its host, the coordinator, is gone
-            raise NodesError(f"lost the coordinator at {self.endpoint} ({_first_line(exc)}); "
-                             "nothing of this node's is left running") from None
+            raise NodesError(
+                f"lost the coordinator at {self.endpoint} ({_first_line(exc)}); "
+                "nothing of this node's is left running"
+            ) from None
         finally:
             if self.beat is not None:
                 self.beat.stop()
@@ -484,33 +546,46 @@ class Follower:
 
     def _check(self, coordinator: _Watch) -> None:
         if (silent := coordinator.silent_s()) > self.lost_s:
-            raise NodesError(f"the coordinator at {self.endpoint} stopped answering for {silent:.0f} s")
+            raise NodesError(
+                f"the coordinator at {self.endpoint} stopped answering for {silent:.0f} s"
+            )
 
     def _trial(self, job: int, body: dict[str, Any], coordinator: _Watch) -> None:
         from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_node_agent
 
         spec = TrialSpec(**body["spec"])
         launch = dict(body["launch"])
-        opts = LaunchOptions(nproc=int(launch["nproc"]), nnodes=int(launch["nnodes"]), node_rank=self.node_rank,
-                             master=str(launch["master"]), threads_per_rank=launch.get("threads_per_rank"),
-                             env={str(k): str(v) for k, v in (launch.get("env") or {}).items()},
-                             timeout_s=float(launch.get("timeout_s", 300.0)), stall_s=None)
+        opts = LaunchOptions(
+            nproc=int(launch["nproc"]),
+            nnodes=int(launch["nnodes"]),
+            node_rank=self.node_rank,
+            master=str(launch["master"]),
+            threads_per_rank=launch.get("threads_per_rank"),
+            env={str(k): str(v) for k, v in (launch.get("env") or {}).items()},
+            timeout_s=float(launch.get("timeout_s", 300.0)),
+            stall_s=None,
+        )
         trial_dir = (self.work_dir / f"job{job:03d}").resolve()
         self.say(f"trial {job}: {spec.workload} on {opts.nproc} rank(s) here")
         (trial_dir / "telemetry.json").unlink(missing_ok=True)
         sampler = None
-        if spec.profile_steps:  # the observed baseline: this node's telemetry goes into the report too
+        # The observed baseline: this node's telemetry goes into the report too.
+        if spec.profile_steps:
             from tunekit.observe.telemetry import TelemetrySampler
 
             sampler = TelemetrySampler(trial_dir / "pids", interval_s=0.5, pyspy_interval_s=2.0)
             sampler.start()
         try:
-            rc = asyncio.run(run_node_agent(spec, opts, trial_dir, self._stop_check(job, coordinator)))
+            rc = asyncio.run(
+                run_node_agent(spec, opts, trial_dir, self._stop_check(job, coordinator))
+            )
         finally:
             if sampler is not None:
                 sampler.stop()
                 (trial_dir / "telemetry.json").write_text(json.dumps(sampler.summary()))
-        self.channel.put(f"job/{job}/node/{self.node_rank}", pack_files(trial_dir, self.node_rank, rc))
+        self.channel.put(
+            f"job/{job}/node/{self.node_rank}", pack_files(trial_dir, self.node_rank, rc)
+        )
 
     def _live(self, job: int, body: dict[str, Any], coordinator: _Watch) -> None:
         """This node's ranks of a live run (``tunekit run``), in a private copy of its run folder."""
@@ -524,9 +599,16 @@ class Follower:
         rd = RunDir(self.work_dir / "runs" / run_id)
         rd.path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         rd.logs.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-        rd.write_run(body["run"])  # what its ranks read: workload, config, plugins; the checkpoint comes from rank 0
-        opts = LaunchOptions(nproc=int(launch["nproc"]), nnodes=int(launch["nnodes"]), node_rank=self.node_rank,
-                             master=str(launch["master"]), stall_s=None, timeout_s=float("inf"))
+        # What its ranks read: workload, config, plugins; the checkpoint comes from rank 0.
+        rd.write_run(body["run"])
+        opts = LaunchOptions(
+            nproc=int(launch["nproc"]),
+            nnodes=int(launch["nnodes"]),
+            node_rank=self.node_rank,
+            master=str(launch["master"]),
+            stall_s=None,
+            timeout_s=float("inf"),
+        )
         log = rd.logs / f"agent-job{job:03d}.log"
         self.say(f"run {run_id}: {opts.nproc} rank(s) here")
         rc = asyncio.run(run_live_agent(rd, opts, log, self._stop_check(job, coordinator)))
@@ -571,8 +653,13 @@ class NodePlace:
     endpoint: str | None
 
 
-def node_place(nnodes: int | None, node_rank: int | None, endpoint: str | None,
-               env: Mapping[str, str] | None = None, follower: bool = False) -> NodePlace:
+def node_place(
+    nnodes: int | None,
+    node_rank: int | None,
+    endpoint: str | None,
+    env: Mapping[str, str] | None = None,
+    follower: bool = False,
+) -> NodePlace:
     """This node's place from the flags given, else torchrun's conventions (``MASTER_ADDR``/``MASTER_PORT``,
     ``NODE_RANK``, ``NNODES``), else those of a SLURM job step (``srun``: ``SLURM_STEP_NUM_NODES``,
     ``SLURM_NODEID``, the step's first host as the coordinator). Flags win over the environment.
@@ -586,23 +673,33 @@ def node_place(nnodes: int | None, node_rank: int | None, endpoint: str | None,
     if endpoint is None and env.get("MASTER_ADDR"):
         endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT') or DEFAULT_PORT}"
     if nnodes is None:
-        nnodes = _int_env(env, "NNODES") or (_int_env(env, "SLURM_STEP_NUM_NODES") if step else None)
-    known = nnodes is not None  # a follower may not know the node count; a wrong one is still an error
+        nnodes = _int_env(env, "NNODES") or (
+            _int_env(env, "SLURM_STEP_NUM_NODES") if step else None
+        )
+    # A follower may not know the node count; a wrong one is still an error.
+    known = nnodes is not None
     nnodes = nnodes or 1
     if node_rank is None:
         node_rank = _int_env(env, "NODE_RANK")
         if node_rank is None and step:
             node_rank = _int_env(env, "SLURM_NODEID")
         node_rank = node_rank or 0
-    if endpoint is None and (nnodes > 1 or follower) and step and (nodelist := env.get("SLURM_STEP_NODELIST")):
+    if (
+        endpoint is None
+        and (nnodes > 1 or follower)
+        and step
+        and (nodelist := env.get("SLURM_STEP_NODELIST"))
+    ):
         endpoint = f"{first_host(nodelist)}:{env.get('MASTER_PORT') or DEFAULT_PORT}"
     if follower and not known:
         return NodePlace(max(nnodes, node_rank + 1), node_rank, endpoint)
     if node_rank >= nnodes:
         raise NodesError(f"node rank {node_rank} is not below the node count {nnodes}")
     if (nnodes > 1 or follower and node_rank > 0) and not endpoint:
-        raise NodesError("several nodes need the coordinator's address: --rdzv-endpoint HOST:PORT "
-                         "(or MASTER_ADDR/MASTER_PORT, or srun inside a SLURM allocation)")
+        raise NodesError(
+            "several nodes need the coordinator's address: --rdzv-endpoint HOST:PORT "
+            "(or MASTER_ADDR/MASTER_PORT, or srun inside a SLURM allocation)"
+        )
     return NodePlace(nnodes, node_rank, endpoint)
 
 
@@ -630,30 +727,47 @@ def first_host(nodelist: str) -> str:
 # -- what each node brought to the baseline ----------------------------------------------------------
 
 
-def node_summary(hellos: Mapping[int, dict[str, Any]], nproc: int, compute_s: Mapping[int, float],
-                 telemetry: Mapping[int, dict[str, Any] | None],
-                 probes: Mapping[int, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+def node_summary(
+    hellos: Mapping[int, dict[str, Any]],
+    nproc: int,
+    compute_s: Mapping[int, float],
+    telemetry: Mapping[int, dict[str, Any] | None],
+    probes: Mapping[int, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """One row per node (host, cores, GPUs, its ranks' compute per step, CPU use) and the slowest node.
 
     ``compute_s``: each global rank's compute per step in the baseline's profiled steps (node
     ``r`` holds ranks ``r * nproc`` on); ``telemetry``: each node's sampler summary; ``probes``:
     each node's measured collective fits (its all-reduce among its own ranks is reported).
     """
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in sorted(hellos):
         mine = [compute_s[k] for k in range(r * nproc, (r + 1) * nproc) if k in compute_s]
         host = (telemetry.get(r) or {}).get("host") or {}
-        rows.append({"node": r, "host": hellos[r].get("host"), "cores": hellos[r].get("cores"),
-                     "gpus": hellos[r].get("gpus") or [],
-                     "compute_s": sum(mine) / len(mine) if mine else None,
-                     "cpu_pct_mean": host.get("system_cpu_pct_mean"),
-                     "all_reduce_gbps": _all_reduce_gbps((probes or {}).get(r))})
+        rows.append(
+            {
+                "node": r,
+                "host": hellos[r].get("host"),
+                "cores": hellos[r].get("cores"),
+                "gpus": hellos[r].get("gpus") or [],
+                "compute_s": sum(mine) / len(mine) if mine else None,
+                "cpu_pct_mean": host.get("system_cpu_pct_mean"),
+                "all_reduce_gbps": _all_reduce_gbps((probes or {}).get(r)),
+            }
+        )
     timed = [row for row in rows if row["compute_s"]]
     out: dict[str, Any] = {"rows": rows}
     if len(timed) >= 2:
-        slow, fast = max(timed, key=lambda x: x["compute_s"]), min(timed, key=lambda x: x["compute_s"])
-        out["slowest"] = {"node": slow["node"], "host": slow["host"],
-                          "ratio": slow["compute_s"] / fast["compute_s"], "fastest": fast["node"]}
+        slow, fast = (
+            max(timed, key=lambda x: x["compute_s"]),
+            min(timed, key=lambda x: x["compute_s"]),
+        )
+        out["slowest"] = {
+            "node": slow["node"],
+            "host": slow["host"],
+            "ratio": slow["compute_s"] / fast["compute_s"],
+            "fastest": fast["node"],
+        }
     return out
 
 
@@ -673,5 +787,7 @@ def describe_slowest(summary: Mapping[str, Any]) -> str:
         return ""
     if slow["ratio"] < ALIKE:
         return f"the nodes' ranks computed alike (within {ALIKE - 1:.0%} per step): no node holds the others back"
-    return (f"slowest node: node {slow['node']} ({slow['host']}), whose ranks compute {slow['ratio']:.2f}x as long "
-            f"per step as node {slow['fastest']}'s; every step waits for it")
+    return (
+        f"slowest node: node {slow['node']} ({slow['host']}), whose ranks compute {slow['ratio']:.2f}x as long "
+        f"per step as node {slow['fastest']}'s; every step waits for it"
+    )

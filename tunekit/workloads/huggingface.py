@@ -169,12 +169,15 @@ def hf_workload(
         task = task_of(model_class)
     if getattr(config, "use_cache", None):
         config.use_cache = False  # training: no key/value cache in the outputs
-    max_len = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_len = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
     if dataset is None and max_len is not None and seq_len > max_len:
         raise WorkloadError(f"seq_len {seq_len} exceeds the config's {max_len} positions")
 
     def build() -> nn.Module:
-        cls = model_class
+        # Any: AutoModelFor... classes build with from_config, which a plain type lacks.
+        cls: Any = model_class
         if cls.__name__.startswith("AutoModel"):
             return HFModel(cls.from_config(config))
         return HFModel(cls(config))

@@ -37,7 +37,8 @@ class NvmlSource:
         self.available = False
         self.notice = ""
         self.static: dict[str, Any] = {}
-        self._nv = None
+        # The pynvml module once initialised (read as Any: its API is untyped), else None.
+        self._nv: Any = None
         self._handles: list[Any] = []
         self._unsupported: set[str] = set()
         try:
@@ -62,8 +63,10 @@ class NvmlSource:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _try(self, metric: str, fn: Callable[[], Any]) -> Any:
+    def _try(self, metric: str, fn: Callable[..., Any]) -> Any:
         """``fn()``, or None (remembering ``metric`` as unsupported) on any NVML error."""
+        # Callable[..., Any]: the callers' lambdas bind loop variables as defaults
+        # (``lambda h=h: ...``), which mypy cannot infer against Callable[[], Any].
         if metric in self._unsupported:
             return None
         try:

@@ -80,6 +80,7 @@ class PySpySource:
 
     def dump(self, pid: int) -> list[dict[str, Any]] | None:
         """The threads of ``pid`` as py-spy reports them, or None (error recorded)."""
+        assert self.exe is not None, "py-spy not found (check .available before dumping)"
         cmd = [self.exe, "dump", "--pid", str(pid), "--json"]
         if self.nonblocking:
             cmd.append("--nonblocking")
