@@ -22,7 +22,9 @@ def pytest_collection_modifyitems(config, items):
         marked = item.get_closest_marker
         if marked("gpu"):
             item.add_marker(pytest.mark.xdist_group("processes"))
-        elif marked("slow") and (marked("busy_ok") or marked("equivalence")) and not marked("timed"):
+        elif (
+            marked("slow") and (marked("busy_ok") or marked("equivalence")) and not marked("timed")
+        ):
             item.add_marker(pytest.mark.xdist_group("processes-busy-ok"))
         elif marked("slow"):
             item.add_marker(pytest.mark.xdist_group("processes"))

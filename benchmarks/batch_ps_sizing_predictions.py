@@ -85,17 +85,21 @@ def study(name: str, args, root: Path) -> dict:
     rows = []
     for i, cand in enumerate(candidates, start=1):
         batch = cand.knobs["batch_size"]
-        got = trial(spec, cand.knobs, steps, args.warmup, root / "trials" / f"{2 * i - 1:03d}-batch{batch}")
+        got = trial(
+            spec, cand.knobs, steps, args.warmup, root / "trials" / f"{2 * i - 1:03d}-batch{batch}"
+        )
         again = trial(spec, {}, steps, args.warmup, root / "trials" / f"{2 * i:03d}-baseline")
         baselines.append(again.median_s if again else None)
-        rows.append({
-            "batch": batch,
-            "predicted_s": cand.predicted_step_s,
-            "range_s": list(cand.predicted_range_s) if cand.predicted_range_s else None,
-            "measured_s": got.median_s if got else None,
-            "baselines_around_s": [b for b in baselines[-2:] if b],
-            "rationale": cand.rationale,
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "predicted_s": cand.predicted_step_s,
+                "range_s": list(cand.predicted_range_s) if cand.predicted_range_s else None,
+                "measured_s": got.median_s if got else None,
+                "baselines_around_s": [b for b in baselines[-2:] if b],
+                "rationale": cand.rationale,
+            }
+        )
     store.close()
     return {
         "workload": spec,
@@ -121,18 +125,26 @@ def summarise(studies: dict[str, dict]) -> dict:
             change_measured = c["measured_s"] / base
             change_local = c["measured_s"] / around
             change_predicted = c["predicted_s"] / base
-            points.append({
-                "workload": name,
-                "batch": c["batch"],
-                "error": abs(c["predicted_s"] - c["measured_s"]) / c["measured_s"],
-                "drift_corrected_error": abs(change_predicted - change_local) / change_local,
-                "predicted_change": change_predicted,
-                "measured_change": change_measured,
-                "in_range": bool(c["range_s"] and c["range_s"][0] <= c["measured_s"] <= c["range_s"][1]),
-            })
+            points.append(
+                {
+                    "workload": name,
+                    "batch": c["batch"],
+                    "error": abs(c["predicted_s"] - c["measured_s"]) / c["measured_s"],
+                    "drift_corrected_error": abs(change_predicted - change_local) / change_local,
+                    "predicted_change": change_predicted,
+                    "measured_change": change_measured,
+                    "in_range": bool(
+                        c["range_s"] and c["range_s"][0] <= c["measured_s"] <= c["range_s"][1]
+                    ),
+                }
+            )
     rho = None
     if len(points) >= 3:
-        rho = float(spearmanr([p["predicted_change"] for p in points], [p["measured_change"] for p in points])[0])
+        rho = float(
+            spearmanr(
+                [p["predicted_change"] for p in points], [p["measured_change"] for p in points]
+            )[0]
+        )
     return {
         "trials": len(points),
         "median_error": statistics.median(p["error"] for p in points) if points else None,
@@ -150,8 +162,12 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
     def pct(x):
         return "—" if x is None else f"{x:.0%}"
 
-    lines = [f"`{command}`", "", "| workload | batch | predicted | measured | error | drift-corrected |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"`{command}`",
+        "",
+        "| workload | batch | predicted | measured | error | drift-corrected |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     by_key = {(p["workload"], p["batch"]): p for p in summary["points"]}
     for name, st in studies.items():
         for c in st["candidates"]:
@@ -162,11 +178,16 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
                 f"{pct(p and p['error'])} | {pct(p and p['drift_corrected_error'])} |"
             )
     rho = "—" if summary["spearman"] is None else f"{summary['spearman']:.2f}"
-    lines += ["", f"Median error {pct(summary['median_error'])}, drift-corrected "
-              f"{pct(summary['median_drift_corrected_error'])}; Spearman {rho}; measured within the "
-              f"predicted range {summary['in_range']}/{summary['trials']}; noise floor (first baseline "
-              f"against its re-runs) {pct(summary['noise_floor'])}.", "",
-              "| workload | baselines | plan | wall |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"Median error {pct(summary['median_error'])}, drift-corrected "
+        f"{pct(summary['median_drift_corrected_error'])}; Spearman {rho}; measured within the "
+        f"predicted range {summary['in_range']}/{summary['trials']}; noise floor (first baseline "
+        f"against its re-runs) {pct(summary['noise_floor'])}.",
+        "",
+        "| workload | baselines | plan | wall |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, st in studies.items():
         shown = ", ".join(f"{b * 1e3:,.0f}" for b in st["baselines_s"] if b)
         lines.append(f"| {name} | {shown} ms | {st['plan_s']:.0f} s | {st['wall_s']:.0f} s |")
@@ -184,16 +205,22 @@ def main() -> None:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in CORPUS]
     if unknown:
-        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; the corpus is {', '.join(CORPUS)}")
+        raise SystemExit(
+            f"unknown workload(s) {', '.join(unknown)}; the corpus is {', '.join(CORPUS)}"
+        )
     studies = {}
     for name in names:
         print(f"{name}: {CORPUS[name][0]}", flush=True)
         studies[name] = study(name, args, args.out / name)
     summary = summarise(studies)
-    command = (f"python benchmarks/batch_ps_sizing_predictions.py --workloads {','.join(names)} "
-               f"--top {args.top} --steps {args.steps} --warmup {args.warmup}")
+    command = (
+        f"python benchmarks/batch_ps_sizing_predictions.py --workloads {','.join(names)} "
+        f"--top {args.top} --steps {args.steps} --warmup {args.warmup}"
+    )
     text = markdown(summary, studies, command)
-    (args.out / "predictions.json").write_text(json.dumps({"summary": summary, "studies": studies}, indent=2))
+    (args.out / "predictions.json").write_text(
+        json.dumps({"summary": summary, "studies": studies}, indent=2)
+    )
     (args.out / "predictions.md").write_text(text)
     print(text)
 

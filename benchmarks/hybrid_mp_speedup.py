@@ -51,7 +51,9 @@ def _median_iqr(xs: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy_wide")
+    ap.add_argument(
+        "--workload", default="tunekit.plugins.hybrid_mp.tests.workloads_hybrid_mp:branchy_wide"
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

@@ -137,9 +137,13 @@ def summarise(studies: dict[str, dict]) -> dict:
             rho = float(spearmanr([p / b for p, _, b, _ in ps], [m / b for _, m, b, _ in ps])[0])
         return {
             "trials": len(ps),
-            "median_error": statistics.median(relative_error(p, m) for p, m, _, _ in ps) if ps else None,
+            "median_error": statistics.median(relative_error(p, m) for p, m, _, _ in ps)
+            if ps
+            else None,
             "median_change_error": (
-                statistics.median(relative_error(at_load, m) for _, m, _, at_load in ps) if ps else None
+                statistics.median(relative_error(at_load, m) for _, m, _, at_load in ps)
+                if ps
+                else None
             ),
             "spearman": rho,
         }
@@ -161,7 +165,9 @@ def main() -> None:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in CORPUS]
     if unknown:
-        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(CORPUS)}")
+        raise SystemExit(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(CORPUS)}"
+        )
     studies = {}
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tunekit-layer-split-") as tmp:
@@ -174,7 +180,9 @@ def main() -> None:
     )
     for name, st in studies.items():
         base = statistics.median(st["baselines_s"])
-        print(f"{name}: baseline {base * 1e3:.1f} ms (runs {[round(b * 1e3) for b in st['baselines_s']]})")
+        print(
+            f"{name}: baseline {base * 1e3:.1f} ms (runs {[round(b * 1e3) for b in st['baselines_s']]})"
+        )
         for c in st["candidates"]:
             errs = ", ".join(f"{relative_error(c['predicted_s'], m):.0%}" for m in c["measured_s"])
             print(

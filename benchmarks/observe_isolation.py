@@ -95,12 +95,16 @@ def prepare(workload: str, work: Path) -> None:
     from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 
     trial_dir = work / "baseline"
-    out = run_trial_sync(TrialSpec(workload, warmup=2, steps=8, profile_steps=PROFILE_STEPS),
-                         LaunchOptions(nproc=2, timeout_s=600), trial_dir)
+    out = run_trial_sync(
+        TrialSpec(workload, warmup=2, steps=8, profile_steps=PROFILE_STEPS),
+        LaunchOptions(nproc=2, timeout_s=600),
+        trial_dir,
+    )
     if not out.ok:
         raise SystemExit(f"baseline trial failed: {out.error}")
-    (work / "baseline.json").write_text(json.dumps({"measurement": out.measurement.to_dict(),
-                                                    "trial_dir": str(trial_dir)}))
+    (work / "baseline.json").write_text(
+        json.dumps({"measurement": out.measurement.to_dict(), "trial_dir": str(trial_dir)})
+    )
 
 
 def main() -> None:
@@ -118,19 +122,28 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"in": [], "child": []}
     for i in range(args.repeats):
         for mode in ("in", "child") if i % 2 == 0 else ("child", "in"):
-            out = subprocess.run([sys.executable, __file__, "--workload", args.workload, "--one", mode, str(work)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--workload", args.workload, "--one", mode, str(work)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[mode].append(json.loads(out.stdout.splitlines()[-1]))
             t = runs[mode][-1]
-            print(f"run {i + 1} {mode:6s} observe {t['observe']:6.2f} s  tuners {t['tuners']:6.2f} s  "
-                  f"total {t['total']:6.2f} s", flush=True)
+            print(
+                f"run {i + 1} {mode:6s} observe {t['observe']:6.2f} s  tuners {t['tuners']:6.2f} s  "
+                f"total {t['total']:6.2f} s",
+                flush=True,
+            )
     print(f"\n{args.workload}, {args.repeats} runs each (median, range):")
     for stage in ("observe", "tuners", "total"):
         inp = [r[stage] for r in runs["in"]]
         child = [r[stage] for r in runs["child"]]
-        print(f"  {stage:8s} in-process {statistics.median(inp):6.2f} s ({min(inp):.2f}-{max(inp):.2f})   "
-              f"child {statistics.median(child):6.2f} s ({min(child):.2f}-{max(child):.2f})   "
-              f"added {statistics.median(child) - statistics.median(inp):+.2f} s")
+        print(
+            f"  {stage:8s} in-process {statistics.median(inp):6.2f} s ({min(inp):.2f}-{max(inp):.2f})   "
+            f"child {statistics.median(child):6.2f} s ({min(child):.2f}-{max(child):.2f})   "
+            f"added {statistics.median(child) - statistics.median(inp):+.2f} s"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

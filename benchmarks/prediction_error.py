@@ -55,9 +55,17 @@ CORPUS = {
 def run_study(name: str, spec: str, args, root: Path) -> dict:
     """One study of ``spec``; its trials as plain rows."""
     settings = AutoSettings(
-        workload=spec, nproc=2, plugins=args.plugins, trials=None, plan_limit=args.top, rerank=False,
+        workload=spec,
+        nproc=2,
+        plugins=args.plugins,
+        trials=None,
+        plan_limit=args.top,
+        rerank=False,
         in_job_search=False,
-        steps=args.steps, warmup=args.warmup, out_dir=root / name / "out", store_dir=root / name / "store",
+        steps=args.steps,
+        warmup=args.warmup,
+        out_dir=root / name / "out",
+        store_dir=root / name / "store",
     )
 
     async def drive() -> None:
@@ -67,7 +75,10 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
                 got = f"{ev.median_s * 1e3:.1f} ms" if ev.median_s else ev.status
                 print(f"  {name}: {ev.role} {ev.description[:70]}: {got}{pred}", flush=True)
             elif isinstance(ev, Notice | PluginProblem):
-                print(f"  {name}: {getattr(ev, 'message', '') or getattr(ev, 'error', '')}", flush=True)
+                print(
+                    f"  {name}: {getattr(ev, 'message', '') or getattr(ev, 'error', '')}",
+                    flush=True,
+                )
 
     start = time.monotonic()
     asyncio.run(drive())
@@ -84,15 +95,35 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
     for t in trials:
         if t.role not in ("candidate", "confirm"):
             continue
-        earlier = [u for u in trials if u.plugin == t.plugin and u.seq < t.seq and u.status == "ok"
-                   and u.role in ("candidate", "confirm") and u.predicted_s]
-        rows.append({"plugin": t.plugin, "role": t.role, "config": t.config, "status": t.status,
-                     "predicted_s": t.predicted_s, "corrected_s": t.corrected_s, "measured_s": t.median_s,
-                     "had_feedback": bool(earlier), "load": load_factor(t.seq, base_runs)})
+        earlier = [
+            u
+            for u in trials
+            if u.plugin == t.plugin
+            and u.seq < t.seq
+            and u.status == "ok"
+            and u.role in ("candidate", "confirm")
+            and u.predicted_s
+        ]
+        rows.append(
+            {
+                "plugin": t.plugin,
+                "role": t.role,
+                "config": t.config,
+                "status": t.status,
+                "predicted_s": t.predicted_s,
+                "corrected_s": t.corrected_s,
+                "measured_s": t.median_s,
+                "had_feedback": bool(earlier),
+                "load": load_factor(t.seq, base_runs),
+            }
+        )
     return {
-        "workload": spec, "baseline_s": statistics.median(base), "baseline_runs": len(base),
+        "workload": spec,
+        "baseline_s": statistics.median(base),
+        "baseline_runs": len(base),
         "drift": max(base) / min(base),
-        "applies": {n: d["applies"] for n, d in diagnoses.items()}, "trials": rows,
+        "applies": {n: d["applies"] for n, d in diagnoses.items()},
+        "trials": rows,
         "wall_s": time.monotonic() - start,
     }
 
@@ -117,32 +148,47 @@ def summarise(studies: dict[str, dict]) -> dict:
         for r in st["trials"]:
             if r["status"] != "ok" or not r["predicted_s"] or not r["measured_s"]:
                 continue
-            points.setdefault(r["plugin"], []).append({
-                "workload": wl,
-                "raw": relative_error(r["predicted_s"], r["measured_s"]),
-                "at_load": relative_error(r["predicted_s"] * r["load"], r["measured_s"]) if r.get("load") else None,
-                "corrected": relative_error(r["corrected_s"], r["measured_s"]),
-                "had_feedback": r["had_feedback"],
-                "predicted_change": r["predicted_s"] / st["baseline_s"],
-                "measured_change": r["measured_s"] / st["baseline_s"],
-            })
+            points.setdefault(r["plugin"], []).append(
+                {
+                    "workload": wl,
+                    "raw": relative_error(r["predicted_s"], r["measured_s"]),
+                    "at_load": relative_error(r["predicted_s"] * r["load"], r["measured_s"])
+                    if r.get("load")
+                    else None,
+                    "corrected": relative_error(r["corrected_s"], r["measured_s"]),
+                    "had_feedback": r["had_feedback"],
+                    "predicted_change": r["predicted_s"] / st["baseline_s"],
+                    "measured_change": r["measured_s"] / st["baseline_s"],
+                }
+            )
 
     def stats(ps: list[dict]) -> dict:
         corrected = [p["corrected"] for p in ps if p["corrected"] is not None]
         fed = [p for p in ps if p["had_feedback"] and p["corrected"] is not None]
         rho = None
         if len(ps) >= 3:
-            rho = float(spearmanr([p["predicted_change"] for p in ps], [p["measured_change"] for p in ps])[0])
+            rho = float(
+                spearmanr([p["predicted_change"] for p in ps], [p["measured_change"] for p in ps])[
+                    0
+                ]
+            )
         return {
             "trials": len(ps),
             "workloads": sorted({p["workload"] for p in ps}),
             "median_error": statistics.median(p["raw"] for p in ps) if ps else None,
-            "median_error_at_load": (statistics.median(x) if (x := [p["at_load"] for p in ps if p["at_load"] is not None])
-                                     else None),
+            "median_error_at_load": (
+                statistics.median(x)
+                if (x := [p["at_load"] for p in ps if p["at_load"] is not None])
+                else None
+            ),
             "median_corrected_error": statistics.median(corrected) if corrected else None,
             "with_feedback": len(fed),
-            "median_error_with_feedback_raw": statistics.median(p["raw"] for p in fed) if fed else None,
-            "median_error_with_feedback_corrected": statistics.median(p["corrected"] for p in fed) if fed else None,
+            "median_error_with_feedback_raw": statistics.median(p["raw"] for p in fed)
+            if fed
+            else None,
+            "median_error_with_feedback_corrected": statistics.median(p["corrected"] for p in fed)
+            if fed
+            else None,
             "spearman": rho,
         }
 
@@ -155,33 +201,54 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
     def pct(x):
         return "—" if x is None else f"{x:.0%}"
 
-    lines = [f"`{command}`", "",
-             "Median |predicted − measured| / measured. *After feedback*: every trial's prediction as "
-             "corrected by its tuner's earlier trials in the study (a tuner's first trial has none); "
-             "*trials with feedback*: only the trials that had an earlier one, raw → corrected.", "",
-             "*At the trial's load*: the raw prediction scaled by how much slower the baseline runs "
-             "beside the trial were than the first (the machine's drift, not the model's error).", "",
-             "| tuner | trials | workloads | median error (raw) | at the trial's load | after feedback | "
-             "trials with feedback | Spearman |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"`{command}`",
+        "",
+        "Median |predicted − measured| / measured. *After feedback*: every trial's prediction as "
+        "corrected by its tuner's earlier trials in the study (a tuner's first trial has none); "
+        "*trials with feedback*: only the trials that had an earlier one, raw → corrected.",
+        "",
+        "*At the trial's load*: the raw prediction scaled by how much slower the baseline runs "
+        "beside the trial were than the first (the machine's drift, not the model's error).",
+        "",
+        "| tuner | trials | workloads | median error (raw) | at the trial's load | after feedback | "
+        "trials with feedback | Spearman |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, s in summary.items():
         rho = "—" if s["spearman"] is None else f"{s['spearman']:.2f}"
-        fed = (f"{s['with_feedback']}: {pct(s['median_error_with_feedback_raw'])} → "
-               f"{pct(s['median_error_with_feedback_corrected'])}" if s["with_feedback"] else "—")
-        lines.append(f"| {name} | {s['trials']} | {', '.join(s['workloads'])} | {pct(s['median_error'])} | "
-                     f"{pct(s['median_error_at_load'])} | {pct(s['median_corrected_error'])} | {fed} | {rho} |")
-    lines += ["", "| workload | baseline (median of runs) | baseline runs | drift (slowest/fastest) | trials | wall |",
-              "| --- | --- | --- | --- | --- | --- |"]
+        fed = (
+            f"{s['with_feedback']}: {pct(s['median_error_with_feedback_raw'])} → "
+            f"{pct(s['median_error_with_feedback_corrected'])}"
+            if s["with_feedback"]
+            else "—"
+        )
+        lines.append(
+            f"| {name} | {s['trials']} | {', '.join(s['workloads'])} | {pct(s['median_error'])} | "
+            f"{pct(s['median_error_at_load'])} | {pct(s['median_corrected_error'])} | {fed} | {rho} |"
+        )
+    lines += [
+        "",
+        "| workload | baseline (median of runs) | baseline runs | drift (slowest/fastest) | trials | wall |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for wl, st in studies.items():
-        lines.append(f"| {wl} | {st['baseline_s'] * 1e3:.1f} ms | {st['baseline_runs']} | {st['drift']:.2f}x | "
-                     f"{len(st['trials'])} | {st['wall_s']:.0f} s |")
+        lines.append(
+            f"| {wl} | {st['baseline_s'] * 1e3:.1f} ms | {st['baseline_runs']} | {st['drift']:.2f}x | "
+            f"{len(st['trials'])} | {st['wall_s']:.0f} s |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(CORPUS))
-    ap.add_argument("--plugins", type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
-                    default=None, help="tuners to measure (comma-separated; default: all)")
+    ap.add_argument(
+        "--plugins",
+        type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+        default=None,
+        help="tuners to measure (comma-separated; default: all)",
+    )
     ap.add_argument("--top", type=int, default=3, help="candidates per tuner")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -190,19 +257,26 @@ def main() -> None:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in CORPUS]
     if unknown:
-        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; the corpus is {', '.join(CORPUS)}")
+        raise SystemExit(
+            f"unknown workload(s) {', '.join(unknown)}; the corpus is {', '.join(CORPUS)}"
+        )
     studies = {}
     with tempfile.TemporaryDirectory(prefix="tunekit-prediction-") as tmp:
         for name in names:
             print(f"{name}: {CORPUS[name]}", flush=True)
             studies[name] = run_study(name, CORPUS[name], args, Path(tmp))
     summary = summarise(studies)
-    command = ("python benchmarks/prediction_error.py --workloads " + ",".join(names)
-               + (f" --plugins {','.join(args.plugins)}" if args.plugins else "")
-               + f" --top {args.top} --steps {args.steps} --warmup {args.warmup}")
+    command = (
+        "python benchmarks/prediction_error.py --workloads "
+        + ",".join(names)
+        + (f" --plugins {','.join(args.plugins)}" if args.plugins else "")
+        + f" --top {args.top} --steps {args.steps} --warmup {args.warmup}"
+    )
     text = markdown(summary, studies, command)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prediction_error.json").write_text(json.dumps({"summary": summary, "studies": studies}, indent=2))
+    (args.out / "prediction_error.json").write_text(
+        json.dumps({"summary": summary, "studies": studies}, indent=2)
+    )
     (args.out / "prediction_error.md").write_text(text)
     print(text)
 

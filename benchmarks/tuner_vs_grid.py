@@ -71,7 +71,9 @@ def grid(spec: str) -> list[dict]:
     batches: list[int | None] = [None]  # None: the workload's own
     if w.batch_range is not None:
         lo, hi = w.batch_range
-        batches += sorted({b for b in (w.batch_size // 2, 2 * w.batch_size, 4 * w.batch_size) if lo <= b <= hi})
+        batches += sorted(
+            {b for b in (w.batch_size // 2, 2 * w.batch_size, 4 * w.batch_size) if lo <= b <= hi}
+        )
     sync = [None]  # None: DDP's defaults
     sync += [{"overlap_chunking": {"bucket_cap_mb": mb}} for mb in (1.0, 100.0)]
     sync += [{"overlap_chunking": {"mode": "two_chunk", "k": k, "f": 0}} for k in (2, 8)]
@@ -100,7 +102,8 @@ class Session:
         self.count += 1
         out = run_trial_sync(
             TrialSpec(self.spec, config, warmup=self.args.warmup, steps=self.args.steps),
-            self.opts, self.root / f"trial{self.count:03d}",
+            self.opts,
+            self.root / f"trial{self.count:03d}",
         )
         row = {"config": config, "status": out.status, "error": out.error[:200]}
         if out.ok and out.measurement is not None:
@@ -124,8 +127,14 @@ def speedup(baselines: list[list[float]], runs: list[list[float]]) -> float:
 
 def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int]:
     """``tunekit auto`` with its default budget: the winning config and its candidate trials."""
-    settings = AutoSettings(workload=spec, nproc=2, steps=args.steps, warmup=args.warmup,
-                            out_dir=root / "auto-out", store_dir=root / "auto-store")
+    settings = AutoSettings(
+        workload=spec,
+        nproc=2,
+        steps=args.steps,
+        warmup=args.warmup,
+        out_dir=root / "auto-out",
+        store_dir=root / "auto-store",
+    )
 
     async def drive() -> None:
         async for _ in run_auto(settings):
@@ -165,8 +174,11 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
     # Side by side: baseline, the grid's best and tunekit's pick, interleaved.
     final = {"baseline": [], "grid": [], "tunekit": []}
     for _ in range(args.final_rounds):
-        for arm, config in (("baseline", {"plugins": {}}), ("grid", best["config"] if best else {"plugins": {}}),
-                            ("tunekit", pick)):
+        for arm, config in (
+            ("baseline", {"plugins": {}}),
+            ("grid", best["config"] if best else {"plugins": {}}),
+            ("tunekit", pick),
+        ):
             row = s.run(config)
             if "per_sample" in row:
                 final[arm].append(row["per_sample"])
@@ -178,16 +190,24 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
         half = len(final["baseline"]) // 2
         self_ratio = speedup(final["baseline"][:half], final["baseline"][half:])
     return {
-        "workload": spec, "grid": results, "grid_trials": grid_trials,
+        "workload": spec,
+        "grid": results,
+        "grid_trials": grid_trials,
         "grid_best": best["config"] if best else None,
         "grid_best_speedup": best["speedup"] if best else None,
-        "tunekit_pick": pick, "tunekit_trials": auto_trials,
+        "tunekit_pick": pick,
+        "tunekit_trials": auto_trials,
         "tunekit_vs_grid": ratio,
         "tunekit_vs_grid_interval": interval,
         "baseline_vs_itself": self_ratio,
-        "final_grid_vs_baseline": speedup(final["baseline"], final["grid"]) if final["grid"] and final["baseline"] else None,
-        "final_tunekit_vs_baseline": (speedup(final["baseline"], final["tunekit"])
-                                      if final["tunekit"] and final["baseline"] else None),
+        "final_grid_vs_baseline": speedup(final["baseline"], final["grid"])
+        if final["grid"] and final["baseline"]
+        else None,
+        "final_tunekit_vs_baseline": (
+            speedup(final["baseline"], final["tunekit"])
+            if final["tunekit"] and final["baseline"]
+            else None
+        ),
     }
 
 
@@ -198,19 +218,27 @@ def markdown(results: dict, command: str) -> str:
     def ci(v):
         return "" if not v else f" ({v[0]:.2f}-{v[1]:.2f})"
 
-    lines = [f"`{command}`", "",
-             "| workload | grid best | grid best vs baseline | tunekit's pick | tunekit vs grid best "
-             "(95% interval) | baseline vs itself | tunekit trials / grid trials |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"`{command}`",
+        "",
+        "| workload | grid best | grid best vs baseline | tunekit's pick | tunekit vs grid best "
+        "(95% interval) | baseline vs itself | tunekit trials / grid trials |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in results.items():
+
         def desc(cfg):
-            return TuningConfig.from_dict(cfg).describe() if cfg and cfg.get("plugins") else "baseline"
+            return (
+                TuningConfig.from_dict(cfg).describe() if cfg and cfg.get("plugins") else "baseline"
+            )
 
         share = r["tunekit_trials"] / r["grid_trials"]
-        lines.append(f"| {name} | {desc(r['grid_best'])} | {x(r['final_grid_vs_baseline'])} | "
-                     f"{desc(r['tunekit_pick'])} | {x(r['tunekit_vs_grid'])}{ci(r.get('tunekit_vs_grid_interval'))} | "
-                     f"{x(r.get('baseline_vs_itself'))} | "
-                     f"{r['tunekit_trials']}/{r['grid_trials']} ({share:.0%}) |")
+        lines.append(
+            f"| {name} | {desc(r['grid_best'])} | {x(r['final_grid_vs_baseline'])} | "
+            f"{desc(r['tunekit_pick'])} | {x(r['tunekit_vs_grid'])}{ci(r.get('tunekit_vs_grid_interval'))} | "
+            f"{x(r.get('baseline_vs_itself'))} | "
+            f"{r['tunekit_trials']}/{r['grid_trials']} ({share:.0%}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -226,19 +254,26 @@ def main() -> None:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
-        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+        raise SystemExit(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}"
+        )
     results = {}
     with tempfile.TemporaryDirectory(prefix="tunekit-grid-") as tmp:
         for name in names:
             results[name] = bench(name, WORKLOADS[name], args, Path(tmp))
-    command = (f"python benchmarks/tuner_vs_grid.py --workloads {','.join(names)} --steps {args.steps} "
-               f"--warmup {args.warmup} --final-rounds {args.final_rounds}")
+    command = (
+        f"python benchmarks/tuner_vs_grid.py --workloads {','.join(names)} --steps {args.steps} "
+        f"--warmup {args.warmup} --final-rounds {args.final_rounds}"
+    )
     text = markdown(results, command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tuner_vs_grid.json").write_text(json.dumps(results, indent=2, default=str))
     (args.out / "tuner_vs_grid.md").write_text(text)
     print(text)
-    print("median tunekit/grid ratio:", statistics.median(r["tunekit_vs_grid"] or 0 for r in results.values()))
+    print(
+        "median tunekit/grid ratio:",
+        statistics.median(r["tunekit_vs_grid"] or 0 for r in results.values()),
+    )
 
 
 if __name__ == "__main__":

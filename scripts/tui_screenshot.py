@@ -38,9 +38,13 @@ async def shoot(size: tuple[int, int], out: Path) -> None:
     try:
         app = TunekitApp(backend, request, poll_s=1.0)
         async with app.run_test(size=size) as pilot:
-            await until(pilot, lambda: app.live_view.status == "running" and app.live_view.step >= 20, 600)
+            await until(
+                pilot, lambda: app.live_view.status == "running" and app.live_view.step >= 20, 600
+            )
             await pilot.press("3")
-            await until(pilot, lambda: isinstance(app.screen, TunersScreen) and app.tuner_views, 120)
+            await until(
+                pilot, lambda: isinstance(app.screen, TunersScreen) and app.tuner_views, 120
+            )
             await pilot.press("t")
             await until(pilot, lambda: app.study_view.state not in ("idle", "running"), 1800)
             await pilot.press("4")

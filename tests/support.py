@@ -15,13 +15,19 @@ CHAOS_PLUGIN = DATA / "chaos_plugin"
 WORKLOADS = DATA / "workloads.py"
 
 
-def run_cli(*args: str, cwd: Path, env_extra: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, env_extra: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run ``tunekit ARGS`` as a user would, in a child process."""
     env = dict(os.environ)
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "tunekit", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -106,10 +112,18 @@ def rank_broadcasts_without_unpickling(rank: int, world: int) -> list:
         def __init__(self, *args, **kwargs):
             raise AssertionError("a rank unpickled what another sent")
 
-    saved, c10d._unpickler = c10d._unpickler, Refuse  # what torch's object collectives unpickle with
+    saved, c10d._unpickler = (
+        c10d._unpickler,
+        Refuse,
+    )  # what torch's object collectives unpickle with
     try:
-        return [broadcast_object({"from": src, "plan": [1, 2.5, "x", None], "t": (1, 2)} if rank == src else None,
-                                 src=src) for src in range(world)]
+        return [
+            broadcast_object(
+                {"from": src, "plan": [1, 2.5, "x", None], "t": (1, 2)} if rank == src else None,
+                src=src,
+            )
+            for src in range(world)
+        ]
     finally:
         c10d._unpickler = saved
 
@@ -124,7 +138,10 @@ def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
     session = Session(load_workload(spec), rank=rank, world_size=world, group=dist.group.WORLD)
     losses = [session.train_step().loss for _ in range(steps)]
     session.close()
-    return {"params": {n: p.detach().clone() for n, p in session.model.named_parameters()}, "losses": losses}
+    return {
+        "params": {n: p.detach().clone() for n, p in session.model.named_parameters()},
+        "losses": losses,
+    }
 
 
 BUILT_IN_TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
@@ -139,4 +156,6 @@ def assert_every_tuner_heard_and_no_trial_crashed(report: dict) -> None:
         assert d["summary"], name
     trials = report["trials"]
     assert trials[0]["role"] == "baseline" and trials[0]["status"] == "ok"
-    assert all(t["status"] != "crash" for t in trials), [(t["description"], t["error"]) for t in trials]
+    assert all(t["status"] != "crash" for t in trials), [
+        (t["description"], t["error"]) for t in trials
+    ]

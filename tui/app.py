@@ -522,11 +522,7 @@ class TunekitApp(App[str]):
             self.call_from_thread(self._applied, "failed", str(exc), None)
             return
         state = (
-            "rolled_back"
-            if result.rolled_back
-            else "relaunched"
-            if result.relaunching
-            else "kept"
+            "rolled_back" if result.rolled_back else "relaunched" if result.relaunching else "kept"
         )
         self.call_from_thread(self._applied, state, result.message, result)
 

@@ -331,7 +331,9 @@ def attach(run: str, store_dir: Path, device: str = "auto", **options: Any) -> L
     return LiveBackend(rd, store_dir, device=device, **options)
 
 
-def _diagnosis_result(step: TunerStep, tuner: Tuner, against: BaselineView) -> DiagnosisResult | None:
+def _diagnosis_result(
+    step: TunerStep, tuner: Tuner, against: BaselineView
+) -> DiagnosisResult | None:
     """The app's row for a tuner once its diagnose-and-plan is over (None while its plan is to come)."""
     from tunekit.planning import TunerFailed, TunerPlanned
 

@@ -114,7 +114,9 @@ def tui_cmd(
         select(
             load_all(), request.plugins
         )  # an unknown or broken name: one line, before anything starts
-    ensure_writable(store_dir, "the study store folder (--store)")  # the job, studies and logs go there
+    ensure_writable(
+        store_dir, "the study store folder (--store)"
+    )  # the job, studies and logs go there
     if attach_run:
         backend = attach(attach_run, store_dir, device=device)
     else:
@@ -193,7 +195,9 @@ def children_write_to(log_path: Path) -> Iterator[None]:
             os.dup2(log.fileno(), fd)
         for name, stream in streams.items():
             encoding = getattr(stream, "encoding", None) or "utf-8"
-            setattr(sys, name, os.fdopen(terminal, "w", buffering=1, encoding=encoding, closefd=False))
+            setattr(
+                sys, name, os.fdopen(terminal, "w", buffering=1, encoding=encoding, closefd=False)
+            )
         try:
             yield
         finally:

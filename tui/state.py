@@ -587,7 +587,11 @@ class StudyView:
         batch = d.get("baseline_global_batch") or d.get("global_batch")
         if batch and d.get("baseline_median_s"):
             return batch / d["baseline_median_s"]
-        runs = [t.samples_per_s for t in self.trials if t.role == BASELINE and t.status == "ok" and t.samples_per_s]
+        runs = [
+            t.samples_per_s
+            for t in self.trials
+            if t.role == BASELINE and t.status == "ok" and t.samples_per_s
+        ]
         if runs:
             return statistics.median(runs)
         base, batch = self.baseline_median_s, (self.observed or {}).get("global_batch")
@@ -713,7 +717,8 @@ def best_target(study: StudyView) -> ApplyTarget | None:
     d = study.decision
     if d and d.get("winner", BASELINE) != BASELINE and d.get("winner_config"):
         return ApplyTarget(
-            dict(d["winner_config"]), f"winner {d['winner']} ({d.get('speedup', 1):.2f}x the baseline's samples/s)"
+            dict(d["winner_config"]),
+            f"winner {d['winner']} ({d.get('speedup', 1):.2f}x the baseline's samples/s)",
         )
     best = study.best
     if best is None or best.config is None:

@@ -14,7 +14,9 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import warnings  # noqa: E402
 
 # Profiling a fixed number of steps is deliberate; torch warns about it every time.
-warnings.filterwarnings("ignore", message=r"(?s).*Profiler clears events at the end of each cycle", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message=r"(?s).*Profiler clears events at the end of each cycle", category=UserWarning
+)
 warnings.filterwarnings("ignore", message=r"Profiler won't be using warmup", category=UserWarning)
 
 __version__ = "0.1.0"

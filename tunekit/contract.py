@@ -330,7 +330,9 @@ class Tuner(ABC):
                 f"{self.name}: unknown knob {unknown[0]!r}; known: {', '.join(declared)}"
             )
         return {
-            name: knob.check(knobs[name], where=f"{self.name}.{name}") if name in knobs else knob.default
+            name: knob.check(knobs[name], where=f"{self.name}.{name}")
+            if name in knobs
+            else knob.default
             for name, knob in declared.items()
         }
 

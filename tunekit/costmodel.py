@@ -44,14 +44,19 @@ class ComputeRate:
 
     def __post_init__(self) -> None:
         if not (self.flops_per_s > 0 and math.isfinite(self.flops_per_s)):
-            raise ValueError(f"a compute rate must be a positive number of FLOP/s, not {self.flops_per_s}")
+            raise ValueError(
+                f"a compute rate must be a positive number of FLOP/s, not {self.flops_per_s}"
+            )
 
     @classmethod
     def assumed(cls, peak_flops: float, efficiency: float) -> ComputeRate:
         """A fraction of the device's peak (for hardware one does not have)."""
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
-        return cls(peak_flops * efficiency, f"assumed: {efficiency:.0%} of {peak_flops / 1e12:.3g} TFLOP/s peak")
+        return cls(
+            peak_flops * efficiency,
+            f"assumed: {efficiency:.0%} of {peak_flops / 1e12:.3g} TFLOP/s peak",
+        )
 
     @classmethod
     def measured(cls, forward_flops_per_rank: float, compute_s: float) -> ComputeRate | None:
@@ -59,7 +64,10 @@ class ComputeRate:
         if not forward_flops_per_rank > 0 or not compute_s > 0:
             return None
         rate = training_flops(forward_flops_per_rank) / compute_s
-        return cls(rate, f"measured: {rate / 1e9:.1f} GFLOP/s in the baseline's compute ({compute_s * 1e3:.1f} ms)")
+        return cls(
+            rate,
+            f"measured: {rate / 1e9:.1f} GFLOP/s in the baseline's compute ({compute_s * 1e3:.1f} ms)",
+        )
 
     def seconds(self, flops: float) -> float:
         return flops / self.flops_per_s
@@ -103,7 +111,9 @@ class Calibration:
             measured = truth.part(part) if truth.profiled else None
             if measured is None:
                 scales[part] = 1.0
-                notes.append(f"{part}: not measured (the baseline was not profiled); model taken as is")
+                notes.append(
+                    f"{part}: not measured (the baseline was not profiled); model taken as is"
+                )
                 continue
             floor = 0.01 * truth.step_s  # below 1% of the step a ratio is noise
             if modelled <= floor or measured <= floor:
@@ -134,9 +144,7 @@ class Calibration:
         unknown = set(candidate) - set(self.baseline)
         if unknown:
             raise KeyError(f"parts {sorted(unknown)} have no baseline figure to change from")
-        change = sum(
-            self.scales[p] * (candidate[p] - self.baseline[p]) for p in candidate
-        )
+        change = sum(self.scales[p] * (candidate[p] - self.baseline[p]) for p in candidate)
         return max(self.truth.step_s + change, 1e-9)
 
     def predicted_range(self, predicted_s: float, spread_s: float) -> tuple[float, float]:

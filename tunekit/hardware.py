@@ -336,7 +336,9 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
                     peak_flops=r.num(t, "peak_tflops", p) * 1e12,
                 )
             )
-    switches = tuple(r.str(t, "name", f"switches[{i}].") for i, t in enumerate(data.get("switches", [])))
+    switches = tuple(
+        r.str(t, "name", f"switches[{i}].") for i, t in enumerate(data.get("switches", []))
+    )
     known = {d.name for d in devices} | set(switches) | set(host.sockets)
     if len(known) != len(devices) + len(switches) + len(host.sockets):
         raise HardwareError(f"{where}: device, switch and socket names must be unique")
@@ -488,7 +490,9 @@ class _Reader:
             raise HardwareError(f"{self.where}: field {prefix}{key} has low {low} > high {high}")
         return low * unit, high * unit
 
-    def num(self, data: dict, key: str, prefix: str = "", minimum: float = 0.0, default=_missing) -> float:
+    def num(
+        self, data: dict, key: str, prefix: str = "", minimum: float = 0.0, default=_missing
+    ) -> float:
         v = data.get(key, self._missing)
         if v is self._missing:
             if default is not self._missing:

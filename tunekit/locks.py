@@ -35,8 +35,16 @@ def describe_holder(holder: dict[str, Any]) -> str:
     if not holder.get("pid"):
         return "another process"
     what = holder.get("role") or "a process"
-    host = f" on {holder['host']}" if holder.get("host") and holder["host"] != socket.gethostname() else ""
-    since = f" since {time.strftime('%H:%M:%S', time.localtime(holder['since']))}" if holder.get("since") else ""
+    host = (
+        f" on {holder['host']}"
+        if holder.get("host") and holder["host"] != socket.gethostname()
+        else ""
+    )
+    since = (
+        f" since {time.strftime('%H:%M:%S', time.localtime(holder['since']))}"
+        if holder.get("since")
+        else ""
+    )
     return f"{what} (pid {holder['pid']}{host}){since}"
 
 

@@ -162,7 +162,9 @@ class AutoSettings:
 
 
 def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) -> str:
-    blob = json.dumps({"graph": graph_hash, "hw": hw_fingerprint, "settings": settings}, sort_keys=True)
+    blob = json.dumps(
+        {"graph": graph_hash, "hw": hw_fingerprint, "settings": settings}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -237,35 +239,72 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             yield notice
         try:
             static = await observe_in_child(
-                s.workload, s.launch.world_size, s.device, s.hardware, store, s.seed, s.launch.threads_per_rank,
-                True, s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1, s.timeout_s, s.store_dir,
-                observer)
-        except ObservationFailed as exc:  # no study yet (its key is the graph's hash): an event says it
-            store.log_event(None, "observation_failed", {"workload": s.workload, "status": exc.status,
-                                                         "error": str(exc)})
-            raise ObservationFailed(exc.status, f"could not observe {s.workload} ({exc.status}): {exc}") from None
-        if static.device_type == "cuda":  # its CUDA context would hold GPU memory beside the baseline trial
+                s.workload,
+                s.launch.world_size,
+                s.device,
+                s.hardware,
+                store,
+                s.seed,
+                s.launch.threads_per_rank,
+                True,
+                s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1,
+                s.timeout_s,
+                s.store_dir,
+                observer,
+            )
+        except (
+            ObservationFailed
+        ) as exc:  # no study yet (its key is the graph's hash): an event says it
+            store.log_event(
+                None,
+                "observation_failed",
+                {"workload": s.workload, "status": exc.status, "error": str(exc)},
+            )
+            raise ObservationFailed(
+                exc.status, f"could not observe {s.workload} ({exc.status}): {exc}"
+            ) from None
+        if (
+            static.device_type == "cuda"
+        ):  # its CUDA context would hold GPU memory beside the baseline trial
             await observer.close()  # the tuners' hooks then start a fresh one
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
         for notice in static.notices:
             yield Notice(notice, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
-        lock = store.lock_study(key, spec)  # before anything is reset or planned: one runner per study
+        lock = store.lock_study(
+            key, spec
+        )  # before anything is reset or planned: one runner per study
         for other in store.other_runners(key):
-            yield Notice(f"{describe_holder(other)} is running a study of {other.get('workload', 'another workload')} "
-                         "in this store now: its trials and these share this machine, which skews both", "warning")
+            yield Notice(
+                f"{describe_holder(other)} is running a study of {other.get('workload', 'another workload')} "
+                "in this store now: its trials and these share this machine, which skews both",
+                "warning",
+            )
 
         study = store.latest_study(key, unfinished=True) if s.resume else None
         resumed = study is not None
         if s.resume and not resumed:
-            yield Notice("--resume: no unfinished study of this workload and settings; starting a new one", "warning")
+            yield Notice(
+                "--resume: no unfinished study of this workload and settings; starting a new one",
+                "warning",
+            )
         if study is None:
             sid = store.create_study(
-                key=key, workload=spec, graph_hash=graph_hash, hw_fingerprint=hardware.fingerprint(),
-                nproc=s.nproc, settings=s.study_settings(),
+                key=key,
+                workload=spec,
+                graph_hash=graph_hash,
+                hw_fingerprint=hardware.fingerprint(),
+                nproc=s.nproc,
+                settings=s.study_settings(),
             )
-            store.add_trial(sid, seq=0, role=BASELINE, plugin=None, config_id=TuningConfig().config_id,
-                            config=TuningConfig().to_dict())
+            store.add_trial(
+                sid,
+                seq=0,
+                role=BASELINE,
+                plugin=None,
+                config_id=TuningConfig().config_id,
+                config=TuningConfig().to_dict(),
+            )
             study = store.study(sid)
         else:
             store.reset_unfinished(study.id)
@@ -286,8 +325,12 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             yield ev
         base_row = store.trials(sid)[0]
         if base_row.status != "ok":
-            store.set_study(sid, status="finished", finished=time.time(),
-                            decision={"winner": BASELINE, "reason": f"baseline failed: {base_row.error}"})
+            store.set_study(
+                sid,
+                status="finished",
+                finished=time.time(),
+                decision={"winner": BASELINE, "reason": f"baseline failed: {base_row.error}"},
+            )
             raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
         baseline = Measurement(**base_row.result["measurement"])
         obs = static.observation(s.launch.world_size, baseline, store)
@@ -298,7 +341,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if "summary" not in observation:
             observation["summary"] = _observation_summary(obs)
             if run.nodes is not None:
-                observation["summary"]["nodes"] = _nodes_summary(run.nodes, obs, base_row, run.node_probes)
+                observation["summary"]["nodes"] = _nodes_summary(
+                    run.nodes, obs, base_row, run.node_probes
+                )
                 if line := describe_slowest(observation["summary"]["nodes"]):
                     yield Notice(line)
         yield Observed(observation["summary"])
@@ -353,8 +398,12 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
     if s.launch.node_rank != 0:
         raise ConfigError("node ranks above 0 follow the coordinator: run `tunekit follow` there")
     if not s.launch.rdzv_endpoint:
-        raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator")
-    run.nodes, run.token_hint = host_coordinator(s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir)
+        raise ConfigError(
+            "several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator"
+        )
+    run.nodes, run.token_hint = host_coordinator(
+        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir
+    )
     return [Notice(run.nodes.how_to_follow(run.token_hint))]
 
 
@@ -362,14 +411,24 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
     joined: list[int] = []
-    await asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint,
-                            lambda r, hello: joined.append(r))
+    await asyncio.to_thread(
+        nodes.wait_for_followers,
+        run.s.join_timeout_s,
+        run.token_hint,
+        lambda r, hello: joined.append(r),
+    )
     for r in joined:
         yield Notice(describe_hello(nodes, r))
-    store.log_event(sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())})
+    store.log_event(
+        sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())}
+    )
     s = run.s
-    if s.probe and not s.hardware and s.nproc >= 2:  # each node's own collectives, measured on it, once
-        yield Notice(f"measuring each node's collectives on its {s.nproc} ranks (once per node; cached)")
+    if (
+        s.probe and not s.hardware and s.nproc >= 2
+    ):  # each node's own collectives, measured on it, once
+        yield Notice(
+            f"measuring each node's collectives on its {s.nproc} ranks (once per node; cached)"
+        )
         own = asyncio.create_task(asyncio.to_thread(_probe_here, s.nproc, s.device, store))
         replies = await asyncio.to_thread(nodes.probe, s.nproc, s.timeout_s)
         run.node_probes = {0: await own}
@@ -378,27 +437,44 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
             if "fits" in reply:
                 run.node_probes[r] = reply["fits"]
             else:
-                yield Notice(f"{nodes.describe(r)} could not measure its collectives: {reply['error']}", "warning")
+                yield Notice(
+                    f"{nodes.describe(r)} could not measure its collectives: {reply['error']}",
+                    "warning",
+                )
 
 
-def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings,
-             observation: dict[str, Any]) -> list[Notice]:
+def _qualify(
+    decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings, observation: dict[str, Any]
+) -> list[Notice]:
     """Say in the decision what limited it: no candidate asked for, every candidate predicted
     slower, a winner left unconfirmed by the budget, trials skipped for time, a machine too
     noisy to decide. Returns warnings."""
     notices = []
     tried = [t for t in trials if t.role != BASELINE]
     if s.trials == 0 and not tried:
-        decision["reason"] = ("--trials 0: the baseline was measured and every tuner diagnosed and planned "
-                              "(see the report); no candidate was tried")
+        decision["reason"] = (
+            "--trials 0: the baseline was measured and every tuner diagnosed and planned "
+            "(see the report); no candidate was tried"
+        )
     elif not tried and observation.get("dropped"):
-        decision["reason"] = (f"all {len(observation['dropped'])} planned candidate(s) were predicted slower than "
-                              "the baseline, so none was tried (--no-rerank tries them anyway)")
+        decision["reason"] = (
+            f"all {len(observation['dropped'])} planned candidate(s) were predicted slower than "
+            "the baseline, so none was tried (--no-rerank tries them anyway)"
+        )
     skipped = [t for t in trials if t.status == "skipped" and t.error == BUDGET_SKIP]
     if skipped:
         decision["budget_skipped"] = len(skipped)
-        decision["reason"] += f"; {len(skipped)} planned trial(s) did not fit the {s.budget_s:g} s budget"
-    winner = next((r for r in decision.get("candidates", []) if r.get("trial_id") == decision.get("winner_trial")), None)
+        decision["reason"] += (
+            f"; {len(skipped)} planned trial(s) did not fit the {s.budget_s:g} s budget"
+        )
+    winner = next(
+        (
+            r
+            for r in decision.get("candidates", [])
+            if r.get("trial_id") == decision.get("winner_trial")
+        ),
+        None,
+    )
     if winner is not None and winner.get("runs") == 1:
         why = " (the time budget left no room)" if s.budget_s is not None else ""
         decision["reason"] += f"; not confirmed by a second run{why}"
@@ -406,14 +482,23 @@ def _qualify(decision: dict[str, Any], trials: list[TrialRow], s: AutoSettings,
     if drift is not None:
         decision["baseline_drift"] = drift
         runs = " → ".join(f"{m * 1e3:.0f}" for m in drift["medians_s"])
-        verdict = ("too noisy to decide" if decision.get("winner") == BASELINE
-                   else "too noisy to trust this winner without a rerun")
-        advice = ("close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
-                  "then run again with more --steps")
+        verdict = (
+            "too noisy to decide"
+            if decision.get("winner") == BASELINE
+            else "too noisy to trust this winner without a rerun"
+        )
+        advice = (
+            "close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
+            "then run again with more --steps"
+        )
         decision["reason"] += f"; the baseline drifted between its runs ({runs} ms/step): {verdict}"
-        notices.append(Notice(
-            f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
-            f"({runs} ms/step): this machine was {verdict}; {advice}", "warning"))
+        notices.append(
+            Notice(
+                f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
+                f"({runs} ms/step): this machine was {verdict}; {advice}",
+                "warning",
+            )
+        )
     return notices
 
 
@@ -425,9 +510,13 @@ async def _pause(held: contextlib.ExitStack, rd: RunDir, workload: str) -> tuple
     try:
         reply = await asyncio.to_thread(held.enter_context, pause)
     except ControlError as exc:
-        return False, Notice(f"run {rd.run_id} could not be paused ({exc}); the trials share the machine with it",
-                             "warning")
-    return True, Notice(f"run {rd.run_id} paused at step {reply['paused_at']} while the trials measure this machine")
+        return False, Notice(
+            f"run {rd.run_id} could not be paused ({exc}); the trials share the machine with it",
+            "warning",
+        )
+    return True, Notice(
+        f"run {rd.run_id} paused at step {reply['paused_at']} while the trials measure this machine"
+    )
 
 
 def _describer(tuners: Mapping[str, Tuner]):
@@ -455,17 +544,29 @@ def _node_telemetry(trial_dir: Path, followers: list[int]) -> dict[str, Any]:
     return out
 
 
-def _nodes_summary(nodes: Coordinator, obs: Observation, base_row: TrialRow,
-                   probes: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+def _nodes_summary(
+    nodes: Coordinator,
+    obs: Observation,
+    base_row: TrialRow,
+    probes: dict[int, list[dict[str, Any]]],
+) -> dict[str, Any]:
     """Each node of the baseline: what it is, how long its ranks computed, how busy its CPUs were."""
     result = base_row.result or {}
     hellos = {0: describe_node(), **nodes.nodes}
     compute = {}
     if obs.breakdown is not None:
         compute = {rb.rank: rb.summary()["compute_s"] for rb in obs.breakdown.ranks}
-    telemetry = {0: result.get("telemetry"), **{int(r): t for r, t in (result.get("telemetry_nodes") or {}).items()}}
-    return node_summary(hellos, max(1, obs.nproc // nodes.nnodes), compute, telemetry,  # obs.nproc: the world
-                        probes)
+    telemetry = {
+        0: result.get("telemetry"),
+        **{int(r): t for r, t in (result.get("telemetry_nodes") or {}).items()},
+    }
+    return node_summary(
+        hellos,
+        max(1, obs.nproc // nodes.nnodes),
+        compute,
+        telemetry,  # obs.nproc: the world
+        probes,
+    )
 
 
 def _observation_summary(obs: Observation) -> dict[str, Any]:
@@ -488,7 +589,8 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         "truth": _truth_dict(obs),
         "telemetry": obs.telemetry,
         "top_layers": [_layer_row(obs, t) for t in obs.layer_profile.top(5)]
-        if obs.layer_profile is not None else [],
+        if obs.layer_profile is not None
+        else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
     }
 
@@ -498,8 +600,13 @@ def _layer_row(obs: Observation, t) -> dict[str, Any]:
     graph, flops = obs.graph, None
     if graph is not None and t.name in graph.layers and graph.batch_size:
         flops = graph.layers[t.name].flops * obs.workload.batch_size / graph.batch_size
-    return {"name": t.name, "kind": t.kind, "forward_s": t.forward_s, "backward_s": t.backward_s,
-            "flops": flops}
+    return {
+        "name": t.name,
+        "kind": t.kind,
+        "forward_s": t.forward_s,
+        "backward_s": t.backward_s,
+        "flops": flops,
+    }
 
 
 @dataclass
@@ -519,17 +626,31 @@ class _Planning:
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
             if s.in_job_search and type(tuner).search is not Tuner.search:
-                self.searches.append(PlannedTrial(SEARCH, name, TuningConfig({name: tuner.defaults()}),
-                                                  search={"plugin": name, "max_steps": s.search_steps}))
+                self.searches.append(
+                    PlannedTrial(
+                        SEARCH,
+                        name,
+                        TuningConfig({name: tuner.defaults()}),
+                        search={"plugin": name, "max_steps": s.search_steps},
+                    )
+                )
             self.plans[name] = [asdict(c) for c in step.candidates]
-            self.pool += [{"plugin": name, "config": cfg.to_dict(), "config_id": cfg.config_id,
-                           "predicted_s": c.predicted_step_s, "global_batch": c.global_batch}
-                          for c, cfg in zip(step.candidates, step.configs, strict=True)]
+            self.pool += [
+                {
+                    "plugin": name,
+                    "config": cfg.to_dict(),
+                    "config_id": cfg.config_id,
+                    "predicted_s": c.predicted_step_s,
+                    "global_batch": c.global_batch,
+                }
+                for c, cfg in zip(step.candidates, step.configs, strict=True)
+            ]
             self.gains[name] = step.diagnosis.expected_gain or 0.0
 
 
-async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation, tuners, observation,
-                             child: WorkloadProcess) -> AsyncIterator[Event]:
+async def _diagnose_and_plan(
+    run: _Run, store: Store, sid: int, obs: Observation, tuners, observation, child: WorkloadProcess
+) -> AsyncIterator[Event]:
     """Every tuner's diagnose and plan, then the schedule they add up to, stored at once."""
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     # Tuners time pieces of the model: their hooks run in the workload's process, under the
@@ -540,39 +661,86 @@ async def _diagnose_and_plan(run: _Run, store: Store, sid: int, obs: Observation
         async for step in diagnose_and_plan(tuners, hooks, limit):
             got.keep(step, tuners[step.name], run.s)
             yield step.event()
-    diagnoses, plans, pool, searches, gains = got.diagnoses, got.plans, got.pool, got.searches, got.gains
+    diagnoses, plans, pool, searches, gains = (
+        got.diagnoses,
+        got.plans,
+        got.pool,
+        got.searches,
+        got.gains,
+    )
     searches.sort(key=lambda t: -gains[t.plugin])
     if run.s.rerank:
         # The first candidates: every tuner's best, then the best predicted (no trials yet
         # to correct the predictions); after each trial `_feedback` re-ranks what is left.
         slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
-        ranked = rank_pool((PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch)
-        chosen, dropped = choose_next(ranked, {t.plugin for t in searches}, len(pool) if slots is None else slots,
-                                      run.s.min_effect)
+        ranked = rank_pool(
+            (PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch
+        )
+        chosen, dropped = choose_next(
+            ranked,
+            {t.plugin for t in searches},
+            len(pool) if slots is None else slots,
+            run.s.min_effect,
+        )
         if dropped:
-            observation["dropped"] = [{"plugin": r.entry.plugin, "config": r.entry.config,
-                                       "predicted_s": r.entry.predicted_s} for r in dropped]
-            yield Notice(f"{len(dropped)} planned candidate(s) not scheduled: predicted slower than the baseline "
-                         f"by more than --min-effect {run.s.min_effect:g} (--no-rerank tries them anyway)")
-        queue = searches + [PlannedTrial(CANDIDATE, r.entry.plugin, TuningConfig.from_dict(r.entry.config),
-                                         r.entry.predicted_s, corrected_s=r.corrected_s) for r in chosen]
+            observation["dropped"] = [
+                {
+                    "plugin": r.entry.plugin,
+                    "config": r.entry.config,
+                    "predicted_s": r.entry.predicted_s,
+                }
+                for r in dropped
+            ]
+            yield Notice(
+                f"{len(dropped)} planned candidate(s) not scheduled: predicted slower than the baseline "
+                f"by more than --min-effect {run.s.min_effect:g} (--no-rerank tries them anyway)"
+            )
+        queue = searches + [
+            PlannedTrial(
+                CANDIDATE,
+                r.entry.plugin,
+                TuningConfig.from_dict(r.entry.config),
+                r.entry.predicted_s,
+                corrected_s=r.corrected_s,
+            )
+            for r in chosen
+        ]
         planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
     else:  # every tuner's plan in its own order, round-robin by expected gain
         queues: dict[str, list[PlannedTrial]] = {t.plugin: [t] for t in searches}
         for e in pool:
-            queues.setdefault(e["plugin"], []).append(PlannedTrial(
-                CANDIDATE, e["plugin"], TuningConfig.from_dict(e["config"]), e["predicted_s"],
-                corrected_s=e["predicted_s"]))
-        planned = schedule(dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
-                           run.s.trials, run.s.baseline_every)
+            queues.setdefault(e["plugin"], []).append(
+                PlannedTrial(
+                    CANDIDATE,
+                    e["plugin"],
+                    TuningConfig.from_dict(e["config"]),
+                    e["predicted_s"],
+                    corrected_s=e["predicted_s"],
+                )
+            )
+        planned = schedule(
+            dict(sorted(queues.items(), key=lambda kv: -gains.get(kv[0], 0.0))),
+            run.s.trials,
+            run.s.baseline_every,
+        )
     # After the baseline (and anything run of a part-written plan an older tunekit left).
     first = max(t.seq for t in store.trials(sid) if t.done or t.seq == 0) + 1
-    rows = [{"seq": seq, "role": pt.role, "plugin": pt.plugin, "config_id": pt.config.config_id,
-             "config": {**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
-             "predicted_s": pt.predicted_s, "corrected_s": pt.corrected_s}
-            for seq, pt in enumerate(planned, start=first)]
+    rows = [
+        {
+            "seq": seq,
+            "role": pt.role,
+            "plugin": pt.plugin,
+            "config_id": pt.config.config_id,
+            "config": {**pt.config.to_dict(), **({"search": pt.search} if pt.search else {})},
+            "predicted_s": pt.predicted_s,
+            "corrected_s": pt.corrected_s,
+        }
+        for seq, pt in enumerate(planned, start=first)
+    ]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
-    store.add_trials(sid, rows, observation=observation, drop_pending=True)  # the schedule and its reasons, at once
+    store.add_trials(
+        sid, rows, observation=observation, drop_pending=True
+    )  # the schedule and its reasons, at once
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:
@@ -603,23 +771,43 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
         for t in pending:
             store.set_corrected(t.id, corrector.corrected(t.plugin, t.predicted_s))
         return None
-    not_pending = {t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")}
-    tried = {t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"}
+    not_pending = {
+        t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")
+    }
+    tried = {
+        t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"
+    }
     base_batch = (observation.get("summary") or {}).get("global_batch") or 1
     ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
     chosen, dropped = choose_next(ranked, tried, len(pending), min_effect)
-    store.replace_pending_candidates(sid, [
-        {"plugin": r.entry.plugin, "config_id": r.entry.config_id, "config": r.entry.config,
-         "predicted_s": r.entry.predicted_s, "corrected_s": r.corrected_s} for r in chosen])
+    store.replace_pending_candidates(
+        sid,
+        [
+            {
+                "plugin": r.entry.plugin,
+                "config_id": r.entry.config_id,
+                "config": r.entry.config,
+                "predicted_s": r.entry.predicted_s,
+                "corrected_s": r.corrected_s,
+            }
+            for r in chosen
+        ],
+    )
 
     def row(r) -> dict[str, Any]:
-        return {"plugin": r.entry.plugin, "config": r.entry.config, "predicted_s": r.entry.predicted_s,
-                "corrected_s": r.corrected_s}
+        return {
+            "plugin": r.entry.plugin,
+            "config": r.entry.config,
+            "predicted_s": r.entry.predicted_s,
+            "corrected_s": r.corrected_s,
+        }
 
     return Reranked(corrector.summary(), [row(r) for r in chosen], [row(r) for r in dropped])
 
 
-async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:
+async def _combine_winners(
+    run: _Run, store: Store, sid: int, spec: str, tuners
+) -> AsyncIterator[Event]:
     """If tuners of different aspects each won, try their winners together once."""
     trials = store.trials(sid)
     if any(t.role == COMBINED for t in trials):
@@ -644,11 +832,24 @@ async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners)
         yield Notice(f"winners cannot be combined: {exc}")
         return
     seq = max(t.seq for t in trials) + 1
-    store.add_trials(sid, [  # a combined run and its baseline, or neither
-        {"seq": seq, "role": COMBINED, "plugin": "+".join(sorted(merged.plugins)), "config_id": merged.config_id,
-         "config": merged.to_dict()},
-        {"seq": seq + 1, "role": BASELINE, "config_id": TuningConfig().config_id, "config": TuningConfig().to_dict()},
-    ])
+    store.add_trials(
+        sid,
+        [  # a combined run and its baseline, or neither
+            {
+                "seq": seq,
+                "role": COMBINED,
+                "plugin": "+".join(sorted(merged.plugins)),
+                "config_id": merged.config_id,
+                "config": merged.to_dict(),
+            },
+            {
+                "seq": seq + 1,
+                "role": BASELINE,
+                "config_id": TuningConfig().config_id,
+                "config": TuningConfig().to_dict(),
+            },
+        ],
+    )
     async for ev in _run_pending(run, store, sid, spec, tuners):
         yield ev
 
@@ -656,7 +857,9 @@ async def _combine_winners(run: _Run, store: Store, sid: int, spec: str, tuners)
 MAX_CONFIRMATIONS = 2
 
 
-async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) -> AsyncIterator[Event]:
+async def _confirm_leader(
+    run: _Run, store: Store, sid: int, spec: str, tuners
+) -> AsyncIterator[Event]:
     """Run the leading candidate again, beside another baseline run, before crowning it.
 
     Repeats (up to ``MAX_CONFIRMATIONS``) while the leader has a single run:
@@ -666,19 +869,38 @@ async def _confirm_leader(run: _Run, store: Store, sid: int, spec: str, tuners) 
         yield ev
     while True:
         trials = store.trials(sid)
-        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(budget_reserve(CONFIRM)):
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(
+            budget_reserve(CONFIRM)
+        ):
             return
-        leader = leader_to_confirm(decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect)
+        leader = leader_to_confirm(
+            decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect
+        )
         if leader is None:
             return
         seq = max(t.seq for t in trials) + 1
-        store.add_trials(sid, [  # a confirmation and its baseline, or neither
-            {"seq": seq, "role": CONFIRM, "plugin": leader["plugin"], "config_id": leader["config_id"],
-             "config": leader["config"], "predicted_s": leader["predicted_s"]},
-            {"seq": seq + 1, "role": BASELINE, "config_id": TuningConfig().config_id,
-             "config": TuningConfig().to_dict()},
-        ])
-        yield Notice(f"confirming the leader, {leader['description']}, with a second run beside the baseline")
+        store.add_trials(
+            sid,
+            [  # a confirmation and its baseline, or neither
+                {
+                    "seq": seq,
+                    "role": CONFIRM,
+                    "plugin": leader["plugin"],
+                    "config_id": leader["config_id"],
+                    "config": leader["config"],
+                    "predicted_s": leader["predicted_s"],
+                },
+                {
+                    "seq": seq + 1,
+                    "role": BASELINE,
+                    "config_id": TuningConfig().config_id,
+                    "config": TuningConfig().to_dict(),
+                },
+            ],
+        )
+        yield Notice(
+            f"confirming the leader, {leader['description']}, with a second run beside the baseline"
+        )
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev
 
@@ -699,14 +921,23 @@ def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] |
     return breakdown, result.get("telemetry")
 
 
-async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, only_seq: int | None = None,
-                       observe: bool = False) -> AsyncIterator[Event]:
+async def _run_pending(
+    run: _Run,
+    store: Store,
+    sid: int,
+    spec: str,
+    tuners,
+    only_seq: int | None = None,
+    observe: bool = False,
+) -> AsyncIterator[Event]:
     s = run.s
     describe = _describer(tuners)
 
     def next_pending() -> TrialRow | None:
         # Read afresh each time: feedback after a trial may have re-ranked the rest.
-        rows = [t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)]
+        rows = [
+            t for t in store.trials(sid) if not t.done and (only_seq is None or t.seq == only_seq)
+        ]
         return rows[0] if rows else None
 
     while True:
@@ -720,28 +951,61 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
         fits = run.fits_budget(budget_reserve(row.role))
         skip = BUDGET_SKIP if not fits else length.skip_reason
         if skip:
-            store.finish_trial(row.id, status="skipped", error=skip, result={"length": length.to_dict()})
-            yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), "skipped",
-                                None, None, row.predicted_s, skip, row.corrected_s)
+            store.finish_trial(
+                row.id, status="skipped", error=skip, result={"length": length.to_dict()}
+            )
+            yield TrialFinished(
+                row.id,
+                row.seq,
+                row.role,
+                row.plugin,
+                describe(row.config),
+                "skipped",
+                None,
+                None,
+                row.predicted_s,
+                skip,
+                row.corrected_s,
+            )
             continue
         if length.shortened:
             yield Notice(f"trial {row.seq} {describe(row.config)}: {length.reason}")
-        yield TrialStarted(row.id, row.seq, row.role, row.plugin, describe(row.config), row.predicted_s,
-                           index, total, row.corrected_s)
+        yield TrialStarted(
+            row.id,
+            row.seq,
+            row.role,
+            row.plugin,
+            describe(row.config),
+            row.predicted_s,
+            index,
+            total,
+            row.corrected_s,
+        )
         store.start_trial(row.id)
         spec_ = TrialSpec(
-            workload=spec, config={k: v for k, v in row.config.items() if k != "search"},
-            warmup=length.warmup, steps=length.steps, seed=s.seed, device=s.device, search=row.config.get("search"),
+            workload=spec,
+            config={k: v for k, v in row.config.items() if k != "search"},
+            warmup=length.warmup,
+            steps=length.steps,
+            seed=s.seed,
+            device=s.device,
+            search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
-        sampler = TelemetrySampler(trial_dir / "pids", interval_s=0.5, pyspy_interval_s=2.0) if observe else None
+        sampler = (
+            TelemetrySampler(trial_dir / "pids", interval_s=0.5, pyspy_interval_s=2.0)
+            if observe
+            else None
+        )
         if sampler is not None:
             shutil.rmtree(trial_dir / "pids", ignore_errors=True)
             sampler.start()
 
         def progress(p: dict[str, Any], trial_id=row.id) -> None:
-            run.queue.put_nowait(TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s")))
+            run.queue.put_nowait(
+                TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s"))
+            )
 
         task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress, run.nodes))
         while not task.done():
@@ -760,13 +1024,28 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             # Not the config's fault: the trial stays unfinished and runs again on --resume.
             why = "; ".join(lost.values())
             store.log_event(sid, "node_lost", {"seq": row.seq, "nodes": sorted(lost), "why": why})
-            yield TrialFinished(row.id, row.seq, row.role, row.plugin, describe(row.config), outcome.status,
-                                None, None, row.predicted_s, why, row.corrected_s)
-            raise NodesError(f"{why}; the study is saved: start that node's follower again and continue "
-                             "with --resume")
+            yield TrialFinished(
+                row.id,
+                row.seq,
+                row.role,
+                row.plugin,
+                describe(row.config),
+                outcome.status,
+                None,
+                None,
+                row.predicted_s,
+                why,
+                row.corrected_s,
+            )
+            raise NodesError(
+                f"{why}; the study is saved: start that node's follower again and continue "
+                "with --resume"
+            )
         for out in outcome.output:
             if out["dropped_bytes"]:
-                yield Notice(f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}")
+                yield Notice(
+                    f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}"
+                )
         run.trial_walls.append(outcome.wall_s)
         result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
@@ -781,15 +1060,30 @@ async def _run_pending(run: _Run, store: Store, sid: int, spec: str, tuners, onl
             config_desc = describe(row_cfg) + " (found in-job)"
             result["config_found"] = row_cfg
         store.finish_trial(
-            row.id, status=outcome.status, median_s=m.median_s if m else None,
-            spread_s=m.spread_s if m else None, samples_per_s=m.samples_per_s if m else None,
-            result=result, error=outcome.error or None,
+            row.id,
+            status=outcome.status,
+            median_s=m.median_s if m else None,
+            spread_s=m.spread_s if m else None,
+            samples_per_s=m.samples_per_s if m else None,
+            result=result,
+            error=outcome.error or None,
         )
         if outcome.search and outcome.ok:
             _record_search_config(store, row.id, result["config_found"])
-        yield TrialFinished(row.id, row.seq, row.role, row.plugin, config_desc, outcome.status,
-                            m.median_s if m else None, m.spread_s if m else None, row.predicted_s,
-                            outcome.error or None, row.corrected_s, samples_per_s=m.samples_per_s if m else None)
+        yield TrialFinished(
+            row.id,
+            row.seq,
+            row.role,
+            row.plugin,
+            config_desc,
+            outcome.status,
+            m.median_s if m else None,
+            m.spread_s if m else None,
+            row.predicted_s,
+            outcome.error or None,
+            row.corrected_s,
+            samples_per_s=m.samples_per_s if m else None,
+        )
         if row.role != BASELINE:
             reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:
@@ -808,12 +1102,19 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
     for r in outcome.ranks:
         metrics = [m for m in r.get("metrics", []) if m]
         rs = [m.get("overlap_R") for m in metrics if m.get("overlap_R") is not None]
-        ranks.append({
-            "rank": r.get("rank"), "status": r.get("status"), "step_s": r.get("step_s"),
-            "loss": r.get("loss"), "data_s": r.get("data_s"), "peak_memory_bytes": r.get("peak_memory_bytes"),
-            "batch_size": r.get("batch_size"), "global_batch": r.get("global_batch"),
-            "overlap_R": sum(rs) / len(rs) if rs else None,
-        })
+        ranks.append(
+            {
+                "rank": r.get("rank"),
+                "status": r.get("status"),
+                "step_s": r.get("step_s"),
+                "loss": r.get("loss"),
+                "data_s": r.get("data_s"),
+                "peak_memory_bytes": r.get("peak_memory_bytes"),
+                "batch_size": r.get("batch_size"),
+                "global_batch": r.get("global_batch"),
+                "overlap_R": sum(rs) / len(rs) if rs else None,
+            }
+        )
     return {
         "measurement": outcome.measurement.to_dict() if outcome.measurement else None,
         "ranks": ranks,

@@ -90,7 +90,9 @@ class TunerHooks(Protocol):
     async def plan(self, name: str, limit: int) -> list[Candidate]: ...
 
 
-async def diagnose_and_plan(tuners: Mapping[str, Tuner], hooks: TunerHooks, limit: int) -> AsyncIterator[TunerStep]:
+async def diagnose_and_plan(
+    tuners: Mapping[str, Tuner], hooks: TunerHooks, limit: int
+) -> AsyncIterator[TunerStep]:
     """For each tuner in order: its diagnosis (or failure), then, if it applies, its plan of at
     most ``limit`` candidates (or failure)."""
     for name, tuner in tuners.items():
@@ -137,15 +139,18 @@ class ChildHooks:
         return reply
 
 
-async def tuner_hook(child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache,
-                     **args: Any) -> tuple[dict[str, Any], str | None]:
+async def tuner_hook(
+    child: WorkloadProcess, hook: str, name: str, parts: dict[str, Any], cache, **args: Any
+) -> tuple[dict[str, Any], str | None]:
     """One tuner hook's reply, or the one line on why it failed; keeps what the tuner cached."""
     try:
         reply = await child.call(hook, f"running {name}'s {hook}", plugin=name, **args)
     except ChildRaised as exc:
         return {}, exc.one_line()
     except ObservationFailed as exc:
-        if exc.setup:  # the workload no longer loads: no tuner can run, and that is not theirs to report
+        if (
+            exc.setup
+        ):  # the workload no longer loads: no tuner can run, and that is not theirs to report
             raise
         return {}, str(exc)
     for key, value in reply.get("cache_puts", {}).items():
@@ -175,7 +180,9 @@ class InProcessHooks:
             raise HookFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
-def diagnose_and_plan_here(tuners: Mapping[str, Tuner], obs: Observation, limit: int) -> Iterator[TunerStep]:
+def diagnose_and_plan_here(
+    tuners: Mapping[str, Tuner], obs: Observation, limit: int
+) -> Iterator[TunerStep]:
     """:func:`diagnose_and_plan` with the hooks called in this process, blocking (the TUI's worker thread).
 
     No event loop runs it: the in-process hooks never wait on anything, so each step is driven

@@ -78,7 +78,9 @@ class RankPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-            ready = wait([*pending.values(), *(p.sentinel for p in self.procs)], timeout=min(left, 1.0))
+            ready = wait(
+                [*pending.values(), *(p.sentinel for p in self.procs)], timeout=min(left, 1.0)
+            )
             for rank, conn in list(pending.items()):
                 if conn in ready:
                     try:

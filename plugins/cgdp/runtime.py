@@ -294,7 +294,9 @@ class CgdpSync(HookedAccumulation, GradSync):
         if chunk_size < 1:
             raise PluginError(f"cgdp: chunk_size must be at least 1, not {chunk_size}")
         if chunk_by not in CHUNK_BY:
-            raise PluginError(f"cgdp: chunk_by must be one of {', '.join(CHUNK_BY)}, not {chunk_by!r}")
+            raise PluginError(
+                f"cgdp: chunk_by must be one of {', '.join(CHUNK_BY)}, not {chunk_by!r}"
+            )
         self.chunk_size = int(chunk_size)
         self.chunk_by = chunk_by
         self.offload_optimizer = offload_optimizer

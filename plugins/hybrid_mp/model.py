@@ -114,7 +114,6 @@ class OpGraph:
 # -- Δ(k), M(k), D(e) from a traced model ------------------------------------------------
 
 
-
 def optimizer_state_factor(optimizer_name: str) -> int:
     """Tensors of optimizer state per parameter: SGD with momentum 1, Adam 2, plain SGD 0."""
     name = optimizer_name.lower()
@@ -161,7 +160,9 @@ def op_graph_from_model(
             fwd, bwd = measured[name]
             fwd, bwd = fwd * scale, bwd * scale
         elif peak_flops:
-            fwd, bwd = ComputeRate.assumed(peak_flops, efficiency).forward_backward_s(lay.flops * scale)
+            fwd, bwd = ComputeRate.assumed(peak_flops, efficiency).forward_backward_s(
+                lay.flops * scale
+            )
         else:
             raise ConfigError(f"op graph: no measured time for layer {name} and no peak FLOP/s")
         memory = lay.param_bytes * (2 + state_factor) + lay.activation_bytes * scale

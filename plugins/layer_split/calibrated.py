@@ -108,7 +108,9 @@ class ExecutorOverhead:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutorOverhead:
-        return cls(**{k: data.get(k) for k in ("plain_s", "executor_s", "clock", "repeats", "ddp_s")})
+        return cls(
+            **{k: data.get(k) for k in ("plain_s", "executor_s", "clock", "repeats", "ddp_s")}
+        )
 
 
 def measure_executor_overhead(
@@ -185,6 +187,7 @@ def measure_executor_overhead(
                 workload.loss(ddp(inputs), targets).backward()
 
             actions["ddp"] = through_ddp
+
         def reset() -> None:
             for m in models:
                 m.zero_grad(set_to_none=True)

@@ -260,8 +260,7 @@ def specs_from_graph(graph, global_batch: int) -> dict[str, OpSpec]:
         anchor = nodes[layer.nodes[0]]
         const = (
             layer.kind not in ("input", "output")
-            and layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name
-            not in batched
+            and layer_output([nodes[m] for m in layer.nodes], layer.name, nodes).name not in batched
         )
         subgraph = runs_as_subgraph(graph, layer, batched)
         if layer.kind == "output":

@@ -458,9 +458,7 @@ def named_plan(session, name: str, trace_batch: int = 2) -> dict[str, SplitConfi
     from tunekit.api import trace_model
     from tunekit.plugins.layer_split.search import named_configs
 
-    graph = split_graph(
-        trace_model(session.model, session.workload.example_batch(trace_batch)[0])
-    )
+    graph = split_graph(trace_model(session.model, session.workload.example_batch(trace_batch)[0]))
     specs = specs_from_graph(graph, session.batch_size * session.world_size)
     spaces = {v: config_space(s, session.world_size) for v, s in specs.items()}
     return named_configs(specs, spaces, name)
@@ -476,9 +474,7 @@ def apply_plan(session, plan: Mapping[str, SplitConfig], trace_batch: int = 2) -
     """
     from tunekit.api import LocalSync, trace_model
 
-    graph = split_graph(
-        trace_model(session.model, session.workload.example_batch(trace_batch)[0])
-    )
+    graph = split_graph(trace_model(session.model, session.workload.example_batch(trace_batch)[0]))
     built: dict[int, PlanExecutor] = {}
 
     def executor_for(sess) -> PlanExecutor:

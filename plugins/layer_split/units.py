@@ -147,8 +147,22 @@ _REORDERS = frozenset({"transpose", "permute", "movedim", "swapaxes"})
 _RESHAPE_OPS = frozenset({"flatten", "view", "reshape", "contiguous", "squeeze", "unsqueeze"})
 _BROADCASTS = frozenset({"expand", "expand_as", "repeat"})
 _FOLDABLE = frozenset(
-    {"relu", "relu6", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "hardswish",
-     "elu", "selu", "dropout", "identity", "batch_norm"}
+    {
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "gelu",
+        "silu",
+        "sigmoid",
+        "tanh",
+        "hardtanh",
+        "hardswish",
+        "elu",
+        "selu",
+        "dropout",
+        "identity",
+        "batch_norm",
+    }
 )
 
 

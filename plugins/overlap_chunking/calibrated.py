@@ -92,7 +92,9 @@ class Fit:
         parts = {p: v for p, v in self.baseline.parts.items() if p != "other"}
         return Calibration.fit(self.truth, parts if self.method == JOINT else {})
 
-    def predicted_range(self, pred: Prediction, spread_s: float | None) -> tuple[float, float] | None:
+    def predicted_range(
+        self, pred: Prediction, spread_s: float | None
+    ) -> tuple[float, float] | None:
         cal = self.calibration
         if cal is None or spread_s is None:
             return None
@@ -137,7 +139,9 @@ def fit(
     """Calibrate ``costs`` on ``truth`` (see the module docstring)."""
     raw = predict_default(costs)
     if truth is None:
-        return Fit(costs, raw, raw, UNCALIBRATED, notes=["no baseline measured: the model is uncalibrated"])
+        return Fit(
+            costs, raw, raw, UNCALIBRATED, notes=["no baseline measured: the model is uncalibrated"]
+        )
     if truth.profiled:
         joint = _fit_joint(costs, truth, predict_default, raw)
         if joint is not None:
@@ -165,7 +169,9 @@ def _fit_compute_only(costs, truth, predict_default, raw, why: str) -> Fit:
         f"{why}: one compute factor (x{scale:.2f}) fitted to the measured step; "
         "collectives at the probe's times"
     )
-    return Fit(calibrated, raw, predict_default(calibrated), COMPUTE_ONLY, truth=truth, notes=[note])
+    return Fit(
+        calibrated, raw, predict_default(calibrated), COMPUTE_ONLY, truth=truth, notes=[note]
+    )
 
 
 @dataclass
@@ -222,7 +228,9 @@ def _fit_joint(costs, truth, predict_default, raw) -> Fit | None:
             return _root_in(lambda x: simulate(a, x, 0.0).blocked_s - target.exposed_s, lo, b), 0.0
         d = _root_in(
             lambda d: simulate(a, b, d).blocked_s - target.exposed_s,
-            0.0, target.step_s, geometric=False,
+            0.0,
+            target.step_s,
+            geometric=False,
         )
         return b, d
 

@@ -74,7 +74,9 @@ def _waits(pred: Prediction) -> str:
     waited = sorted((c for c in pred.comms if c.blocked_s > 0), key=lambda c: -c.blocked_s)
     if not waited:
         return "nothing"
-    return ", ".join(f"{c.name} ({c.nbytes / 2**20:.2f} MiB, {_ms(c.blocked_s)})" for c in waited[:3])
+    return ", ".join(
+        f"{c.name} ({c.nbytes / 2**20:.2f} MiB, {_ms(c.blocked_s)})" for c in waited[:3]
+    )
 
 
 def _scales(fit: calibration.Fit) -> str:
@@ -99,7 +101,9 @@ def _reconciliation(fit: calibration.Fit) -> str:
     if fit.comm_scale > 1.5 and fit.costs.comm_cpu_share > 0:
         text += " (gloo's threads wait for a share of the cores compute keeps busy)"
     if fit.peer_delay_s > 0:
-        text += f", and the peer rank posts the step's last collective {_ms(fit.peer_delay_s)} later"
+        text += (
+            f", and the peer rank posts the step's last collective {_ms(fit.peer_delay_s)} later"
+        )
     return text + "."
 
 

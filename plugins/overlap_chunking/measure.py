@@ -131,9 +131,15 @@ def measure_layer_times(
 
 def _profile_model(model, optimizer, workload, layers, inputs, targets, device, warmup, repeats):
     timing = time_groups(
-        model, optimizer, workload.loss, inputs, targets,
+        model,
+        optimizer,
+        workload.loss,
+        inputs,
+        targets,
         [(layer.name, [layer.name]) for layer in layers],
-        device=device, warmup=warmup, repeats=repeats,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
     )
     times = [LayerTime(g.name, g.forward_s, g.backward_s) for g in timing.groups]
     return times, timing.update_s / max(timing.param_bytes, 1)

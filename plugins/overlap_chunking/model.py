@@ -315,7 +315,13 @@ class _Channel:
             self.intervals.append([start, end])
 
     def post(
-        self, step: int, name: str, nbytes: int, at: float, work: float, not_before: float | None = None
+        self,
+        step: int,
+        name: str,
+        nbytes: int,
+        at: float,
+        work: float,
+        not_before: float | None = None,
     ) -> PredictedComm:
         comm = PredictedComm(name, nbytes, at, work_s=work, not_before_s=max(at, not_before or at))
         self.pending.append(comm)

@@ -70,9 +70,7 @@ def ddp_settings(costs: StepCosts, first_bucket_settable: bool = True) -> list[S
     return out
 
 
-def two_chunk_settings(
-    costs: StepCosts, boundaries: Sequence[bool] | None = None
-) -> list[Setting]:
+def two_chunk_settings(costs: StepCosts, boundaries: Sequence[bool] | None = None) -> list[Setting]:
     """Every k from the output end and every f the profile prices; with ``boundaries``
     (:func:`~tunekit.plugins.overlap_chunking.layers.block_boundaries`), only the k whose
     chunk 1 starts where ``boundaries`` allows: at a transformer block's border."""

@@ -27,11 +27,15 @@ model, optimizer, step = tunekit.prepare(
 )
 losses = []
 for s in range(steps):
-    inputs, targets = workload.make_batch(step.batch_size, torch.Generator().manual_seed(batch_seed(workload.seed, s, rank)))
+    inputs, targets = workload.make_batch(
+        step.batch_size, torch.Generator().manual_seed(batch_seed(workload.seed, s, rank))
+    )
     losses.append(step(inputs, targets))
 strategy = step.session.grad_sync.name
 step.close()
 if rank == 0:
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save({"losses": losses, "params": params, "strategy": strategy, "batch": step.batch_size}, out)
+    torch.save(
+        {"losses": losses, "params": params, "strategy": strategy, "batch": step.batch_size}, out
+    )
 dist.destroy_process_group()

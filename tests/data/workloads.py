@@ -177,7 +177,10 @@ class _SaysOutOfMemory(nn.Module):
         self.fc = nn.Linear(16, 2)
 
     def forward(self, x):
-        print("cache: evicting entries to stay clear of out of memory (OutOfMemoryError avoided)", flush=True)
+        print(
+            "cache: evicting entries to stay clear of out of memory (OutOfMemoryError avoided)",
+            flush=True,
+        )
         return self.fc(x)
 
 
@@ -240,6 +243,8 @@ def featured() -> Workload:
         batch_size=4,
         lr=0.2,
         accumulation=3,
-        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 3)
+        ),
         clip_grad_norm=0.5,
     )

@@ -25,7 +25,17 @@ def _trials(workdir):
 
 
 def test_auto_on_the_demo_writes_a_report_and_keeps_only_real_winners(cli, workdir):
-    res = cli("auto", "example:cnn", "--nproc", "2", "--trials", "3", "--plugins", "overlap_chunking", *FAST)
+    res = cli(
+        "auto",
+        "example:cnn",
+        "--nproc",
+        "2",
+        "--trials",
+        "3",
+        "--plugins",
+        "overlap_chunking",
+        *FAST,
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     out = workdir / "tunekit-out"
     for name in ("report.md", "report.json", "best_config.json", "best_config.md", "trials.png"):
@@ -59,27 +69,55 @@ def test_auto_on_the_demo_writes_a_report_and_keeps_only_real_winners(cli, workd
 def test_a_workload_that_raises_fails_its_baseline_clearly(cli, workdir):
     res = cli("auto", f"{WORKLOADS}:raises", "--trials", "1", "--no-probe", *FAST)
     assert res.returncode == 2
-    assert "the baseline trial failed (crash): RuntimeError: workload exploded on purpose" in res.stderr
+    assert (
+        "the baseline trial failed (crash): RuntimeError: workload exploded on purpose"
+        in res.stderr
+    )
     assert "Traceback" not in res.stderr
     assert _trials(workdir)[0]["status"] == "crash"
 
 
 @pytest.mark.busy_ok
-def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_running(workdir, chaos_env):
+def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_running(
+    workdir, chaos_env
+):
     # The chaos tuner's candidates raise, hang and run out of memory, in that order.
     # --stall: the hang is caught 8 s after its last step (steps take ~0.1 s, a
     # profiler start a second or two on a busy machine) instead of after --timeout.
-    args = [sys.executable, "-m", "tunekit", "auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", "--trials", "3",
-            "--stall", "8s", "--no-probe", "--json", *FAST]
+    args = [
+        sys.executable,
+        "-m",
+        "tunekit",
+        "auto",
+        f"{WORKLOADS}:tiny",
+        "--plugins",
+        "chaos",
+        "--trials",
+        "3",
+        "--stall",
+        "8s",
+        "--no-probe",
+        "--json",
+        *FAST,
+    ]
     env = {**os.environ, **chaos_env}
-    proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     finished = 0
     for line in proc.stdout:
         event = json.loads(line)
         if event["event"] == "TrialFinished":
             finished += 1
         if event["event"] == "TrialStarted" and finished == 2:  # the hanging candidate is starting
-            pids = workdir / ".tunekit" / "trials" / "study1" / f"{event['seq']:03d}-candidate" / "pids"
+            pids = (
+                workdir
+                / ".tunekit"
+                / "trials"
+                / "study1"
+                / f"{event['seq']:03d}-candidate"
+                / "pids"
+            )
             deadline = time.monotonic() + 120
             while len(list(pids.glob("rank*"))) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -89,10 +127,18 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
     before = {r["seq"]: r for r in _trials(workdir) if r["status"] not in ("pending", "running")}
     assert len(before) == 2
     assert len(list(pids.glob("rank*"))) == 2
-    _wait_until_gone(workdir / ".tunekit" / "trials", timeout=30)  # the orphaned trial died with its tuner
+    _wait_until_gone(
+        workdir / ".tunekit" / "trials", timeout=30
+    )  # the orphaned trial died with its tuner
 
-    res = subprocess.run([*args[:-len(FAST)], "--resume", *FAST], cwd=workdir, env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [*args[: -len(FAST)], "--resume", *FAST],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     events = [json.loads(line) for line in res.stdout.splitlines()]
     started = next(e for e in events if e["event"] == "StudyStarted")
@@ -102,7 +148,11 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
     after = {r["seq"]: r for r in _trials(workdir)}
     for seq, row in before.items():
         assert after[seq]["finished"] == row["finished"] and after[seq]["id"] == row["id"]
-    status = {json.loads(r["config"])["plugins"]["chaos"]["mode"]: r for r in after.values() if r["role"] != "baseline"}
+    status = {
+        json.loads(r["config"])["plugins"]["chaos"]["mode"]: r
+        for r in after.values()
+        if r["role"] != "baseline"
+    }
     assert status["raise"]["status"] == "crash" and "injected failure" in status["raise"]["error"]
     assert status["hang"]["status"] == "hang" and "no step finished" in status["hang"]["error"]
     assert status["oom"]["status"] == "oom"
@@ -123,9 +173,23 @@ def _wait_until_gone(trials: Path, timeout: float) -> None:
 
 @pytest.mark.busy_ok
 def test_ctrl_c_stops_auto_in_one_line_with_the_command_that_resumes(workdir):
-    args = ["auto", f"{WORKLOADS}:tiny", "--plugins", "overlap_chunking", "--trials", "2", "--no-probe", *FAST]
-    proc = subprocess.Popen([sys.executable, "-m", "tunekit", *args], cwd=workdir, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [
+        "auto",
+        f"{WORKLOADS}:tiny",
+        "--plugins",
+        "overlap_chunking",
+        "--trials",
+        "2",
+        "--no-probe",
+        *FAST,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunekit", *args],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("observed:"):  # the baseline is done; candidates are next
             time.sleep(2)
@@ -142,8 +206,13 @@ def test_ctrl_c_stops_auto_in_one_line_with_the_command_that_resumes(workdir):
     assert conn.execute("SELECT status FROM studies").fetchone() == ("interrupted",)
     conn.close()
     # The command it gives continues the same study.
-    again = subprocess.Popen([sys.executable, "-m", "tunekit", *shlex.split(command)[1:], "--json"], cwd=workdir,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    again = subprocess.Popen(
+        [sys.executable, "-m", "tunekit", *shlex.split(command)[1:], "--json"],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         started = next(json.loads(ln) for ln in again.stdout if '"StudyStarted"' in ln)
         assert started["resumed"] and started["study_id"] == 1
@@ -152,7 +221,9 @@ def test_ctrl_c_stops_auto_in_one_line_with_the_command_that_resumes(workdir):
         again.wait()
 
 
-def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(cli, workdir, chaos_env):
+def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(
+    cli, workdir, chaos_env
+):
     # The chaos tuner proposes what this test plans. Against a 2-minute timeout (x1.5 headroom,
     # after the baseline's start-up, up to a minute on a busy machine):
     #  - an unchanged config predicted at 10 s/step: 19 steps do not fit, 4 do: it runs shortened
@@ -161,9 +232,21 @@ def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(
     # --no-rerank: the plan runs as planned (re-ranking would drop both, predicted slower). The
     # skipped one first: after a measured trial, feedback would correct the other's prediction.
     plan = [{"mode": "slow", "predicted_s": 1000.0}, {"mode": "ok", "predicted_s": 10.0}]
-    res = cli("auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", "--trials", "2", "--timeout", "2m",
-              "--min-effect", "0.5", "--no-probe", "--no-rerank",
-              env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)})
+    res = cli(
+        "auto",
+        f"{WORKLOADS}:tiny",
+        "--plugins",
+        "chaos",
+        "--trials",
+        "2",
+        "--timeout",
+        "2m",
+        "--min-effect",
+        "0.5",
+        "--no-probe",
+        "--no-rerank",
+        env_extra={**chaos_env, "TUNEKIT_CHAOS_PLAN": json.dumps(plan)},
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     skipped, shortened = (r for r in _trials(workdir) if r["role"] == "candidate")
 
@@ -173,11 +256,15 @@ def test_candidates_predicted_too_slow_for_the_timeout_are_shortened_or_skipped(
     assert (length["planned_warmup"], length["planned_steps"]) == (3, 16)
     assert length["warmup"] == 1 and 3 <= length["steps"] < 16  # warm-up gave way first
     assert len(result["measurement"]["step_s"]) == length["steps"]
-    assert length["reason"].startswith(f"predicted 10.0 s/step: shortened to {1 + length['steps']} of 19 planned steps")
+    assert length["reason"].startswith(
+        f"predicted 10.0 s/step: shortened to {1 + length['steps']} of 19 planned steps"
+    )
     assert "shortened to" in " ".join(res.stdout.split())  # said as it happened (rich wraps lines)
 
     assert skipped["status"] == "skipped" and skipped["started"] is None
-    assert skipped["error"].startswith("predicted 1000.0 s/step: even 4 steps would exceed the 120 s trial timeout")
+    assert skipped["error"].startswith(
+        "predicted 1000.0 s/step: even 4 steps would exceed the 120 s trial timeout"
+    )
 
     report = (workdir / "tunekit-out" / "report.md").read_text()
     assert f"| ok | 1+{length['steps']} |" in report and length["reason"] in report

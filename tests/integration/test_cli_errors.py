@@ -33,8 +33,14 @@ def _one_line_error(res, needle):
         (["auto", "--trials", "2", "--budget", "1m"], "give --trials or --budget, not both"),
         (["plan", "nope"], "unknown plugin 'nope'"),
         (["report", "7"], "no study store"),
-        (["auto", f"{WORKLOADS}:forward_fails", "--no-probe"], "its forward pass fails on the example batch"),
-        (["plan", "overlap_chunking", f"{WORKLOADS}:forward_fails"], "its forward pass fails on the example batch"),
+        (
+            ["auto", f"{WORKLOADS}:forward_fails", "--no-probe"],
+            "its forward pass fails on the example batch",
+        ),
+        (
+            ["plan", "overlap_chunking", f"{WORKLOADS}:forward_fails"],
+            "its forward pass fails on the example batch",
+        ),
         (["profile", f"{WORKLOADS}:forward_fails"], "its forward pass fails on the example batch"),
     ],
 )
@@ -67,23 +73,41 @@ def test_plugins_lists_every_builtin_with_its_state(cli):
 
 def _finished_study(db):
     store = Store(db)
-    sid = store.create_study(key="k", workload="example:cnn", graph_hash="g", hw_fingerprint="h", nproc=2,
-                             settings={"steps": 4})
-    tid = store.add_trial(sid, seq=0, role="baseline", plugin=None, config_id="base", config={"plugins": {}})
-    store.finish_trial(tid, status="ok", median_s=0.1, spread_s=0.01, samples_per_s=100.0, result={"ranks": []})
-    store.set_study(sid, status="finished", decision={"winner": "baseline", "reason": "nothing beat it"})
+    sid = store.create_study(
+        key="k",
+        workload="example:cnn",
+        graph_hash="g",
+        hw_fingerprint="h",
+        nproc=2,
+        settings={"steps": 4},
+    )
+    tid = store.add_trial(
+        sid, seq=0, role="baseline", plugin=None, config_id="base", config={"plugins": {}}
+    )
+    store.finish_trial(
+        tid, status="ok", median_s=0.1, spread_s=0.01, samples_per_s=100.0, result={"ranks": []}
+    )
+    store.set_study(
+        sid, status="finished", decision={"winner": "baseline", "reason": "nothing beat it"}
+    )
     store.close()
 
 
 @pytest.mark.parametrize(
     ("damage", "needle", "list_ok"),
     [
-        ("UPDATE studies SET decision = '{\"winner\": '", "study 1's decision is not valid JSON", False),
+        (
+            "UPDATE studies SET decision = '{\"winner\": '",
+            "study 1's decision is not valid JSON",
+            False,
+        ),
         ("UPDATE trials SET config = 'not json'", "trial 1's config is not valid JSON", True),
         ("DROP TABLE events", "is damaged (no table 'events')", False),
     ],
 )
-def test_report_on_a_damaged_store_says_so_in_one_line_and_changes_nothing(workdir, capsys, damage, needle, list_ok):
+def test_report_on_a_damaged_store_says_so_in_one_line_and_changes_nothing(
+    workdir, capsys, damage, needle, list_ok
+):
     db = workdir / ".tunekit" / "tunekit.db"
     _finished_study(db)
     conn = sqlite3.connect(db)
@@ -106,10 +130,19 @@ def test_report_on_a_damaged_store_says_so_in_one_line_and_changes_nothing(workd
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["profile", f"{WORKLOADS}:tiny"], "cannot write the profile folder (--out) tunekit-profile"),
-        (["run", f"{WORKLOADS}:tiny", "--steps", "1"], "cannot write the study store folder (--store) .tunekit"),
+        (
+            ["profile", f"{WORKLOADS}:tiny"],
+            "cannot write the profile folder (--out) tunekit-profile",
+        ),
+        (
+            ["run", f"{WORKLOADS}:tiny", "--steps", "1"],
+            "cannot write the study store folder (--store) .tunekit",
+        ),
         (["tui", f"{WORKLOADS}:tiny"], "cannot write the study store folder (--store) .tunekit"),
-        (["auto", f"{WORKLOADS}:tiny", "--no-probe"], "cannot write the study store folder (--store) .tunekit"),
+        (
+            ["auto", f"{WORKLOADS}:tiny", "--no-probe"],
+            "cannot write the study store folder (--store) .tunekit",
+        ),
         (["hardware", "probe"], "cannot write the study store folder (--store) .tunekit"),
     ],
 )
@@ -119,8 +152,13 @@ def test_a_read_only_working_directory_is_one_line_before_any_work(tmp_path, arg
     cwd.chmod(0o555)
     try:
         # limited(): the suite may run as root, which would write there regardless.
-        res = subprocess.run(limited([sys.executable, "-m", "tunekit", *args], obey_file_modes=True), cwd=cwd,
-                             capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            limited([sys.executable, "-m", "tunekit", *args], obey_file_modes=True),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         cwd.chmod(0o755)
     lines = _one_line_error(res, needle)

@@ -43,7 +43,9 @@ def test_a_missing_workload_file_fails_before_torch_loads(workdir, command):
         "import sys; from tunekit.cli.main import main; "
         f"code = main({[*command, 'missing.py:fn']!r}); print(code, 'torch' in sys.modules)"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300
+    )
     assert res.stdout.split() == ["2", "False"], res.stderr
     assert "workload file missing.py not found" in res.stderr and "Traceback" not in res.stderr
 
@@ -60,8 +62,22 @@ def test_hardware_show_without_a_profile_shows_this_machine(cli):
 def test_a_config_copied_from_plan_applies_to_a_live_run(cli, workdir):
     workload = f"{WORKLOADS}:light_cnn"
     job = subprocess.Popen(
-        [sys.executable, "-m", "tunekit", "run", workload, "--nproc", "2", "--name", "job", "--watch-window", "4"],
-        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "tunekit",
+            "run",
+            workload,
+            "--nproc",
+            "2",
+            "--name",
+            "job",
+            "--watch-window",
+            "4",
+        ],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         # Every candidate comes apply-ready, fastest predicted (per sample) first.
@@ -92,12 +108,15 @@ def test_a_config_copied_from_plan_applies_to_a_live_run(cli, workdir):
 
         args = shlex.split(first["apply"])[3:]
         res = cli("apply", "job", *args)
-        assert res.returncode in (0, 1), res.stderr  # kept, or rolled back by the watch: applied either way
+        assert res.returncode in (0, 1), (
+            res.stderr
+        )  # kept, or rolled back by the watch: applied either way
         assert "applied at step" in res.stdout
         assert rd.read_events()[-1]["kind"] in ("applied", "watch_kept", "rolled_back")
         applied = next(e for e in reversed(rd.read_events()) if e["kind"] == "applied")
-        assert TuningConfig.from_dict(applied["config"]).plugins["batch_ps_sizing"]["batch_size"] == (
-            TuningConfig.from_pairs(args).plugins["batch_ps_sizing"]["batch_size"]
+        assert (
+            TuningConfig.from_dict(applied["config"]).plugins["batch_ps_sizing"]["batch_size"]
+            == (TuningConfig.from_pairs(args).plugins["batch_ps_sizing"]["batch_size"])
         )
 
         status = cli("status", "job")

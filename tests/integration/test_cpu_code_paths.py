@@ -41,9 +41,24 @@ def test_equivalence_tests_pass_with_scalar_kernels_and_two_threads():
     }
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *FILES, "-m", "equivalence and not gpu and not timed", "-n", "0", "-q",
-         "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *FILES,
+            "-m",
+            "equivalence and not gpu and not timed",
+            "-n",
+            "0",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

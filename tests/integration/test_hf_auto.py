@@ -5,15 +5,29 @@ import json
 import pytest
 from support import assert_every_tuner_heard_and_no_trial_crashed
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install 'tunekit[hf]')")
+pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'tunekit[hf]')"
+)
 
 
 @pytest.mark.slow
 @pytest.mark.busy_ok  # it checks the pipeline end to end, not timings
 @pytest.mark.timeout(900)  # torch.export capture, a layer profile and 4+ torchrun trials on 2 ranks
 def test_auto_tunes_hf_gpt2_with_all_five_tuners_diagnosing_it(cli, workdir):
-    res = cli("auto", "example:hf-gpt2", "--nproc", "2", "--trials", "2", "--steps", "6",
-              "--warmup", "1", "--no-probe", timeout=840)
+    res = cli(
+        "auto",
+        "example:hf-gpt2",
+        "--nproc",
+        "2",
+        "--trials",
+        "2",
+        "--steps",
+        "6",
+        "--warmup",
+        "1",
+        "--no-probe",
+        timeout=840,
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
     graph = report["observation"]["graph"]

@@ -15,8 +15,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.busy_ok]
 
 def test_ok_trial_reports_every_rank_and_progress(tmp_path):
     seen = []
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=5), LaunchOptions(nproc=2, timeout_s=120),
-                         tmp_path, on_progress=seen.append)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=5),
+        LaunchOptions(nproc=2, timeout_s=120),
+        tmp_path,
+        on_progress=seen.append,
+    )
     assert out.status == "ok", out.error
     assert [r["rank"] for r in out.ranks] == [0, 1]
     assert all(len(r["step_s"]) == 5 and r["status"] == "ok" for r in out.ranks)
@@ -27,7 +31,11 @@ def test_ok_trial_reports_every_rank_and_progress(tmp_path):
 
 
 def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:raises", warmup=1, steps=4), LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:raises", warmup=1, steps=4),
+        LaunchOptions(nproc=2, timeout_s=120),
+        tmp_path,
+    )
     assert out.status == "crash"
     assert "workload exploded on purpose" in out.error
     assert not live_rank_pids(tmp_path)
@@ -35,8 +43,11 @@ def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
 
 def test_a_workload_whose_steps_stop_is_killed_as_a_hang_without_waiting_for_the_timeout(tmp_path):
     start = time.monotonic()
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4),
-                         LaunchOptions(nproc=2, timeout_s=300, stall_s=2), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4),
+        LaunchOptions(nproc=2, timeout_s=300, stall_s=2),
+        tmp_path,
+    )
     assert out.status == "hang"
     # Its third forward pass never returns: the last step line was measure step 1.
     assert out.error.startswith("no step finished for ") and "after measure step 1/4" in out.error
@@ -45,8 +56,11 @@ def test_a_workload_whose_steps_stop_is_killed_as_a_hang_without_waiting_for_the
 
 
 def test_a_trial_past_its_timeout_is_killed_as_a_hang(tmp_path):
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4),
-                         LaunchOptions(nproc=2, timeout_s=3, stall_s=None), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4),
+        LaunchOptions(nproc=2, timeout_s=3, stall_s=None),
+        tmp_path,
+    )
     assert out.status == "hang"
     assert out.error == "no result within 3 s; killed the trial's processes"
     assert not live_rank_pids(tmp_path)
@@ -54,15 +68,20 @@ def test_a_trial_past_its_timeout_is_killed_as_a_hang(tmp_path):
 
 def test_out_of_memory_is_classified(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", chaos_pythonpath()["PYTHONPATH"])
-    spec = TrialSpec("example:cnn", config={"plugins": {"chaos": {"mode": "oom"}}}, warmup=1, steps=3)
+    spec = TrialSpec(
+        "example:cnn", config={"plugins": {"chaos": {"mode": "oom"}}}, warmup=1, steps=3
+    )
     out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=120), tmp_path)
     assert out.status == "oom"
     assert "out of memory" in out.error
 
 
 def test_two_loopback_nodes_form_one_job(tmp_path):
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=3),
-                         LaunchOptions(nproc=1, loopback_nodes=2, timeout_s=120), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=3),
+        LaunchOptions(nproc=1, loopback_nodes=2, timeout_s=120),
+        tmp_path,
+    )
     assert out.status == "ok", out.error
     assert sorted(r["rank"] for r in out.ranks) == [0, 1]
     assert all(r["world_size"] == 2 for r in out.ranks)
@@ -70,15 +89,24 @@ def test_two_loopback_nodes_form_one_job(tmp_path):
     assert os.path.getsize(tmp_path / "rank1.json") > 0
 
 
-def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_hang(tmp_path, monkeypatch):
+def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_hang(
+    tmp_path, monkeypatch
+):
     # 2 s steps, 31 of them: they keep coming, but not all within 30 s (start-up included).
     monkeypatch.setenv("PYTHONPATH", chaos_pythonpath()["PYTHONPATH"])
-    spec = TrialSpec(f"{WORKLOADS}:tiny", config={"plugins": {"chaos": {"mode": "slow", "sleep_s": 2.0}}},
-                     warmup=1, steps=30)
+    spec = TrialSpec(
+        f"{WORKLOADS}:tiny",
+        config={"plugins": {"chaos": {"mode": "slow", "sleep_s": 2.0}}},
+        warmup=1,
+        steps=30,
+    )
     out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=30, stall_s=60), tmp_path)
     assert out.status == "too_slow", out.error
-    pace = re.fullmatch(r"too slow: (\d+\.\d) s per step, (\d+) of 31 steps done when the 30 s timeout came; "
-                        r"killed the trial's processes", out.error)
+    pace = re.fullmatch(
+        r"too slow: (\d+\.\d) s per step, (\d+) of 31 steps done when the 30 s timeout came; "
+        r"killed the trial's processes",
+        out.error,
+    )
     assert pace and float(pace[1]) >= 2.0 and 1 <= int(pace[2]) < 31
     assert 0 < out.startup_s < 30 and out.measurement is None
     assert not live_rank_pids(tmp_path)
@@ -86,27 +114,38 @@ def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_ha
 
 def test_a_trial_that_prints_out_of_memory_and_succeeds_is_ok(tmp_path):
     # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=3),
-                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=3),
+        LaunchOptions(nproc=2, timeout_s=120),
+        tmp_path,
+    )
     assert out.status == "ok", out.error
     assert "out of memory" in (tmp_path / "agent0.log").read_text()
     assert out.measurement is not None and len(out.measurement.step_s) == 3
 
 
 def test_a_segfaulting_rank_is_a_crash_that_names_its_signal_and_where(tmp_path):
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:segfaults", warmup=1, steps=4),
-                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:segfaults", warmup=1, steps=4),
+        LaunchOptions(nproc=2, timeout_s=120),
+        tmp_path,
+    )
     assert out.status == "crash"
-    assert re.fullmatch(r"rank [01] died of SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault",
-                        out.error), out.error
+    assert re.fullmatch(
+        r"rank [01] died of SIGSEGV \(segmentation fault\) at workloads\.py:\d+ in _segfault",
+        out.error,
+    ), out.error
     assert "error_file" not in out.error
     assert not live_rank_pids(tmp_path)
 
 
 def test_a_trial_that_prints_without_limit_keeps_a_capped_log_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEKIT_TEST_CHATTER_MIB", "8")  # per rank: 16 MiB through one agent
-    out = run_trial_sync(TrialSpec(f"{WORKLOADS}:chatty", warmup=1, steps=3),
-                         LaunchOptions(nproc=2, timeout_s=120), tmp_path)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:chatty", warmup=1, steps=3),
+        LaunchOptions(nproc=2, timeout_s=120),
+        tmp_path,
+    )
     assert out.status == "ok", out.error
     log = tmp_path / "agent0.log"
     assert log.stat().st_size < 2 * 2**20

@@ -27,8 +27,14 @@ LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside 
 
 def start_run(cwd: Path, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "tunekit", "run", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tunekit", "run", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def rundir(cwd: Path, name: str) -> RunDir:
@@ -42,7 +48,9 @@ def rundir(cwd: Path, name: str) -> RunDir:
 
 
 def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
-    return wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout)
+    return wait_for(
+        rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout
+    )
 
 
 def final_params(rd: RunDir) -> dict[str, torch.Tensor]:
@@ -78,14 +86,18 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
     # example:cnn (batch 32): light_cnn's batch of 8 makes step-to-step loss too noisy for the check below.
     # --min-effect 1: the relaunches are watched, and neither may be rolled back whatever it measures.
-    proc = start_run(tmp_path, "example:cnn", "--name", "elastic", "--min-effect", "1")  # until stopped
+    proc = start_run(
+        tmp_path, "example:cnn", "--name", "elastic", "--min-effect", "1"
+    )  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
     for n in (1, 2):
         res = run_cli("apply", "elastic", '{"plugins": {}}', "--nproc", str(n), cwd=tmp_path)
         assert res.returncode == 0, res.stderr
         assert f"relaunching with {n} rank(s)" in res.stdout
-        at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)["step"]
+        at = wait_for(rd, lambda s, n=n: s.get("status") == "running" and s.get("world_size") == n)[
+            "step"
+        ]
         wait_step(rd, at + 3)
     holder, _ = hold_pause(tmp_path, "elastic")  # a stop goes through a pause
     try:
@@ -102,7 +114,9 @@ def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
         assert abs(metrics[i]["loss"] - metrics[i - 1]["loss"]) < 0.5
     relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"]
     assert [e["nproc"] for e in relaunches] == [1, 2]
-    assert [e["step"] for e in relaunches] == [metrics[i]["step"] for i in changes]  # resumed at the same step
+    assert [e["step"] for e in relaunches] == [
+        metrics[i]["step"] for i in changes
+    ]  # resumed at the same step
 
 
 HOLD = """
@@ -118,13 +132,19 @@ with client(RunDir.find(sys.argv[1], Path(sys.argv[2]))).paused("held by a child
 
 def hold_pause(cwd: Path, run: str) -> tuple[subprocess.Popen, int]:
     """A separate process that pauses ``run`` and holds the pause until killed."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, run, str(cwd / ".tunekit")], cwd=cwd,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, run, str(cwd / ".tunekit")],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return proc, int(proc.stdout.readline())
 
 
 def test_a_crash_leaves_the_run_resumable(tmp_path):
-    proc = start_run(tmp_path, LIGHT, "--steps", "40", "--name", "fragile", "--checkpoint-every", "5")
+    proc = start_run(
+        tmp_path, LIGHT, "--steps", "40", "--name", "fragile", "--checkpoint-every", "5"
+    )
     rd = rundir(tmp_path, "fragile")
     st = wait_step(rd, 12)
     os.kill(st["pid"], signal.SIGKILL)  # rank 0 dies mid-training
@@ -160,7 +180,9 @@ def live(tmp_path_factory):
 
 def test_a_regression_after_apply_is_rolled_back(live):
     cwd, rd, env = live
-    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', cwd=cwd, env_extra=env)
+    res = run_cli(
+        "apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', cwd=cwd, env_extra=env
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rolled back" in res.stdout and "slower beyond noise" in res.stdout
     st = wait_for(rd, lambda s: s["config"]["plugins"] == {})
@@ -184,8 +206,14 @@ def test_a_failing_hook_is_rolled_back_with_its_reason(live):
         ({"op": "apply", "config": {"plugins": {}}}, "wrong or missing token"),
         ({"token": "0" * 64, "op": "status"}, "wrong or missing token"),
         ({"op": "reboot"}, "unknown op 'reboot'"),
-        ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"nope": 1}}}}, "unknown knob 'nope'"),
-        ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": -3}}}}, "out of range"),
+        (
+            {"op": "apply", "config": {"plugins": {"overlap_chunking": {"nope": 1}}}},
+            "unknown knob 'nope'",
+        ),
+        (
+            {"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": -3}}}},
+            "out of range",
+        ),
         ({"op": "apply", "config": {"plugins": {"not_installed": {}}}}, "not installed"),
         ({"op": "apply", "config": "fast please"}, "config must be an object"),
         ({"op": "apply", "config": {"plugins": {}}, "nproc": 0}, "nproc must be an integer"),
@@ -223,8 +251,24 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
 
 def test_auto_applies_its_winner_to_the_live_job(live):
     cwd, rd, env = live
-    res = run_cli("auto", LIGHT, "--plugins", "overlap_chunking", "--trials", "1", "--steps", "4",
-                  "--warmup", "1", "--no-probe", "--apply", "job", "--json", cwd=cwd, env_extra=env)
+    res = run_cli(
+        "auto",
+        LIGHT,
+        "--plugins",
+        "overlap_chunking",
+        "--trials",
+        "1",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--no-probe",
+        "--apply",
+        "job",
+        "--json",
+        cwd=cwd,
+        env_extra=env,
+    )
     assert res.returncode == 0, res.stderr
     events = [json.loads(line) for line in res.stdout.splitlines()]
     decision = next(e for e in events if e["event"] == "Decided")["decision"]
@@ -232,9 +276,14 @@ def test_auto_applies_its_winner_to_the_live_job(live):
     running = rd.read_status()["config"]["plugins"]
     # The job was held while the trials measured the machine, and went on after.
     notices = [e["message"] for e in events if e["event"] == "Notice"]
-    assert any(n.startswith("run job paused at step") for n in notices) and "run job resumed" in notices
+    assert (
+        any(n.startswith("run job paused at step") for n in notices)
+        and "run job resumed" in notices
+    )
     paused, resumed = [e for e in rd.read_events() if e["kind"] in ("paused", "resumed")][-2:]
-    assert (paused["kind"], resumed["kind"]) == ("paused", "resumed") and paused["step"] == resumed["step"]
+    assert (paused["kind"], resumed["kind"]) == ("paused", "resumed") and paused["step"] == resumed[
+        "step"
+    ]
     if decision["winner"] == "baseline":
         assert applied["applied"] is False and "the baseline stays" in applied["message"]
     else:
@@ -282,22 +331,46 @@ def test_subscribe_streams_metrics(live):
 def test_a_relaunch_apply_is_watched_and_a_slower_one_rolled_back(live):
     cwd, rd, env = live
     before = rd.read_status()
-    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', "--nproc", "1", cwd=cwd,
-                  env_extra=env, timeout=400)
+    res = run_cli(
+        "apply",
+        "job",
+        '{"plugins": {"chaos": {"mode": "slow"}}}',
+        "--nproc",
+        "1",
+        cwd=cwd,
+        env_extra=env,
+        timeout=400,
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "relaunching with 1 rank(s)" in res.stdout and "rolled back" in res.stdout
     assert "slower beyond noise" in res.stdout
-    st = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == before["world_size"])
+    st = wait_for(
+        rd, lambda s: s.get("status") == "running" and s.get("world_size") == before["world_size"]
+    )
     assert st["config"]["plugins"] == before["config"]["plugins"]
     relaunches = [e for e in rd.read_events() if e["kind"] == "relaunch"][-2:]
-    assert [(e["nproc"], e["source"]) for e in relaunches] == [(1, "user"), (before["world_size"], "watch")]
+    assert [(e["nproc"], e["source"]) for e in relaunches] == [
+        (1, "user"),
+        (before["world_size"], "watch"),
+    ]
 
 
 def test_a_relaunch_apply_can_be_rolled_back_by_hand(live):
     cwd, rd, env = live
     world = rd.read_status()["world_size"]
     # A watch too long to reach a verdict during the test: the rollback is the user's.
-    res = run_cli("apply", "job", "{}", "--nproc", "1", "--watch", "10000", "--no-wait", cwd=cwd, env_extra=env)
+    res = run_cli(
+        "apply",
+        "job",
+        "{}",
+        "--nproc",
+        "1",
+        "--watch",
+        "10000",
+        "--no-wait",
+        cwd=cwd,
+        env_extra=env,
+    )
     assert res.returncode == 0, res.stderr
     st = wait_step_on(rd, 1)
     assert st["watch"]["state"] == "watching" and st["watch"]["prev_nproc"] == world
@@ -309,7 +382,9 @@ def test_a_relaunch_apply_can_be_rolled_back_by_hand(live):
 
 
 def wait_step_on(rd: RunDir, world: int) -> dict:
-    at = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == world)["step"]
+    at = wait_for(rd, lambda s: s.get("status") == "running" and s.get("world_size") == world)[
+        "step"
+    ]
     return wait_step(rd, at + 2)
 
 
@@ -317,7 +392,14 @@ def test_apply_reports_a_crash_under_the_new_config_at_once(live):
     cwd, rd, env = live
     before = rd.read_status()["config"]
     # Well within the 300 s apply once waited before giving up with an unrelated error.
-    res = run_cli("apply", "job", '{"plugins": {"chaos": {"mode": "raise"}}}', cwd=cwd, env_extra=env, timeout=250)
+    res = run_cli(
+        "apply",
+        "job",
+        '{"plugins": {"chaos": {"mode": "raise"}}}',
+        cwd=cwd,
+        env_extra=env,
+        timeout=250,
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rolled back" in res.stdout and "the job crashed under the new config" in res.stdout
     assert "chaos: injected failure" in res.stdout

@@ -33,7 +33,9 @@ LIGHT = f"{WORKLOADS}:light_cnn"
 
 
 def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
-    return wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout)
+    return wait_for(
+        rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,13 @@ def job(tmp_path_factory):
     planted.chmod(0o777)  # what another local user would leave for us
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     env["TMPDIR"] = str(tmp)
-    cmd = limited([sys.executable, "-m", "tunekit", "run", LIGHT, "--name", "job", "--checkpoint-every", "5"],
-                  nofile=1024)
-    proc = subprocess.Popen(cmd, cwd=deep, env=env, umask=0, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = limited(
+        [sys.executable, "-m", "tunekit", "run", LIGHT, "--name", "job", "--checkpoint-every", "5"],
+        nofile=1024,
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=deep, env=env, umask=0, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     rd = None
     deadline = time.monotonic() + 120
     while rd is None and time.monotonic() < deadline:
@@ -104,7 +109,9 @@ conn.sendall(json.dumps({"ok": True, "status": "running", "step": 999999}).encod
 def _python_for(uid: int) -> str | None:
     """A Python interpreter another user may run (this one may live in root's home)."""
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3", sys.executable):
-        if os.access(cand, os.X_OK) and all(os.stat(p).st_mode & 0o001 for p in Path(cand).resolve().parents):
+        if os.access(cand, os.X_OK) and all(
+            os.stat(p).st_mode & 0o001 for p in Path(cand).resolve().parents
+        ):
             return cand
     return None
 
@@ -120,8 +127,14 @@ def test_the_client_sends_no_token_to_a_socket_another_user_answers(tmp_path):
     lair.chmod(0o777)
     try:
         sock, loot = lair / "s.sock", lair / "loot"
-        fake = subprocess.Popen([python, "-c", FAKE_JOB, str(sock), str(loot)], user=65534, group=65534,
-                                extra_groups=[], stdout=subprocess.PIPE, text=True)
+        fake = subprocess.Popen(
+            [python, "-c", FAKE_JOB, str(sock), str(loot)],
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert fake.stdout.readline().strip() == "ready"
         rd = RunDir.create(tmp_path / ".tunekit", {"workload": "example:cnn"}, name="victim")
         rd.update_run(socket=str(sock))
@@ -177,7 +190,10 @@ DEEP = b'{"op": "status", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         (b'{"op": "status", "token": "\xc3\xa9t\xc3\xa9"}', "wrong or missing token"),
         (b'{"op": "status", "token": "\\ud800"}', "wrong or missing token"),
         (DEEP, "nested too deeply"),
-        ({"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": 10**24}}}}, "out of range"),
+        (
+            {"op": "apply", "config": {"plugins": {"overlap_chunking": {"bucket_cap_mb": 10**24}}}},
+            "out of range",
+        ),
     ],
     ids=lambda v: v[:40] if isinstance(v, str | bytes) else None,
 )
@@ -253,14 +269,20 @@ def test_status_is_answered_beside_64_polling_clients(job):
 def test_dropped_connections_leave_no_traceback_in_the_log(job):
     _, rd, _ = job
     path = rd.read_run()["socket"]
-    for data in (b"", b'{"op": "sta', b'{"token": "' + rd.token().encode() + b'", "op": "subscribe"}\n'):
+    for data in (
+        b"",
+        b'{"op": "sta',
+        b'{"token": "' + rd.token().encode() + b'", "op": "subscribe"}\n',
+    ):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(path)
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)
         # closed before (or while) the reply is written
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset on close
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+        )  # reset on close
         s.connect(path)
         s.sendall(json.dumps({"token": rd.token(), "op": "status"}).encode() + b"\n")
     step = rd.read_status()["step"]

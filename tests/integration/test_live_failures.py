@@ -50,8 +50,15 @@ def find(cwd: Path, name: str) -> RunDir:
 
 
 def running_at(rd: RunDir, step: int, world: int | None = None, timeout: float = 180) -> dict:
-    return wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step
-                    and (world is None or s.get("world_size") == world), timeout)
+    return wait_for(
+        rd,
+        lambda s: (
+            s.get("status") == "running"
+            and s.get("step", 0) >= step
+            and (world is None or s.get("world_size") == world)
+        ),
+        timeout,
+    )
 
 
 def contiguous(rd: RunDir) -> list[int]:
@@ -83,7 +90,9 @@ def test_a_resume_is_refused_while_the_killed_supervisors_job_trains_on(tmp_path
         with reaped(second):
             assert second.wait(timeout=120) == 2
             out = output(second)
-        assert "is still training" in out and "tunekit stop orphan" in out and "Traceback" not in out
+        assert (
+            "is still training" in out and "tunekit stop orphan" in out and "Traceback" not in out
+        )
         running_at(rd, step + 3)  # the orphan was left alone
         res = run_cli("stop", "orphan", cwd=tmp_path)
         assert res.returncode == 0, res.stderr
@@ -107,7 +116,9 @@ def test_a_leftover_relaunch_plan_never_rewinds_a_resumed_run(tmp_path):
         running_at(rd, 4)
         sup.send_signal(signal.SIGSTOP)  # the supervisor will not act on the relaunch ...
         res = run_cli("apply", "rewind", "{}", "--nproc", "1", "--no-wait", cwd=tmp_path)
-        assert res.returncode == 0 and "relaunching with 1 rank(s)" in res.stdout, res.stdout + res.stderr
+        assert res.returncode == 0 and "relaunching with 1 rank(s)" in res.stdout, (
+            res.stdout + res.stderr
+        )
         wait_for(rd, lambda s: s.get("status") == "relaunching")
         sup.send_signal(signal.SIGKILL)  # ... because it is killed first
         sup.wait()
@@ -118,7 +129,9 @@ def test_a_leftover_relaunch_plan_never_rewinds_a_resumed_run(tmp_path):
         running_at(rd, at + 6)
         res = run_cli("stop", "rewind", cwd=tmp_path)
         assert res.returncode == 0, res.stderr
-        assert resumed.wait(timeout=120) == 0, output(resumed)  # stopped, not relaunched from the plan
+        assert resumed.wait(timeout=120) == 0, output(
+            resumed
+        )  # stopped, not relaunched from the plan
     stopped_at = int(res.stdout.split()[-1])
     st = rd.read_status()
     assert st["status"] == "stopped" and st["step"] == stopped_at
@@ -132,7 +145,9 @@ def test_a_leftover_relaunch_plan_never_rewinds_a_resumed_run(tmp_path):
     assert resumed_at["world_size"] == 1
 
 
-def test_an_unwritable_checkpoint_folder_refuses_the_apply_and_a_read_only_run_folder_stops_cleanly(tmp_path):
+def test_an_unwritable_checkpoint_folder_refuses_the_apply_and_a_read_only_run_folder_stops_cleanly(
+    tmp_path,
+):
     sup = start(tmp_path, LIGHT, "--name", "ro", "--checkpoint-every", "5", obey_file_modes=True)
     with reaped(sup):
         rd = find(tmp_path, "ro")
@@ -140,10 +155,17 @@ def test_an_unwritable_checkpoint_folder_refuses_the_apply_and_a_read_only_run_f
         good = rd.latest_checkpoint()
         rd.checkpoints.chmod(0o500)
         try:
-            res = run_cli("apply", "ro", '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}', cwd=tmp_path)
+            res = run_cli(
+                "apply",
+                "ro",
+                '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}',
+                cwd=tmp_path,
+            )
             assert res.returncode == 2, res.stdout + res.stderr
             assert "cannot write checkpoint" in res.stderr and "apply was refused" in res.stderr
-            st = running_at(rd, rd.read_status()["step"] + 6)  # past a periodic checkpoint, which fails too
+            st = running_at(
+                rd, rd.read_status()["step"] + 6
+            )  # past a periodic checkpoint, which fails too
             assert st["config"]["plugins"] == {} and st["warnings"]
         finally:
             rd.checkpoints.chmod(0o700)

@@ -41,12 +41,23 @@ def _no_process_left(tmp_path):
 def start(args: list[str], cwd: Path, env_extra: dict[str, str]) -> subprocess.Popen:
     """``tunekit ARGS`` in ``cwd`` (a node's own folder), its output in ``cwd/out.log``."""
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NODE_RANK", "NNODES"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "MASTER_", "NODE_RANK", "NNODES"))
+    }
     env.update(TOKEN)
     env.update(env_extra)
     log = open(cwd / "out.log", "w")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen([sys.executable, "-m", "tunekit", *args], cwd=cwd, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunekit", *args],
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     STARTED.append(proc)
     return proc
 
@@ -82,10 +93,25 @@ def study_trials(folder: Path):
 def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordinator(tmp_path):
     """The same `tunekit auto` command in two SLURM tasks: node 0 coordinates, node 1 follows."""
     port = free_port()
-    slurm = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
-             "SLURM_JOB_ID": "42", "MASTER_PORT": str(port)}
-    args = ["auto", "example:cnn", "--nproc", "1", "--plugins", "overlap_chunking,cgdp", "--trials", "2",
-            "--no-rerank", *SHORT]
+    slurm = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_JOB_ID": "42",
+        "MASTER_PORT": str(port),
+    }
+    args = [
+        "auto",
+        "example:cnn",
+        "--nproc",
+        "1",
+        "--plugins",
+        "overlap_chunking,cgdp",
+        "--trials",
+        "2",
+        "--no-rerank",
+        *SHORT,
+    ]
     follower = start(args, tmp_path / "node1", {**slurm, "SLURM_NODEID": "1"})
     coordinator = start(args, tmp_path / "node0", {**slurm, "SLURM_NODEID": "0"})
     rc, out = finish(coordinator, tmp_path / "node0")
@@ -98,21 +124,44 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
     assert study.status == "finished"
     ran = [t for t in trials if t.status == "ok"]
     assert trials[0].role == "baseline" and trials[0].status == "ok"
-    assert sum(t.role != "baseline" for t in ran) >= 2, [(t.role, t.status, t.error) for t in trials]
-    for t in ran:  # node 1's rank reached the coordinator's store through the coordinator's TCPStore
+    assert sum(t.role != "baseline" for t in ran) >= 2, [
+        (t.role, t.status, t.error) for t in trials
+    ]
+    for (
+        t
+    ) in ran:  # node 1's rank reached the coordinator's store through the coordinator's TCPStore
         ranks = {r["rank"]: r for r in t.result["ranks"]}
         assert sorted(ranks) == [0, 1]
         assert all(r["status"] == "ok" and len(r["step_s"]) == 3 for r in ranks.values())
     baseline_dir = Path(trials[0].result["trial_dir"])
-    assert (baseline_dir / "traces" / "rank1.json").exists()  # its profile too: the breakdown reads both
-    assert not (tmp_path / "node1" / ".tunekit" / "tunekit.db").exists()  # a follower keeps no store
+    assert (
+        baseline_dir / "traces" / "rank1.json"
+    ).exists()  # its profile too: the breakdown reads both
+    assert not (
+        tmp_path / "node1" / ".tunekit" / "tunekit.db"
+    ).exists()  # a follower keeps no store
     assert study.observation["nodes"]["1"]["cores"] >= 1
 
 
 def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
     port = free_port()
-    coordinator = start(["auto", "example:cnn", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
-                         f"127.0.0.1:{port}", "--join-timeout", "5s", *SHORT], tmp_path / "node0", {})
+    coordinator = start(
+        [
+            "auto",
+            "example:cnn",
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--join-timeout",
+            "5s",
+            *SHORT,
+        ],
+        tmp_path / "node0",
+        {},
+    )
     rc, out = finish(coordinator, tmp_path / "node0", timeout=240)
     assert rc == 2, out[-3000:]
     assert "node 1 did not join within 5 s" in out and "tunekit follow --coordinator" in out
@@ -124,8 +173,21 @@ def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
 def test_a_follower_killed_mid_trial_stops_the_study_which_resumes_when_it_is_back(tmp_path):
     port = free_port()
     endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-    args = ["auto", "example:cnn", "--nproc", "1", "--nnodes", "2", *endpoint, "--plugins", "overlap_chunking",
-            "--trials", "1", "--no-rerank", *SHORT]
+    args = [
+        "auto",
+        "example:cnn",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        *endpoint,
+        "--plugins",
+        "overlap_chunking",
+        "--trials",
+        "1",
+        "--no-rerank",
+        *SHORT,
+    ]
     follow = ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"]
     follower = start(follow, tmp_path / "node1", {})
     coordinator = start(args, tmp_path / "node0", {})
@@ -137,7 +199,9 @@ def test_a_follower_killed_mid_trial_stops_the_study_which_resumes_when_it_is_ba
     assert "Traceback" not in out
     study, trials = study_trials(tmp_path / "node0")
     assert study.status == "interrupted"
-    assert trials[0].status == "pending"  # the trial in flight runs again: a lost node is not the config's fault
+    assert (
+        trials[0].status == "pending"
+    )  # the trial in flight runs again: a lost node is not the config's fault
     assert not live_rank_pids(tmp_path)
 
     follower = start(follow, tmp_path / "node1", {})
@@ -152,9 +216,24 @@ def test_a_follower_killed_mid_trial_stops_the_study_which_resumes_when_it_is_ba
 
 def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(tmp_path):
     port = free_port()
-    follower = start(["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], tmp_path / "node1", {})
-    coordinator = start(["auto", "example:cnn", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
-                         f"127.0.0.1:{port}", *SHORT], tmp_path / "node0", {})
+    follower = start(
+        ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], tmp_path / "node1", {}
+    )
+    coordinator = start(
+        [
+            "auto",
+            "example:cnn",
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            *SHORT,
+        ],
+        tmp_path / "node0",
+        {},
+    )
     wait_for("nodes/node1/job000/pids/rank1", tmp_path / "node1" / ".tunekit")
     os.killpg(coordinator.pid, signal.SIGKILL)
     started = time.monotonic()
@@ -168,7 +247,9 @@ def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(
     finish(coordinator, tmp_path / "node0", timeout=10)
 
 
-def test_a_live_job_over_two_nodes_applies_at_a_step_boundary_and_relaunches_with_a_new_world_size(tmp_path):
+def test_a_live_job_over_two_nodes_applies_at_a_step_boundary_and_relaunches_with_a_new_world_size(
+    tmp_path,
+):
     from support import run_cli
 
     from tunekit.runtime.rundir import RunDir
@@ -176,28 +257,67 @@ def test_a_live_job_over_two_nodes_applies_at_a_step_boundary_and_relaunches_wit
 
     port = free_port()
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
-    follower = start(["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], node1, {})
+    follower = start(
+        ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], node1, {}
+    )
     # --min-effect 1: the relaunch is watched, and must not be rolled back whatever it measures.
-    job = start(["run", "example:cnn", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--name", "job", "--min-effect", "1", "--checkpoint-every", "0"], node0, {})
+    job = start(
+        [
+            "run",
+            "example:cnn",
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--name",
+            "job",
+            "--min-effect",
+            "1",
+            "--checkpoint-every",
+            "0",
+        ],
+        node0,
+        {},
+    )
     rd = RunDir(node0 / ".tunekit" / "runs" / "job")
     wait_for("run.json", rd.path)
 
     def running(at_least: int, world: int) -> dict:
-        return wait_for_status(rd, lambda s: s.get("status") == "running" and s.get("world_size") == world
-                        and s.get("step", 0) >= at_least, timeout_s=240)
+        return wait_for_status(
+            rd,
+            lambda s: (
+                s.get("status") == "running"
+                and s.get("world_size") == world
+                and s.get("step", 0) >= at_least
+            ),
+            timeout_s=240,
+        )
 
     running(3, world=2)
-    res = run_cli("apply", "job", '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}', cwd=node0,
-                  env_extra=TOKEN)
+    res = run_cli(
+        "apply",
+        "job",
+        '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}',
+        cwd=node0,
+        env_extra=TOKEN,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     bad = run_cli("apply", "job", '{"plugins": {}}', "--nproc", "3", cwd=node0)
-    assert bad.returncode != 0 and "do not split evenly over this job's 2 nodes" in bad.stdout + bad.stderr
+    assert (
+        bad.returncode != 0
+        and "do not split evenly over this job's 2 nodes" in bad.stdout + bad.stderr
+    )
     res = run_cli("apply", "job", '{"plugins": {}}', "--nproc", "4", cwd=node0)
-    assert res.returncode == 0 and "relaunching with 4 rank(s)" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "relaunching with 4 rank(s)" in res.stdout, (
+        res.stdout + res.stderr
+    )
     at = running(0, world=4)["step"]
     running(at + 2, world=4)
-    assert run_cli("status", "job", cwd=node0).returncode == 0  # the coordinator's node answers for the job
+    assert (
+        run_cli("status", "job", cwd=node0).returncode == 0
+    )  # the coordinator's node answers for the job
     assert run_cli("stop", "job", cwd=node0).returncode == 0
     rc, out = finish(job, node0, timeout=120)
     assert rc == 0, out[-3000:]
@@ -226,10 +346,23 @@ def test_the_docs_loopback_commands_run_as_written(tmp_path):
     assert "tunekit auto" in node0 and "tunekit follow" in node1
 
     def bash(script: str) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TUNEKIT_NODE"))}
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `tunekit`, as installed
-        proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "MASTER_", "TUNEKIT_NODE"))
+        }
+        env["PATH"] = os.pathsep.join(
+            [str(Path(sys.executable).parent), env.get("PATH", "")]
+        )  # `tunekit`, as installed
+        proc = subprocess.Popen(
+            ["bash", "-e", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         STARTED.append(proc)
         return proc
 
@@ -244,7 +377,10 @@ def test_the_docs_loopback_commands_run_as_written(tmp_path):
     assert coordinator.returncode == 0, out[-4000:]
     fout, _ = follower.communicate(timeout=60)
     assert follower.returncode == 0 and "the coordinator ended the study" in fout, fout[-2000:]
-    assert f"on node 1 run `tunekit follow --coordinator 127.0.0.1:{port} --node-rank 1 --token-file" in out
+    assert (
+        f"on node 1 run `tunekit follow --coordinator 127.0.0.1:{port} --node-rank 1 --token-file"
+        in out
+    )
     report = (tmp_path / "node0" / "tunekit-out" / "report.md").read_text()
     assert "## Nodes" in report and ("Slowest node: node " in report or "computed alike" in report)
     assert sorted(p.name for p in (tmp_path / "node1" / ".tunekit").iterdir()) == ["nodes"]
@@ -255,7 +391,9 @@ def test_each_node_measures_its_own_collectives_once_for_the_coordinator(tmp_pat
 
     port = free_port()
     coordinator = Coordinator(parse_endpoint(f"127.0.0.1:{port}"), 2, TOKEN["TUNEKIT_NODE_TOKEN"])
-    follower = start(["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], tmp_path / "node1", {})
+    follower = start(
+        ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], tmp_path / "node1", {}
+    )
     try:
         coordinator.wait_for_followers(120)
         first = coordinator.probe(2, timeout_s=240)[1]

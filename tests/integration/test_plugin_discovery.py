@@ -10,7 +10,7 @@ from support import WORKLOADS, run_cli
 
 pytestmark = pytest.mark.slow
 
-TUNER = '''
+TUNER = """
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 
 
@@ -28,7 +28,7 @@ class {cls}(Tuner):
 
     def apply(self, session, knobs):
         pass
-'''
+"""
 
 
 def make_plugin(folder: Path, name: str, prelude: str) -> None:
@@ -36,7 +36,9 @@ def make_plugin(folder: Path, name: str, prelude: str) -> None:
     info = folder / f"tk_{name}-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tk-{name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[tunekit.plugins]\n{name} = tk_{name}:{name.title()}\n")
+    (info / "entry_points.txt").write_text(
+        f"[tunekit.plugins]\n{name} = tk_{name}:{name.title()}\n"
+    )
     (folder / f"tk_{name}.py").write_text(prelude + TUNER.format(cls=name.title(), name=name))
 
 
@@ -44,15 +46,21 @@ def test_a_plugin_that_exits_or_is_slow_to_import_is_reported_and_the_rest_run(t
     plugins = tmp_path / "site"
     make_plugin(plugins, "quitter", "import sys\nsys.exit(3)\n")
     make_plugin(plugins, "sleepy", "import time\ntime.sleep(3.5)\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "COLUMNS": "400"}  # a table wide enough not to wrap its cells
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+        "COLUMNS": "400",
+    }  # a table wide enough not to wrap its cells
     res = run_cli("plugins", cwd=tmp_path, env_extra=env)
     assert res.returncode == 0, res.stdout + res.stderr
     out = " ".join(res.stdout.split())
     assert "quitter" in out and "called sys.exit(3)" in out
     assert "overlap_chunking" in out and "sleepy" in out
     assert "plugin sleepy (tk-sleepy 0.1) took" in out and "to import" in out
-    res = run_cli("run", f"{WORKLOADS}:light_cnn", "--nproc", "1", "--steps", "2", cwd=tmp_path, env_extra=env)
+    res = run_cli(
+        "run", f"{WORKLOADS}:light_cnn", "--nproc", "1", "--steps", "2", cwd=tmp_path, env_extra=env
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "finished at step 2" in res.stdout and "slow_plugin" in res.stdout
 
@@ -67,6 +75,8 @@ def test_ranks_load_exactly_the_plugins_tunekit_lists(tmp_path):
     env = {"MARKER_DIR": str(marks)}
     res = run_cli("plugins", cwd=work, env_extra=env)
     assert res.returncode == 0 and "stray" not in res.stdout
-    res = run_cli("run", f"{WORKLOADS}:light_cnn", "--nproc", "2", "--steps", "2", cwd=work, env_extra=env)
+    res = run_cli(
+        "run", f"{WORKLOADS}:light_cnn", "--nproc", "2", "--steps", "2", cwd=work, env_extra=env
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert not list(marks.iterdir()), "a rank imported a plugin tunekit plugins does not list"

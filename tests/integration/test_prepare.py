@@ -23,17 +23,43 @@ STEPS = 6
 def run_user_script(tmp_path, config_path) -> dict:
     out = tmp_path / "user.pt"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(DATA / "prepare_script.py"), SPEC, str(config_path), str(STEPS), str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(DATA / "prepare_script.py"),
+            SPEC,
+            str(config_path),
+            str(STEPS),
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
 
 def run_tunekit(tmp_path, config_path) -> dict:
-    res = run_cli("run", SPEC, "--steps", str(STEPS), "--config", str(config_path), "--name", "job",
-                  "--checkpoint-every", str(STEPS), cwd=tmp_path, timeout=600)
+    res = run_cli(
+        "run",
+        SPEC,
+        "--steps",
+        str(STEPS),
+        "--config",
+        str(config_path),
+        "--name",
+        "job",
+        "--checkpoint-every",
+        str(STEPS),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     rd = RunDir.find("job", tmp_path / ".tunekit")
     deadline = time.monotonic() + 60

@@ -36,7 +36,13 @@ def test_every_diagnosis_agrees_with_the_measured_breakdown(cli, workdir):
     assert truth["step_s"] == pytest.approx(report["observation"]["baseline_median_s"])
     measured = {p: round(100 * f) for p, f in truth["fractions"].items()}
     diagnoses = report["diagnoses"]
-    assert set(diagnoses) == {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+    assert set(diagnoses) == {
+        "batch_ps_sizing",
+        "cgdp",
+        "hybrid_mp",
+        "layer_split",
+        "overlap_chunking",
+    }
     quoted_somewhere = set()
     for name, diag in diagnoses.items():
         for part, shares in quoted_shares(diag["summary"]).items():

@@ -21,14 +21,30 @@ FAST = ["--steps", "6", "--warmup", "1", "--no-probe"]
 
 
 def auto(workdir, *args: str) -> list[str]:
-    return [sys.executable, "-m", "tunekit", "auto", f"{WORKLOADS}:tiny", "--plugins", "chaos", *args, *FAST]
+    return [
+        sys.executable,
+        "-m",
+        "tunekit",
+        "auto",
+        f"{WORKLOADS}:tiny",
+        "--plugins",
+        "chaos",
+        *args,
+        *FAST,
+    ]
 
 
 def test_a_second_runner_of_a_study_is_refused_and_told_who_runs_it(workdir):
     env = {**os.environ, **chaos_pythonpath()}
     # The chaos tuner's second candidate hangs: the first runner stays in the middle of its study.
-    first = subprocess.Popen(auto(workdir, "--trials", "3", "--stall", "10m", "--timeout", "10m", "--json"),
-                             cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        auto(workdir, "--trials", "3", "--stall", "10m", "--timeout", "10m", "--json"),
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in first.stdout:
             event = json.loads(line)
@@ -40,10 +56,19 @@ def test_a_second_runner_of_a_study_is_refused_and_told_who_runs_it(workdir):
             time.sleep(0.1)
         before = _trials(workdir)
         for extra in (["--resume"], []):  # the same study again, or a fresh one of the same key
-            second = subprocess.run(auto(workdir, "--trials", "3", *extra), cwd=workdir, env=env,
-                                    capture_output=True, text=True, timeout=300)
+            second = subprocess.run(
+                auto(workdir, "--trials", "3", *extra),
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert second.returncode == 2, second.stdout + second.stderr
-            assert f"(pid {first.pid})" in second.stderr and "is being run by tunekit auto" in second.stderr
+            assert (
+                f"(pid {first.pid})" in second.stderr
+                and "is being run by tunekit auto" in second.stderr
+            )
             assert "Traceback" not in second.stderr
         after = _trials(workdir)
         assert after == before  # nothing reset, re-run or added by the refused runners
@@ -56,7 +81,9 @@ def test_a_second_runner_of_a_study_is_refused_and_told_who_runs_it(workdir):
 def _trials(workdir) -> list[tuple]:
     conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
     try:
-        return conn.execute("SELECT id, seq, status, started, finished FROM trials ORDER BY seq").fetchall()
+        return conn.execute(
+            "SELECT id, seq, status, started, finished FROM trials ORDER BY seq"
+        ).fetchall()
     finally:
         conn.close()
 
@@ -67,19 +94,35 @@ def test_a_plan_interrupted_while_written_is_planned_again_whole(workdir):
     Store(db).close()
     conn = sqlite3.connect(db)
     # The third row of the plan cannot be written: as if tunekit died right after the second.
-    conn.execute("CREATE TRIGGER cut AFTER INSERT ON trials WHEN NEW.seq = 3 "
-                 "BEGIN SELECT RAISE(ABORT, 'power cut while the plan was written'); END")
+    conn.execute(
+        "CREATE TRIGGER cut AFTER INSERT ON trials WHEN NEW.seq = 3 "
+        "BEGIN SELECT RAISE(ABORT, 'power cut while the plan was written'); END"
+    )
     conn.commit()
-    res = subprocess.run(auto(workdir, "--trials", "3", "--json"), cwd=workdir, env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        auto(workdir, "--trials", "3", "--json"),
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 2 and "power cut" in res.stderr, res.stdout + res.stderr
     conn.execute("DROP TRIGGER cut")
     conn.commit()
-    assert [r[:3] for r in conn.execute("SELECT seq, role, status FROM trials ORDER BY seq")] == [(0, "baseline", "ok")]
+    assert [r[:3] for r in conn.execute("SELECT seq, role, status FROM trials ORDER BY seq")] == [
+        (0, "baseline", "ok")
+    ]
     # The resume plans again: every diagnosis and every candidate (a budget already spent
     # skips the trials themselves, which are not under test).
-    res = subprocess.run(auto(workdir, "--resume", "--budget", "1s", "--json"), cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        auto(workdir, "--resume", "--budget", "1s", "--json"),
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     events = [json.loads(line) for line in res.stdout.splitlines()]
     assert any(e["event"] == "Diagnosed" and e["plugin"] == "chaos" for e in events)

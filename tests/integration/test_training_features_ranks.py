@@ -23,10 +23,16 @@ def one_process(spec: str, world: int, steps: int) -> dict:
     model = w.model()
     opt = w.optimizer(model.parameters(), w.lr)
     sched = w.scheduler(opt)
-    data = BatchSource(w, rank=0, world_size=world, device=torch.device("cpu"), batch_size=w.batch_size)
+    data = BatchSource(
+        w, rank=0, world_size=world, device=torch.device("cpu"), batch_size=w.batch_size
+    )
     losses = []
     for step in range(steps):
-        shards = [data._shard(step * w.accumulation + m, r) for m in range(w.accumulation) for r in range(world)]
+        shards = [
+            data._shard(step * w.accumulation + m, r)
+            for m in range(w.accumulation)
+            for r in range(world)
+        ]
         x, y = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards])
         loss = w.loss(model(x), y)
         loss.backward()
@@ -35,7 +41,10 @@ def one_process(spec: str, world: int, steps: int) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "losses": losses,
+    }
 
 
 def test_ddp_with_accumulation_schedule_and_clipping_trains_like_one_process():

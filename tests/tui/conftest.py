@@ -393,7 +393,18 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         evs.append(
             (
                 TrialFinished(
-                    tid, seq, role, plugin, desc, st, med, spread, pred, err, fix, samples_per_s=rate
+                    tid,
+                    seq,
+                    role,
+                    plugin,
+                    desc,
+                    st,
+                    med,
+                    spread,
+                    pred,
+                    err,
+                    fix,
+                    samples_per_s=rate,
                 ),
                 cfg,
             )

@@ -28,8 +28,9 @@ async def test_apply_the_best_config_with_confirmation_then_roll_back(
         await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
         await pilot.pause(0.05)
         screen = app.screen
-        assert "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)" in text_of(
-            screen.query_one("#apply-line")
+        assert (
+            "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)"
+            in text_of(screen.query_one("#apply-line"))
         )
         assert "baseline" in text_of(screen.query_one("#current"))
         assert "bucket_cap_mb = 4.0" in text_of(screen.query_one("#target"))

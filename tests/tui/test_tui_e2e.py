@@ -86,9 +86,11 @@ async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, w
             await pilot.press("2", "p")
             await wait_for_app(
                 pilot,
-                lambda: app.profile_view is not None
-                and app.profile_view.source.startswith("profiled run")
-                and not app.profile_stage,
+                lambda: (
+                    app.profile_view is not None
+                    and app.profile_view.source.startswith("profiled run")
+                    and not app.profile_stage
+                ),
                 600,
             )
     finally:

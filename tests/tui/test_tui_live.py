@@ -97,7 +97,9 @@ async def test_an_unreadable_job_is_said_once_and_polling_goes_on(
         assert len(said) == 1 and len(calls) >= 6
 
 
-async def test_a_started_job_says_it_outlives_a_closed_terminal(app_factory, backend_factory, wait_for_app, text_of):
+async def test_a_started_job_says_it_outlives_a_closed_terminal(
+    app_factory, backend_factory, wait_for_app, text_of
+):
     """Issue 19: closing the terminal left the job running with no word to the user."""
     app = app_factory()
     async with app.run_test(size=(120, 36)) as pilot:
@@ -110,7 +112,9 @@ async def test_a_started_job_says_it_outlives_a_closed_terminal(app_factory, bac
         assert "a closed terminal leaves it running" in text_of(app.screen.query_one("#job-line"))
 
 
-async def test_palette_screenshot_saves_a_file(app_factory, backend_factory, wait_for_app, tmp_path):
+async def test_palette_screenshot_saves_a_file(
+    app_factory, backend_factory, wait_for_app, tmp_path
+):
     """Issue 19: Palette → Screenshot said "Failed to save screenshot" (no Downloads folder)."""
     backend = backend_factory()
     backend.screenshot_dir = lambda: tmp_path / "shots"
@@ -119,6 +123,8 @@ async def test_palette_screenshot_saves_a_file(app_factory, backend_factory, wai
         await wait_for_app(pilot, lambda: app.live_view.step == 60)
         app.action_screenshot()
         await wait_for_app(pilot, lambda: any(n.title == "Screenshot" for n in app.notes))
-        assert [n.message for n in app.notes if n.title == "Screenshot"][0].startswith("Saved screenshot")
+        assert [n.message for n in app.notes if n.title == "Screenshot"][0].startswith(
+            "Saved screenshot"
+        )
         (svg,) = (tmp_path / "shots").glob("*.svg")
         assert "tunekit" in svg.read_text()

@@ -127,14 +127,24 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
     assert study.current == 1 and study.trials[0].status == "running"
     study = fold_study(
         study,
-        TrialFinished(1, 0, "baseline", None, "baseline", "ok", 0.200, 0.01, None, samples_per_s=320.0),
+        TrialFinished(
+            1, 0, "baseline", None, "baseline", "ok", 0.200, 0.01, None, samples_per_s=320.0
+        ),
         fixed.BASE,
     )
     for tid, med, cfg in ((2, 0.198, fixed.BUCKETS), (3, 0.205, fixed.TWO_CHUNK)):
         study = fold_study(
             study,
             TrialFinished(
-                tid, tid - 1, "candidate", "overlap_chunking", f"c{tid}", "ok", med, 0.02, 0.19,
+                tid,
+                tid - 1,
+                "candidate",
+                "overlap_chunking",
+                f"c{tid}",
+                "ok",
+                med,
+                0.02,
+                0.19,
                 samples_per_s=64 / med,
             ),
             cfg,
@@ -229,7 +239,9 @@ def test_the_best_candidate_is_the_one_with_most_samples_per_second_not_the_shor
         (3, "candidate", "batch_ps_sizing", "big batch", 0.340, 128 / 0.340),
     ]
     for tid, role, plugin, desc, med, per_s in rows:
-        ev = TrialFinished(tid, tid - 1, role, plugin, desc, "ok", med, 0.01, None, samples_per_s=per_s)
+        ev = TrialFinished(
+            tid, tid - 1, role, plugin, desc, "ok", med, 0.01, None, samples_per_s=per_s
+        )
         study = fold_study(study, ev, {})
     assert study.best.description == "big batch"
     assert study.speedup(study.best) == pytest.approx((128 / 0.340) / (64 / 0.200))
@@ -240,7 +252,8 @@ def test_predictions_are_shown_against_the_jobs_measured_baseline():
     base = BaselineView(64, 0.200, "the live job's last 40 untuned steps")
     step = candidate_view("overlap_chunking", {"knobs": {}, "predicted_step_s": 0.180})
     batch = candidate_view(
-        "batch_ps_sizing", {"knobs": {"batch_size": 64}, "predicted_step_s": 0.300, "global_batch": 128}
+        "batch_ps_sizing",
+        {"knobs": {"batch_size": 64}, "predicted_step_s": 0.300, "global_batch": 128},
     )
     assert step.samples_per_s(base) == pytest.approx(64 / 0.180)
     assert batch.speedup(base) == pytest.approx((128 / 0.300) / 320)

@@ -37,7 +37,12 @@ async def test_a_tuning_started_from_the_tuners_screen_fills_the_trials_screen(
         ]
         # raw prediction, corrected by earlier trials, measured, samples/s, both errors, status
         assert table[1][3:9] == [
-            "201.0 ms", "207.0 ms", "209.0 ms ± 10.0 ms", "306.2", "4% → 1%", "ok"
+            "201.0 ms",
+            "207.0 ms",
+            "209.0 ms ± 10.0 ms",
+            "306.2",
+            "4% → 1%",
+            "ok",
         ]
         assert table[2][8] == "crash" and "out of memory" in table[2][9]
         assert any(n.title == "trial failed" and "out of memory" in n.message for n in app.notes)

@@ -70,7 +70,9 @@ async def test_diagnose_shows_verdicts_gains_candidates_and_a_failing_tuner(
         # a batch candidate: its own 128 samples per step, the same measure
         assert by_name["batch_ps_sizing"][3:6] == ["yes", "22%", "312.2 samples/s (1.13x)"]
         against = text_of(screen.query_one("#tuner-baseline"))
-        assert "277.1 samples/s (231.0 ms/step × 64), the live job's last 57 untuned steps" in against
+        assert (
+            "277.1 samples/s (231.0 ms/step × 64), the live job's last 57 untuned steps" in against
+        )
         assert by_name["cgdp"][3] == "failed"
         assert any("cgdp needs at least 4 ranks" in n.message for n in app.notes)
 

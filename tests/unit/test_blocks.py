@@ -48,7 +48,13 @@ def test_block_table_sums_each_unit_in_model_order():
     ]
     table = block_table(rows, {"b0_ln": "blocks.0", "b0_mlp": "blocks.0"})
     assert [r["unit"] for r in table] == ["tok", "blocks.0", "head"]
-    assert table[1] == {"unit": "blocks.0", "layers": 2, "forward_s": 2.5, "backward_s": 5.0, "flops": 100}
+    assert table[1] == {
+        "unit": "blocks.0",
+        "layers": 2,
+        "forward_s": 2.5,
+        "backward_s": 5.0,
+        "flops": 100,
+    }
     assert table[0]["flops"] == 0  # no FLOPs counted: zero, not a made-up figure
 
 

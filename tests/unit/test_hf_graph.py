@@ -25,16 +25,45 @@ VOCAB, SEQ, BATCH, BLOCKS = 256, 16, 2, 2
 
 def _configs():
     return {
-        "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=BLOCKS, n_head=2, use_cache=False,
-            bos_token_id=0, eos_token_id=0)),
-        "bert": (transformers.BertForSequenceClassification, transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=BLOCKS, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=SEQ)),
-        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=BLOCKS,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
-            bos_token_id=0, eos_token_id=0)),
+        "gpt2": (
+            transformers.GPT2LMHeadModel,
+            transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=32,
+                n_layer=BLOCKS,
+                n_head=2,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "bert": (
+            transformers.BertForSequenceClassification,
+            transformers.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=BLOCKS,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=SEQ,
+            ),
+        ),
+        "llama": (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=BLOCKS,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
     }
 
 
@@ -88,8 +117,11 @@ def test_flops_match_a_training_forward(captured):
 
 def _attention_matmuls(graph: ModelGraph) -> list:
     """Matmuls of activations by activations (no weights): attention's scores and values."""
-    return [n for n in graph.nodes.values()
-            if n.op in ("matmul", "bmm") and n.param_numel == 0 and n.flops > 0]
+    return [
+        n
+        for n in graph.nodes.values()
+        if n.op in ("matmul", "bmm") and n.param_numel == 0 and n.flops > 0
+    ]
 
 
 def test_every_attention_matmul_is_a_node(captured):
@@ -99,10 +131,13 @@ def test_every_attention_matmul_is_a_node(captured):
     for n in matmuls:
         assert "attn" in n.name or "attention" in n.name, n.name
         assert n.output_shape[-2] == SEQ  # (batch, heads, queries, keys or head width)
+
     # each value matmul reads the layer that softmaxes the scores (dropout folded in, in training)
     def reads_softmax(n) -> bool:
         layers = {graph.nodes[i].layer for i in n.inputs}
-        return any(graph.nodes[m].op == "softmax" for lay in layers if lay for m in graph.layers[lay].nodes)
+        return any(
+            graph.nodes[m].op == "softmax" for lay in layers if lay for m in graph.layers[lay].nodes
+        )
 
     assert sum(reads_softmax(n) for n in matmuls) == BLOCKS
 
@@ -110,8 +145,11 @@ def test_every_attention_matmul_is_a_node(captured):
 def test_residual_branches_are_kept(captured):
     _, _, graph, _ = captured
     # A residual add reads the block's input and the sublayer's output: two producer layers.
-    residual = [lay for lay in graph.layers.values() if lay.kind == "add" and len(lay.inputs) == 2
-                and lay.output_shape == [BATCH, SEQ, 32]]
+    residual = [
+        lay
+        for lay in graph.layers.values()
+        if lay.kind == "add" and len(lay.inputs) == 2 and lay.output_shape == [BATCH, SEQ, 32]
+    ]
     assert len(residual) >= 2 * BLOCKS
     # and a block's input fans out, to its sublayer and around it
     assert sum(len(graph.successors(lay)) >= 2 for lay in graph.layers) >= 2 * BLOCKS

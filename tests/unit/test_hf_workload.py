@@ -37,8 +37,14 @@ def test_importing_the_helper_without_the_extra_names_it(tmp_path):
         "except ImportError as exc:\n    print(type(exc).__name__, exc)\n"
     )
     env = {**os.environ, **_without_transformers()}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.stdout.startswith("MissingExtra "), res.stdout + res.stderr
     assert "pip install 'tunekit[hf]'" in res.stdout
 
@@ -51,9 +57,15 @@ from tunekit.workloads.huggingface import hf_workload  # noqa: E402
 
 
 def _bert():
-    return transformers.BertConfig(vocab_size=128, hidden_size=16, num_hidden_layers=1,
-                                   num_attention_heads=2, intermediate_size=32,
-                                   max_position_embeddings=16, num_labels=3)
+    return transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+    )
 
 
 def test_example_trains_on_the_models_own_loss():

@@ -50,7 +50,9 @@ def test_plugins_never_import_each_other_or_the_tui():
     for plugin in (p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists()):
         for path in plugin.rglob("*.py"):
             for name in _imports(path):
-                other = name.startswith("tunekit.plugins.") and not name.startswith(f"tunekit.plugins.{plugin.name}")
+                other = name.startswith("tunekit.plugins.") and not name.startswith(
+                    f"tunekit.plugins.{plugin.name}"
+                )
                 if other or name.startswith("tunekit.tui"):
                     offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, offenders
@@ -83,7 +85,9 @@ def test_plugin_code_imports_only_the_plugin_api():
 
 
 def test_every_package_folder_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     mapping = {"tunekit": "tunekit", "tui": "tunekit.tui", "plugins": "tunekit.plugins"}
     found = set()
     for top, dotted in mapping.items():
@@ -95,14 +99,20 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found == listed, f"missing: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(), reason="ruff not installed")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+    reason="ruff not installed",
+)
 def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     res = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:]
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(), reason="ruff not installed")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+    reason="ruff not installed",
+)
 def test_ruff_format_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     res = subprocess.run([ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)

@@ -11,7 +11,16 @@ def _steps(per_sample: float, n: int, seed: int) -> list[float]:
 
 
 def _watch(before: list[float]) -> Watch:
-    return Watch(before, window=8, warm=2, min_effect=0.02, step=100, prev={"p": 0}, new={"p": 1}, checkpoint=None)
+    return Watch(
+        before,
+        window=8,
+        warm=2,
+        min_effect=0.02,
+        step=100,
+        prev={"p": 0},
+        new={"p": 1},
+        checkpoint=None,
+    )
 
 
 def test_watch_rolls_back_a_slowdown_beyond_noise():
@@ -45,7 +54,10 @@ def _run_trial(trial: InJobTrial, per_sample: dict[str, float]) -> list[dict]:
         if trial.finished:
             break
         phase = trial.phases[trial.phase]
-        trial.update(per_sample[phase] * np.random.default_rng(len(commands) + trial.in_phase).normal(1, 0.01))
+        trial.update(
+            per_sample[phase]
+            * np.random.default_rng(len(commands) + trial.in_phase).normal(1, 0.01)
+        )
     return commands
 
 
@@ -60,6 +72,13 @@ def test_in_job_trial_alternates_windows_and_keeps_the_higher_throughput():
 
 
 def test_in_job_trial_keeps_the_current_config_without_a_clear_win():
-    trial = InJobTrial(Request("trial", {}), {"plugins": {"x": {}}}, {"plugins": {}}, window=6, warm=1, min_effect=0.02)
+    trial = InJobTrial(
+        Request("trial", {}),
+        {"plugins": {"x": {}}},
+        {"plugins": {}},
+        window=6,
+        warm=1,
+        min_effect=0.02,
+    )
     commands = _run_trial(trial, {"candidate": 1e-3, "current": 1e-3})
     assert len(commands) == 4 and trial.result["kept"] == "current"

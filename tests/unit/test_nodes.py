@@ -23,14 +23,26 @@ from tunekit.trials.nodes import (
     unpack_files,
 )
 
-SRUN = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NODELIST": "gpu[07-09]",
-        "SLURM_NODEID": "2", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}
+SRUN = {
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_NODES": "3",
+    "SLURM_STEP_NODELIST": "gpu[07-09]",
+    "SLURM_NODEID": "2",
+    "SLURM_NNODES": "3",
+    "SLURM_JOB_NODELIST": "gpu[07-09]",
+}
 
 
-@pytest.mark.parametrize(("nodelist", "host"), [
-    ("gpu[03-05,07],cpu1", "gpu03"), ("a,b[1-2]", "a"), ("n1", "n1"), ("rack1-n[0012,0040]", "rack1-n0012"),
-    ("10.0.0.5", "10.0.0.5"),
-])
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [
+        ("gpu[03-05,07],cpu1", "gpu03"),
+        ("a,b[1-2]", "a"),
+        ("n1", "n1"),
+        ("rack1-n[0012,0040]", "rack1-n0012"),
+        ("10.0.0.5", "10.0.0.5"),
+    ],
+)
 def test_first_host_of_a_slurm_nodelist(nodelist, host):
     assert first_host(nodelist) == host
 
@@ -93,13 +105,18 @@ def test_the_token_is_private_and_read_from_a_file_or_the_environment(tmp_path):
 @pytest.fixture
 def store():
     port = free_port()
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
 
 
 def test_signed_values_round_trip_and_forgeries_are_refused(store):
     ours = Channel(store, "secret-1")
     ours.put("job/0", {"kind": "trial", "spec": {"workload": "example:cnn"}})
-    assert Channel(store, "secret-1").get("job/0") == {"kind": "trial", "spec": {"workload": "example:cnn"}}
+    assert Channel(store, "secret-1").get("job/0") == {
+        "kind": "trial",
+        "spec": {"workload": "example:cnn"},
+    }
     assert ours.get("job/1") is None  # nothing there yet: no wait
     # Another token sees other keys: it cannot find ours...
     assert Channel(store, "secret-2").get("job/0") is None
@@ -130,8 +147,13 @@ def test_a_nodes_files_travel_packed_and_cannot_leave_the_trial_folder(tmp_path)
     (sent / "spec.json").write_text("{}")  # not shipped: the coordinator wrote its own
     packed = pack_files(sent, node_rank=1, returncode=0)
     assert packed["returncode"] == 0
-    assert sorted(packed["files"]) == ["agent1.json", "agent1.log", "faults/rank1.txt", "rank1.json",
-                                       "traces/rank1.json"]
+    assert sorted(packed["files"]) == [
+        "agent1.json",
+        "agent1.log",
+        "faults/rank1.txt",
+        "rank1.json",
+        "traces/rank1.json",
+    ]
     got.mkdir(parents=True)
     unpack_files(json.loads(json.dumps(packed)), got, 1)
     assert (got / "rank1.json").read_text() == '{"rank": 1, "status": "ok"}'
@@ -146,14 +168,27 @@ def test_a_nodes_files_travel_packed_and_cannot_leave_the_trial_folder(tmp_path)
 def test_the_slowest_node_is_named_from_its_ranks_compute():
     from tunekit.trials.nodes import describe_slowest, node_summary
 
-    hellos = {0: {"host": "a", "cores": 8, "gpus": ["H100"]}, 1: {"host": "b", "cores": 8, "gpus": ["H100"]},
-              2: {"host": "c", "cores": 8, "gpus": []}}
-    compute = {0: 0.10, 1: 0.12, 2: 0.14, 3: 0.16, 4: 0.10}  # 2 ranks a node; node 2's second rank untimed
-    summary = node_summary(hellos, 2, compute, {0: {"host": {"system_cpu_pct_mean": 55.0}}, 1: None})
+    hellos = {
+        0: {"host": "a", "cores": 8, "gpus": ["H100"]},
+        1: {"host": "b", "cores": 8, "gpus": ["H100"]},
+        2: {"host": "c", "cores": 8, "gpus": []},
+    }
+    compute = {
+        0: 0.10,
+        1: 0.12,
+        2: 0.14,
+        3: 0.16,
+        4: 0.10,
+    }  # 2 ranks a node; node 2's second rank untimed
+    summary = node_summary(
+        hellos, 2, compute, {0: {"host": {"system_cpu_pct_mean": 55.0}}, 1: None}
+    )
     assert [row["compute_s"] for row in summary["rows"]] == pytest.approx([0.11, 0.15, 0.10])
     assert [row["cpu_pct_mean"] for row in summary["rows"]] == [55.0, None, None]
     assert summary["slowest"] == {"node": 1, "host": "b", "ratio": pytest.approx(1.5), "fastest": 2}
-    assert describe_slowest(summary).startswith("slowest node: node 1 (b), whose ranks compute 1.50x")
+    assert describe_slowest(summary).startswith(
+        "slowest node: node 1 (b), whose ranks compute 1.50x"
+    )
     assert describe_slowest(node_summary({0: hellos[0]}, 2, compute, {})) == ""
     alike = node_summary(hellos, 2, {0: 0.100, 1: 0.100, 2: 0.103, 3: 0.103}, {})
     assert "computed alike" in describe_slowest(alike)

@@ -397,16 +397,21 @@ def test_no_flags_from_a_handful_of_samples_nor_from_tunekit_measuring():
     loop = ("train_step", "/x/tunekit/runtime/session.py")
     python = _sample([("helper", "/u/train.py"), loop])
     native = _sample([("forward", "/t/torch/nn/modules/conv.py"), loop], gil=False)
-    export = _sample([
-        ("_save", "/t/torch/autograd/profiler.py"),
-        ("export_chrome_trace", "/t/torch/profiler/profiler.py"),
-        ("_profile", "/x/tunekit/runtime/worker.py"),
-    ])
+    export = _sample(
+        [
+            ("_save", "/t/torch/autograd/profiler.py"),
+            ("export_chrome_trace", "/t/torch/profiler/profiler.py"),
+            ("_profile", "/x/tunekit/runtime/worker.py"),
+        ]
+    )
 
     def summary(threads):
-        return summarize_pyspy([
-            {"t": i, "data": {"ranks": {"0": {"pid": 1, "threads": [t]}}}} for i, t in enumerate(threads)
-        ])
+        return summarize_pyspy(
+            [
+                {"t": i, "data": {"ranks": {"0": {"pid": 1, "threads": [t]}}}}
+                for i, t in enumerate(threads)
+            ]
+        )
 
     few = summary([python, python, python, native, native, native])
     assert few["categories"]["python"] == 0.5 and few["flags"] == []

@@ -15,31 +15,64 @@ def cfg(plugin: str, value: int) -> TuningConfig:
 
 
 POOL = [  # (plugin, knob, predicted step); the baseline runs 100 ms per step on 64 samples
-    ("a", 1, 0.070), ("a", 2, 0.075), ("b", 1, 0.080), ("b", 2, 0.085), ("c", 1, 0.090),
+    ("a", 1, 0.070),
+    ("a", 2, 0.075),
+    ("b", 1, 0.080),
+    ("b", 2, 0.085),
+    ("c", 1, 0.090),
 ]
 
 
 @pytest.fixture
 def study(tmp_path):
     store = Store(tmp_path / "tunekit.db")
-    sid = store.create_study(key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={})
-    pool = [{"plugin": p, "config": cfg(p, k).to_dict(), "config_id": cfg(p, k).config_id,
-             "predicted_s": pred, "global_batch": None} for p, k, pred in POOL]
+    sid = store.create_study(
+        key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={}
+    )
+    pool = [
+        {
+            "plugin": p,
+            "config": cfg(p, k).to_dict(),
+            "config_id": cfg(p, k).config_id,
+            "predicted_s": pred,
+            "global_batch": None,
+        }
+        for p, k, pred in POOL
+    ]
     store.set_study(sid, observation={"pool": pool, "summary": {"global_batch": 64}})
-    schedule = [("baseline", None, None), ("a", 1, 0.070), ("b", 1, 0.080), ("c", 1, 0.090),
-                ("baseline", None, None), ("a", 2, 0.075), ("baseline", None, None)]
+    schedule = [
+        ("baseline", None, None),
+        ("a", 1, 0.070),
+        ("b", 1, 0.080),
+        ("c", 1, 0.090),
+        ("baseline", None, None),
+        ("a", 2, 0.075),
+        ("baseline", None, None),
+    ]
     for seq, (p, k, pred) in enumerate(schedule):
         c = TuningConfig() if p == "baseline" else cfg(p, k)
-        store.add_trial(sid, seq=seq, role="baseline" if p == "baseline" else "candidate", plugin=None if
-                        p == "baseline" else p, config_id=c.config_id, config=c.to_dict(), predicted_s=pred)
+        store.add_trial(
+            sid,
+            seq=seq,
+            role="baseline" if p == "baseline" else "candidate",
+            plugin=None if p == "baseline" else p,
+            config_id=c.config_id,
+            config=c.to_dict(),
+            predicted_s=pred,
+        )
     yield store, sid
     store.close()
 
 
 def finish(store, sid, seq: int, median_s: float) -> None:
     row = next(t for t in store.trials(sid) if t.seq == seq)
-    store.finish_trial(row.id, status="ok", median_s=median_s, spread_s=0.001,
-                       result={"measurement": {"step_s": [median_s] * 4}})
+    store.finish_trial(
+        row.id,
+        status="ok",
+        median_s=median_s,
+        spread_s=0.001,
+        result={"measurement": {"step_s": [median_s] * 4}},
+    )
 
 
 def pending(store, sid) -> list[tuple[str, str]]:
@@ -56,9 +89,18 @@ def test_a_tuner_whose_first_trial_missed_loses_its_next_slot(study):
     # a's second candidate (75 ms raw) is now predicted slower than the baseline: dropped;
     # b's second candidate takes its slot; the untried tuners keep their raw predictions.
     assert [d["plugin"] for d in event.dropped] == ["a"]
-    assert [(u["plugin"], u["predicted_s"]) for u in event.upcoming] == [("b", 0.080), ("c", 0.090), ("b", 0.085)]
-    assert pending(store, sid) == [("candidate", "b"), ("candidate", "c"), ("baseline", ""),
-                                   ("candidate", "b"), ("baseline", "")]
+    assert [(u["plugin"], u["predicted_s"]) for u in event.upcoming] == [
+        ("b", 0.080),
+        ("c", 0.090),
+        ("b", 0.085),
+    ]
+    assert pending(store, sid) == [
+        ("candidate", "b"),
+        ("candidate", "c"),
+        ("baseline", ""),
+        ("candidate", "b"),
+        ("baseline", ""),
+    ]
     rows = [t for t in store.trials(sid) if not t.done and t.role == "candidate"]
     assert rows[0].corrected_s == pytest.approx(0.080)  # b has no trials: raw
     assert store.study(sid).observation["corrections"]["a"]["bias"] > 0.3
@@ -86,5 +128,7 @@ def test_a_study_whose_candidates_were_all_predicted_slower_says_so(study):
     assert decision["reason"] == "no tuner proposed a candidate for this job"
     dropped = [{"plugin": "a", "config": cfg("a", 1).to_dict(), "predicted_s": 10.0}]
     _qualify(decision, baseline_only, AutoSettings(workload="example:cnn"), {"dropped": dropped})
-    assert decision["reason"] == ("all 1 planned candidate(s) were predicted slower than the baseline, "
-                                  "so none was tried (--no-rerank tries them anyway)")
+    assert decision["reason"] == (
+        "all 1 planned candidate(s) were predicted slower than the baseline, "
+        "so none was tried (--no-rerank tries them anyway)"
+    )

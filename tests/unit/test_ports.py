@@ -24,7 +24,9 @@ def test_without_the_range_the_kernel_picks(monkeypatch):
     assert tk_dist.free_port() > 0
 
 
-@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(), reason="Linux only")
+@pytest.mark.skipif(
+    not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(), reason="Linux only"
+)
 def test_a_taken_port_is_skipped(monkeypatch):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -39,7 +39,9 @@ def test_truth_scales_the_profiled_parts_to_the_measured_step():
     assert sum(truth.parts_s.values()) == pytest.approx(0.040)
     assert truth.fraction("comm_exposed") == pytest.approx(0.2, rel=1e-6)
     assert truth.profiled_step_s == pytest.approx(0.050)
-    assert truth.phrase("comm_exposed") == "exposed communication 20% of the step (8.0 ms, measured)"
+    assert (
+        truth.phrase("comm_exposed") == "exposed communication 20% of the step (8.0 ms, measured)"
+    )
     assert "compute 60%" in truth.describe()
     assert StepTruth.from_dict(truth.to_dict()) == truth
 
@@ -113,7 +115,10 @@ def test_no_trials_means_the_raw_model():
 
 def test_a_tuners_trials_correct_its_own_predictions_only():
     # overlap_chunking's candidates ran 25% slower than predicted, twice.
-    c = Corrector(0.100, [Outcome("overlap_chunking", 0.080, 0.100), Outcome("overlap_chunking", 0.090, 0.1125)])
+    c = Corrector(
+        0.100,
+        [Outcome("overlap_chunking", 0.080, 0.100), Outcome("overlap_chunking", 0.090, 0.1125)],
+    )
     fit = c.residual("overlap_chunking")
     assert fit.trials == 2
     corrected = c.corrected("overlap_chunking", 0.085)
@@ -168,8 +173,12 @@ def test_relative_error():
 def test_a_schema_1_store_gains_the_corrected_column_and_keeps_its_trials(tmp_path):
     path = tmp_path / "tunekit.db"
     store = Store(path)
-    sid = store.create_study(key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={})
-    store.add_trial(sid, seq=0, role="baseline", plugin=None, config_id="c", config={}, predicted_s=None)
+    sid = store.create_study(
+        key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={}
+    )
+    store.add_trial(
+        sid, seq=0, role="baseline", plugin=None, config_id="c", config={}, predicted_s=None
+    )
     store.close()
     conn = sqlite3.connect(path)  # what tunekit with schema 1 wrote: no corrected_s column
     conn.execute("ALTER TABLE trials DROP COLUMN corrected_s")
@@ -178,27 +187,58 @@ def test_a_schema_1_store_gains_the_corrected_column_and_keeps_its_trials(tmp_pa
     conn.close()
     store = Store(path)
     assert store.trials(sid)[0].corrected_s is None and store.trials(sid)[0].role == "baseline"
-    store.add_trial(sid, seq=1, role="candidate", plugin="a", config_id="x", config={}, predicted_s=0.1,
-                    corrected_s=0.12)
+    store.add_trial(
+        sid,
+        seq=1,
+        role="candidate",
+        plugin="a",
+        config_id="x",
+        config={},
+        predicted_s=0.1,
+        corrected_s=0.12,
+    )
     assert store.trials(sid)[1].corrected_s == 0.12
     store.close()
 
 
 def test_replacing_pending_candidates_keeps_slots_and_drops_repeated_baselines(tmp_path):
     store = Store(tmp_path / "tunekit.db")
-    sid = store.create_study(key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={})
+    sid = store.create_study(
+        key="k", workload="w", graph_hash="g", hw_fingerprint="h", nproc=2, settings={}
+    )
     roles = ["baseline", "candidate", "candidate", "baseline", "candidate", "baseline"]
     for seq, role in enumerate(roles):
-        store.add_trial(sid, seq=seq, role=role, plugin="a" if role == "candidate" else None,
-                        config_id=f"c{seq}", config={}, predicted_s=0.1)
+        store.add_trial(
+            sid,
+            seq=seq,
+            role=role,
+            plugin="a" if role == "candidate" else None,
+            config_id=f"c{seq}",
+            config={},
+            predicted_s=0.1,
+        )
     store.finish_trial(store.trials(sid)[0].id, status="ok", median_s=0.1)
     store.finish_trial(store.trials(sid)[1].id, status="ok", median_s=0.1)
     # Two candidates left to run in slots 2 and 4; only one is still worth a trial.
-    store.replace_pending_candidates(sid, [{"plugin": "b", "config_id": "new", "config": {"b": {}},
-                                            "predicted_s": 0.08, "corrected_s": 0.09}])
+    store.replace_pending_candidates(
+        sid,
+        [
+            {
+                "plugin": "b",
+                "config_id": "new",
+                "config": {"b": {}},
+                "predicted_s": 0.08,
+                "corrected_s": 0.09,
+            }
+        ],
+    )
     rows = store.trials(sid)
     assert [(r.seq, r.role, r.config_id) for r in rows] == [
-        (0, "baseline", "c0"), (1, "candidate", "c1"), (2, "candidate", "new"), (3, "baseline", "c3")]
+        (0, "baseline", "c0"),
+        (1, "candidate", "c1"),
+        (2, "candidate", "new"),
+        (3, "baseline", "c3"),
+    ]
     assert rows[2].corrected_s == 0.09 and rows[2].status == "pending"
     store.close()
 

@@ -24,8 +24,9 @@ def batch(n: int):
 def test_prepare_trains_the_users_model_in_place():
     model, opt, loss_fn = parts()
     before = [p.detach().clone() for p in model.parameters()]
-    got, got_opt, step = tunekit.prepare(model, opt, loss_fn, None, batch_size=4, accumulation=2,
-                                         clip_grad_norm=1.0)
+    got, got_opt, step = tunekit.prepare(
+        model, opt, loss_fn, None, batch_size=4, accumulation=2, clip_grad_norm=1.0
+    )
     assert got is model and got_opt is opt and step.batch_size == 8
     losses = [step(*batch(8)) for _ in range(3)]
     assert all(isinstance(x, float) for x in losses)
@@ -36,9 +37,13 @@ def test_prepare_trains_the_users_model_in_place():
 
 def test_a_batch_of_another_size_is_refused_in_one_line():
     model, opt, loss_fn = parts()
-    _, _, step = tunekit.prepare(model, opt, loss_fn, {"batch_ps_sizing": {"batch_size": 16}}, batch_size=4)
+    _, _, step = tunekit.prepare(
+        model, opt, loss_fn, {"batch_ps_sizing": {"batch_size": 16}}, batch_size=4
+    )
     assert step.batch_size == 16
-    with pytest.raises(ConfigError, match=r"got a batch of 4 samples; this config trains 16 per rank"):
+    with pytest.raises(
+        ConfigError, match=r"got a batch of 4 samples; this config trains 16 per rank"
+    ):
         step(*batch(4))
 
 
@@ -66,6 +71,11 @@ def test_best_config_md_shows_prepare_with_the_jobs_batch():
     tuners = available_tuners()
     best = TuningConfig({"overlap_chunking": {"bucket_cap_mb": 4.0}})
     text = snippet("example:cnn", best, tuners, LaunchOptions(nproc=2), batch_size=32)
-    assert 'tunekit.prepare(\n    model, optimizer, loss_fn, config="best_config.json", batch_size=32\n)' in text
+    assert (
+        'tunekit.prepare(\n    model, optimizer, loss_fn, config="best_config.json", batch_size=32\n)'
+        in text
+    )
     assert "DistributedDataParallel(model" in text  # the plain-PyTorch form too
-    assert "Nothing to change" in snippet("example:cnn", TuningConfig(), tuners, LaunchOptions(nproc=2), 32)
+    assert "Nothing to change" in snippet(
+        "example:cnn", TuningConfig(), tuners, LaunchOptions(nproc=2), 32
+    )

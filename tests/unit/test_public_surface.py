@@ -207,7 +207,10 @@ OBSERVATION_FIELDS = (
     "cache",
     "extra",
 )
-OBSERVATION_METHODS = {"memo": ("self", "key", "fn"), "cached": ("self", "key", "fn", "encode", "decode")}
+OBSERVATION_METHODS = {
+    "memo": ("self", "key", "fn"),
+    "cached": ("self", "key", "fn", "encode", "decode"),
+}
 
 
 def test_the_plugin_api_is_frozen_and_typed():
@@ -223,7 +226,11 @@ def test_the_plugin_api_is_frozen_and_typed():
         assert tuple(inspect.signature(getattr(Observation, name)).parameters) == params, name
     # Every field has a real type (no Any): plugins read them without duck typing.
     hints = typing.get_type_hints(Observation, localns=vars(api))  # TYPE_CHECKING imports
-    untyped = [n for n in OBSERVATION_FIELDS if n != "extra" and typing.Any in (hints[n], *typing.get_args(hints[n]))]
+    untyped = [
+        n
+        for n in OBSERVATION_FIELDS
+        if n != "extra" and typing.Any in (hints[n], *typing.get_args(hints[n]))
+    ]
     assert not untyped, untyped
 
 

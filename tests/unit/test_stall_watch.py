@@ -27,7 +27,10 @@ def test_silence_past_the_limit_after_a_step_is_a_hang():
     clock.now += 30
     assert watch.stalled() is None
     clock.now += 1
-    assert watch.stalled() == "no step finished for 31 s after warmup step 1/2; killed the trial's processes"
+    assert (
+        watch.stalled()
+        == "no step finished for 31 s after warmup step 1/2; killed the trial's processes"
+    )
 
 
 def test_the_limit_grows_with_the_slowest_step():

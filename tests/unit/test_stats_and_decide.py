@@ -18,11 +18,17 @@ def test_step_time_is_the_slowest_rank_per_step():
     ranks = [{"step_s": [1.0, 2.0, 3.0]}, {"step_s": [1.5, 1.0, 3.5]}]
     assert slowest_rank_steps(ranks) == [1.5, 2.0, 3.5]
     m = summarize([1.0, 2.0, 3.0, 4.0], global_batch=8)
-    assert m.median_s == 2.5 and m.spread_s == pytest.approx(1.5) and m.samples_per_s == pytest.approx(3.2)
+    assert (
+        m.median_s == 2.5
+        and m.spread_s == pytest.approx(1.5)
+        and m.samples_per_s == pytest.approx(3.2)
+    )
 
 
 def _runs(rng, median, n_runs, run_sd, step_sd, steps=16):
-    return [list(median * rng.normal(1, run_sd) * rng.normal(1, step_sd, steps)) for _ in range(n_runs)]
+    return [
+        list(median * rng.normal(1, run_sd) * rng.normal(1, step_sd, steps)) for _ in range(n_runs)
+    ]
 
 
 def test_a_real_speedup_is_significant():
@@ -51,10 +57,22 @@ def test_min_effect_is_respected():
 def _row(i, role, cfg, steps, status="ok"):
     config = TuningConfig(cfg).to_dict()
     return TrialRow(
-        id=i, study_id=1, seq=i, role=role, plugin=next(iter(cfg), None), config_id=TuningConfig(cfg).config_id,
-        config=config, predicted_s=None, status=status, median_s=float(np.median(steps)) if steps else None,
-        spread_s=0.0, samples_per_s=None, result={"measurement": {"step_s": steps}} if steps else None,
-        error=None if status == "ok" else "boom", started=None, finished=None,
+        id=i,
+        study_id=1,
+        seq=i,
+        role=role,
+        plugin=next(iter(cfg), None),
+        config_id=TuningConfig(cfg).config_id,
+        config=config,
+        predicted_s=None,
+        status=status,
+        median_s=float(np.median(steps)) if steps else None,
+        spread_s=0.0,
+        samples_per_s=None,
+        result={"measurement": {"step_s": steps}} if steps else None,
+        error=None if status == "ok" else "boom",
+        started=None,
+        finished=None,
     )
 
 
@@ -67,9 +85,12 @@ def test_decide_picks_the_fastest_significant_candidate_over_all_its_runs():
     fast = {"p": {"x": 1}}
     slow = {"p": {"x": 2}}
     rows = [
-        _row(0, BASELINE, {}, steps(0.1)), _row(1, CANDIDATE, fast, steps(0.07)),
-        _row(2, CANDIDATE, slow, steps(0.095)), _row(3, BASELINE, {}, steps(0.1)),
-        _row(4, "confirm", fast, steps(0.071)), _row(5, CANDIDATE, {"p": {"x": 3}}, [], status="crash"),
+        _row(0, BASELINE, {}, steps(0.1)),
+        _row(1, CANDIDATE, fast, steps(0.07)),
+        _row(2, CANDIDATE, slow, steps(0.095)),
+        _row(3, BASELINE, {}, steps(0.1)),
+        _row(4, "confirm", fast, steps(0.071)),
+        _row(5, CANDIDATE, {"p": {"x": 3}}, [], status="crash"),
     ]
     d = decide(rows, 0.01)
     assert d["winner_config"] == TuningConfig(fast).to_dict()
@@ -81,12 +102,21 @@ def test_decide_picks_the_fastest_significant_candidate_over_all_its_runs():
 def test_decide_keeps_the_baseline_without_a_clear_winner():
     rows = [_row(0, BASELINE, {}, [0.1] * 8), _row(1, CANDIDATE, {"p": {}}, [0.1] * 8)]
     d = decide(rows, 0.01)
-    assert d["winner"] == "baseline" and d["reason"] == "no candidate beat the baseline beyond noise"
-    assert decide([_row(0, BASELINE, {}, [0.1] * 8)], 0.01)["reason"] == "no tuner proposed a candidate for this job"
+    assert (
+        d["winner"] == "baseline" and d["reason"] == "no candidate beat the baseline beyond noise"
+    )
+    assert (
+        decide([_row(0, BASELINE, {}, [0.1] * 8)], 0.01)["reason"]
+        == "no tuner proposed a candidate for this job"
+    )
 
 
 def test_leader_to_confirm_wants_a_promising_single_run():
-    rows = [_row(0, BASELINE, {}, [0.1] * 8), _row(1, BASELINE, {}, [0.12] * 8), _row(2, CANDIDATE, {"p": {}}, [0.09] * 8)]
+    rows = [
+        _row(0, BASELINE, {}, [0.1] * 8),
+        _row(1, BASELINE, {}, [0.12] * 8),
+        _row(2, CANDIDATE, {"p": {}}, [0.09] * 8),
+    ]
     lead = leader_to_confirm(decide(rows, 0.01), 0.01)
     assert lead is not None and lead["plugin"] == "p"
 
@@ -96,8 +126,12 @@ def test_schedule_interleaves_baselines_round_robin():
     b = [PlannedTrial(CANDIDATE, "b", TuningConfig({"b": {"i": i}})) for i in range(2)]
     out = schedule({"a": a, "b": b}, n_trials=4, baseline_every=3)
     assert [(t.role, t.plugin) for t in out] == [
-        ("candidate", "a"), ("candidate", "b"), ("candidate", "a"), ("baseline", None),
-        ("candidate", "b"), ("baseline", None),
+        ("candidate", "a"),
+        ("candidate", "b"),
+        ("candidate", "a"),
+        ("baseline", None),
+        ("candidate", "b"),
+        ("baseline", None),
     ]
     assert schedule({}, 3, 2) == []
 
@@ -112,8 +146,10 @@ def test_batch_candidates_are_judged_by_throughput_not_step_time():
 
     big = {"batch": {"batch_size": 64}}
     rows = [
-        row(0, BASELINE, {}, 0.100, 32), row(1, CANDIDATE, big, 0.150, 64),  # longer steps, 33% more samples/s
-        row(2, BASELINE, {}, 0.100, 32), row(3, "confirm", big, 0.150, 64),
+        row(0, BASELINE, {}, 0.100, 32),
+        row(1, CANDIDATE, big, 0.150, 64),  # longer steps, 33% more samples/s
+        row(2, BASELINE, {}, 0.100, 32),
+        row(3, "confirm", big, 0.150, 64),
     ]
     d = decide(rows, 0.01)
     assert d["winner_config"] == TuningConfig(big).to_dict()

@@ -7,18 +7,33 @@ from tunekit.store import Store
 
 
 def _study(store):
-    return store.create_study(key="k", workload="example:cnn", graph_hash="g", hw_fingerprint="h", nproc=2,
-                              settings={"steps": 4})
+    return store.create_study(
+        key="k",
+        workload="example:cnn",
+        graph_hash="g",
+        hw_fingerprint="h",
+        nproc=2,
+        settings={"steps": 4},
+    )
 
 
 def test_trials_are_written_as_they_finish(tmp_path):
     store = Store(tmp_path / "s.db")
     sid = _study(store)
     t0 = store.add_trial(sid, seq=0, role="baseline", plugin=None, config_id="base", config={})
-    t1 = store.add_trial(sid, seq=1, role="candidate", plugin="p", config_id="c1", config={"plugins": {"p": {}}},
-                         predicted_s=0.1)
+    t1 = store.add_trial(
+        sid,
+        seq=1,
+        role="candidate",
+        plugin="p",
+        config_id="c1",
+        config={"plugins": {"p": {}}},
+        predicted_s=0.1,
+    )
     store.start_trial(t0)
-    store.finish_trial(t0, status="ok", median_s=0.2, spread_s=0.01, samples_per_s=10, result={"measurement": None})
+    store.finish_trial(
+        t0, status="ok", median_s=0.2, spread_s=0.01, samples_per_s=10, result={"measurement": None}
+    )
     # A second connection (another process) sees the finished trial at once.
     other = Store(tmp_path / "s.db")
     rows = other.trials(sid)

@@ -30,7 +30,9 @@ def _batch(n: int, gen: torch.Generator):
 
 
 def workload(**kw) -> Workload:
-    base = dict(name="mlp", model=_model, make_batch=_batch, batch_size=8, lr=0.1, batch_range=(2, 64))
+    base = dict(
+        name="mlp", model=_model, make_batch=_batch, batch_size=8, lr=0.1, batch_range=(2, 64)
+    )
     return Workload(**{**base, **kw})
 
 
@@ -65,8 +67,12 @@ def test_a_bad_field_is_named_with_the_doc(kw, field):
 
 def test_features_in_use():
     assert workload().features() == frozenset()
-    w = workload(precision="fp16", accumulation=2, clip_grad_norm=1.0,
-                 scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    w = workload(
+        precision="fp16",
+        accumulation=2,
+        clip_grad_norm=1.0,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+    )
     assert w.features() == {"amp", "grad_scaler", "accumulation", "scheduler", "clipping"}
 
 
@@ -106,7 +112,9 @@ def test_accumulation_changes_follow_the_learning_rate_rule():
 
 
 def warmup_then_halve(opt):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3) * 0.5 ** (step // 5))
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / 3) * 0.5 ** (step // 5)
+    )
 
 
 def test_the_scheduler_steps_once_per_optimizer_step_and_follows_batch_changes():
@@ -115,7 +123,9 @@ def test_the_scheduler_steps_once_per_optimizer_step_and_follows_batch_changes()
     for _ in range(6):
         s.train_step()
         lrs.append(s.optimizer.param_groups[0]["lr"])
-    assert lrs == pytest.approx([0.1 * min(1, (k + 2) / 3) * 0.5 ** ((k + 1) // 5) for k in range(6)])
+    assert lrs == pytest.approx(
+        [0.1 * min(1, (k + 2) / 3) * 0.5 ** ((k + 1) // 5) for k in range(6)]
+    )
     s.set_batch_size(16)  # linear rule: twice the base rate, same point on the schedule
     assert s.optimizer.param_groups[0]["lr"] == pytest.approx(2 * lrs[-1])
     s.train_step()
@@ -135,7 +145,9 @@ def test_checkpoints_carry_the_schedule_and_the_loss_scale():
     assert b.scheduler.last_epoch == 4 and b.scaler.get_scale() == a.scaler.get_scale()
     for _ in range(3):
         assert a.train_step().loss == b.train_step().loss  # the same kernels in the same order
-    assert all(torch.equal(x, y) for x, y in zip(params(a).values(), params(b).values(), strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(params(a).values(), params(b).values(), strict=True)
+    )
 
 
 # -- clipping and mixed precision -----------------------------------------------------------------
@@ -143,11 +155,15 @@ def test_checkpoints_carry_the_schedule_and_the_loss_scale():
 
 def test_clipping_bounds_the_update_by_the_global_norm():
     with default_dtype(torch.float64):
-        clipped = Session(workload(clip_grad_norm=1e-3, optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr)))
+        clipped = Session(
+            workload(clip_grad_norm=1e-3, optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr))
+        )
         before = params(clipped)
         clipped.train_step()
         moved = math.sqrt(sum(float((params(clipped)[n] - before[n]).pow(2).sum()) for n in before))
-    assert moved == pytest.approx(0.1 * 1e-3, rel=1e-5)  # lr x the clipped norm (torch adds 1e-6 to the norm)
+    assert moved == pytest.approx(
+        0.1 * 1e-3, rel=1e-5
+    )  # lr x the clipped norm (torch adds 1e-6 to the norm)
 
 
 def test_bf16_autocast_trains_with_fp32_parameters():

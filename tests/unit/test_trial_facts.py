@@ -14,10 +14,14 @@ from tunekit.trials.output import HEAD_BYTES, TAIL_BYTES, CappedLog, read_tail
 def test_out_of_memory_is_an_exception_type_not_words_in_a_message():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_oom(MemoryError())
-    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_oom(
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    )
     # A workload's own error that mentions memory is its error, not an allocation failure.
     assert not is_oom(ValueError("cache is out of memory budget"))
-    assert not is_oom(RuntimeError("retry: out of memory avoided (OutOfMemoryError caught upstream)"))
+    assert not is_oom(
+        RuntimeError("retry: out of memory avoided (OutOfMemoryError caught upstream)")
+    )
 
 
 def test_exit_statuses_are_named():
@@ -42,7 +46,9 @@ def test_a_segfaulting_process_says_where_it_died(tmp_path):
     )
     script = tmp_path / "crashes.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script), str(report)], capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(report)], capture_output=True, timeout=120
+    )
     assert signal_name(proc.returncode) == "SIGSEGV"
     # The innermost frame outside Python's own library (ctypes), not ctypes.string_at itself.
     assert fault_location(report) == "crashes.py:7 in crash_here"
@@ -77,7 +83,7 @@ def test_a_short_output_is_kept_whole(tmp_path, size):
     data = bytes(i % 251 for i in range(size))
     log = CappedLog(tmp_path / "out.log")
     for i in range(0, size, 777):
-        log.write(data[i:i + 777])
+        log.write(data[i : i + 777])
     record = log.close()
     assert (tmp_path / "out.log").read_bytes() == data
     assert (record.bytes, record.kept_bytes, record.dropped_bytes) == (size, size, 0)
@@ -94,8 +100,18 @@ def test_the_workload_tunekit_does_not_run_carries_its_facts_and_training_featur
     from tunekit.workload import load_workload
 
     real = load_workload(f"{WORKLOADS}:featured")
-    stand_in = stand_in_workload(json.loads(json.dumps(workload_facts(real))))  # as it crosses the pipe
-    for name in ("name", "batch_size", "lr", "accumulation", "clip_grad_norm", "precision", "grad_scaler"):
+    stand_in = stand_in_workload(
+        json.loads(json.dumps(workload_facts(real)))
+    )  # as it crosses the pipe
+    for name in (
+        "name",
+        "batch_size",
+        "lr",
+        "accumulation",
+        "clip_grad_norm",
+        "precision",
+        "grad_scaler",
+    ):
         assert getattr(stand_in, name) == getattr(real, name), name
     assert stand_in.accumulation == 3 and stand_in.scheduler is not None
     with pytest.raises(RuntimeError, match="runs in its own process"):

@@ -32,11 +32,13 @@ from tunekit.trials.launcher import LaunchOptions
 
 
 def test_pairs_read_back_as_the_config_they_came_from():
-    config = TuningConfig({
-        "overlap_chunking": {"f": 1, "k": 9, "mode": "two_chunk"},
-        "layer_split": {"plan": {"_0": "w2", "output": "n2"}},
-        "batch_ps_sizing": {"batch_size": 64, "cudnn_benchmark": True, "tag": "7"},
-    })
+    config = TuningConfig(
+        {
+            "overlap_chunking": {"f": 1, "k": 9, "mode": "two_chunk"},
+            "layer_split": {"plan": {"_0": "w2", "output": "n2"}},
+            "batch_ps_sizing": {"batch_size": 64, "cudnn_benchmark": True, "tag": "7"},
+        }
+    )
     pairs = config.to_pairs()
     assert "overlap_chunking.mode=two_chunk" in pairs and 'batch_ps_sizing.tag="7"' in pairs
     assert 'layer_split.plan={"_0":"w2","output":"n2"}' in pairs
@@ -67,12 +69,16 @@ def test_a_batch_outside_the_runs_range_is_refused_in_one_line():
     status = {"run_id": "r1", "batch": {"size": 32, "workload": 32, "range": [8, 256]}}
     check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), status)
     check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 0}}), status)  # keeps its own
-    with pytest.raises(ConfigError, match=r"batch_size=100000 is outside run r1's batch range \(8–256"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size=100000 is outside run r1's batch range \(8–256"
+    ):
         check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 100000}}), status)
     fixed = {"run_id": "r2", "batch": {"size": 32, "workload": 32, "range": None}}
     with pytest.raises(ConfigError, match="the workload sets no batch_range"):
         check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), fixed)
-    check_batch(TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), {})  # an older run: the job checks
+    check_batch(
+        TuningConfig({"batch_ps_sizing": {"batch_size": 64}}), {}
+    )  # an older run: the job checks
 
 
 def test_zero_durations_and_empty_names_are_refused_as_such():
@@ -93,10 +99,15 @@ def test_status_throughput_is_of_the_current_config_with_a_trend():
     old = [{"config_id": "base", "samples_per_s": 100.0}] * 30
     now = [{"config_id": "new", "samples_per_s": 200.0 + i} for i in range(40)]
     text = throughput(old + now, "new")
-    assert text.startswith("219.5 samples/s (median of the last 40 step(s) of this config), trend ▁")
+    assert text.startswith(
+        "219.5 samples/s (median of the last 40 step(s) of this config), trend ▁"
+    )
     assert text.endswith("█ +16%")
     assert throughput(old, "new") == ""
-    assert throughput(now[:3], "new") == "201.0 samples/s (median of the last 3 step(s) of this config)"
+    assert (
+        throughput(now[:3], "new")
+        == "201.0 samples/s (median of the last 3 step(s) of this config)"
+    )
 
 
 # -- item 10: the snippet's paths work from where tunekit ran -------------------------------
@@ -108,8 +119,13 @@ def test_the_snippet_names_the_config_where_it_is(tmp_path, monkeypatch):
     assert from_here(tmp_path / "out" / "best_config.json") == "out/best_config.json"
     elsewhere = tmp_path.parent / "elsewhere.json"
     assert from_here(elsewhere) == str(elsewhere.resolve())
-    text = snippet("example:cnn", TuningConfig(), {}, LaunchOptions(nproc=2),
-                   config_path="tunekit-out/best_config.json")
+    text = snippet(
+        "example:cnn",
+        TuningConfig(),
+        {},
+        LaunchOptions(nproc=2),
+        config_path="tunekit-out/best_config.json",
+    )
     assert "tunekit run example:cnn --nproc 2 --config tunekit-out/best_config.json" in text
     assert "tunekit apply RUN tunekit-out/best_config.json" in text
 
@@ -120,12 +136,24 @@ def test_the_snippet_names_the_config_where_it_is(tmp_path, monkeypatch):
 def _row(i, role, cfg, step_s, status="ok", error=None, noise=0.005):
     steps = list(step_s * np.random.default_rng(i).normal(1, noise, 12)) if status == "ok" else []
     return TrialRow(
-        id=i, study_id=1, seq=i, role=role, plugin=next(iter(cfg), None),
-        config_id=TuningConfig(cfg).config_id, config=TuningConfig(cfg).to_dict(), predicted_s=None,
-        status=status, median_s=float(np.median(steps)) if steps else None, spread_s=0.0,
+        id=i,
+        study_id=1,
+        seq=i,
+        role=role,
+        plugin=next(iter(cfg), None),
+        config_id=TuningConfig(cfg).config_id,
+        config=TuningConfig(cfg).to_dict(),
+        predicted_s=None,
+        status=status,
+        median_s=float(np.median(steps)) if steps else None,
+        spread_s=0.0,
         samples_per_s=None,
-        result={"measurement": {"step_s": steps}, "ranks": [{"global_batch": 64}]} if steps else None,
-        error=error, started=None, finished=None,
+        result={"measurement": {"step_s": steps}, "ranks": [{"global_batch": 64}]}
+        if steps
+        else None,
+        error=error,
+        started=None,
+        finished=None,
     )
 
 
@@ -143,7 +171,9 @@ def test_the_budget_keeps_room_for_a_confirmation():
 def test_a_decision_says_what_limited_it():
     fast = {"p": {"x": 1}}
     trials = [
-        _row(0, BASELINE, {}, 0.100), _row(1, CANDIDATE, fast, 0.080), _row(2, BASELINE, {}, 0.101),
+        _row(0, BASELINE, {}, 0.100),
+        _row(1, CANDIDATE, fast, 0.080),
+        _row(2, BASELINE, {}, 0.101),
         _row(3, CANDIDATE, {"p": {"x": 2}}, 0, status="skipped", error=BUDGET_SKIP),
     ]
     decision = decide(trials, 0.01)
@@ -163,8 +193,10 @@ def test_a_decision_says_what_limited_it():
 def test_a_drifting_baseline_is_said_to_be_too_noisy_to_decide():
     # Issue 19's study: 862 -> 2122 -> 1181 ms
     trials = [
-        _row(0, BASELINE, {}, 0.862, noise=0), _row(1, CANDIDATE, {"p": {"x": 1}}, 1.5),
-        _row(2, BASELINE, {}, 2.122, noise=0), _row(3, BASELINE, {}, 1.181, noise=0),
+        _row(0, BASELINE, {}, 0.862, noise=0),
+        _row(1, CANDIDATE, {"p": {"x": 1}}, 1.5),
+        _row(2, BASELINE, {}, 2.122, noise=0),
+        _row(3, BASELINE, {}, 1.181, noise=0),
     ]
     drift = baseline_drift(trials)
     assert drift["ratio"] == pytest.approx(2.122 / 0.862, rel=0.02)
@@ -185,11 +217,17 @@ def test_budget_skips_are_one_line_not_one_each():
     view = _ProgressView()
     with console.capture() as out:
         for seq in range(4, 19):
-            view.handle(TrialFinished(seq, seq, CANDIDATE, "p", f"p(x={seq})", "skipped", None, None, 0.1, BUDGET_SKIP))
+            view.handle(
+                TrialFinished(
+                    seq, seq, CANDIDATE, "p", f"p(x={seq})", "skipped", None, None, 0.1, BUDGET_SKIP
+                )
+            )
         view.finish()
     lines = [ln for ln in out.get().splitlines() if ln.strip()]
-    assert lines == ["skipped 15 planned trial(s) that did not fit the time budget (#4, #5, #6, #7, #8, #9, #10, "
-                     "#11, #12, #13, #14, #15, #16, #17, #18)"]
+    assert lines == [
+        "skipped 15 planned trial(s) that did not fit the time budget (#4, #5, #6, #7, #8, #9, #10, "
+        "#11, #12, #13, #14, #15, #16, #17, #18)"
+    ]
 
 
 def test_tables_wrap_numbers_instead_of_cutting_them():
@@ -201,7 +239,9 @@ def test_tables_wrap_numbers_instead_of_cutting_them():
     table = Table(title="t")
     for col in ("config", "measured", "predicted"):
         table.add_column(col)
-    table.add_row("overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)", "154.321 ms ± 2.5 ms", "150.0 ms")
+    table.add_row(
+        "overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)", "154.321 ms ± 2.5 ms", "150.0 ms"
+    )
     narrow = Console(width=40, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     narrow.print(table)
     text = narrow.export_text()

@@ -39,7 +39,10 @@ def test_file_spec_resolves_to_absolute_path(tmp_path, monkeypatch):
         ("missing_file.py:fn", "workload file missing_file.py not found"),
         ("no_such_module_xyz:fn", "no module named 'no_such_module_xyz'"),
         (f"{WORKLOADS}:absent", "has no function 'absent'"),
-        (f"{WORKLOADS}:not_a_workload", "returned int, expected a tunekit.Workload (see docs/workloads.md)"),
+        (
+            f"{WORKLOADS}:not_a_workload",
+            "returned int, expected a tunekit.Workload (see docs/workloads.md)",
+        ),
         (f"{WORKLOADS}:factory_fails", "raised ValueError: cannot build this workload"),
         ("just-a-name", "is not of the form"),
     ],
@@ -58,7 +61,13 @@ def test_workload_validation():
     with pytest.raises(WorkloadError, match="exactly one of make_batch and dataset"):
         Workload("w", model=lambda: torch.nn.Linear(1, 1))
     with pytest.raises(WorkloadError, match="batch_range"):
-        Workload("w", model=lambda: torch.nn.Linear(1, 1), make_batch=batch, batch_size=8, batch_range=(16, 32))
+        Workload(
+            "w",
+            model=lambda: torch.nn.Linear(1, 1),
+            make_batch=batch,
+            batch_size=8,
+            batch_range=(16, 32),
+        )
     with pytest.raises(WorkloadError, match="lr_scaling"):
         Workload("w", model=lambda: torch.nn.Linear(1, 1), make_batch=batch, lr_scaling="cubic")
 
@@ -74,8 +83,18 @@ def test_lr_scaling_rules():
 
 
 def test_every_listed_example_is_registered():
-    assert set(EXAMPLES) == {"cnn", "alexnet", "vgg16", "inception_v3", "googlenet", "resnet152", "lstm",
-                             "gpt", "vit", "hf-gpt2"}
+    assert set(EXAMPLES) == {
+        "cnn",
+        "alexnet",
+        "vgg16",
+        "inception_v3",
+        "googlenet",
+        "resnet152",
+        "lstm",
+        "gpt",
+        "vit",
+        "hf-gpt2",
+    }
 
 
 @pytest.mark.parametrize("name", ["lstm", "googlenet", "gpt", "vit"])
@@ -118,4 +137,6 @@ def test_transformer_examples_train_as_people_train_them(name):
         n = sum(p.numel() for p in w.model().parameters())
         assert 10e6 <= n <= 30e6
         x, y = w.example_batch(2)
-        assert float(w.loss(w.model()(x), y)) == pytest.approx(math.log(8192), rel=0.05)  # initialised small
+        assert float(w.loss(w.model()(x), y)) == pytest.approx(
+            math.log(8192), rel=0.05
+        )  # initialised small

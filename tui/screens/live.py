@@ -172,7 +172,9 @@ class LiveScreen(TunekitScreen):
 
     async def _show_live(self, view: LiveView) -> None:
         self.set_class(not view.gpu, "-no-gpu")
-        self.set_class(view.status not in ("running", "starting", "relaunching", "paused"), "-stopped")
+        self.set_class(
+            view.status not in ("running", "starting", "relaunching", "paused"), "-stopped"
+        )
         self.query_one("#job-line", Static).update(job_line(view))
         self.query_one("#step-time", MetricRow).show(view.step_ms, ms(view.step_s))
         self.query_one("#throughput", MetricRow).show(view.samples_rate, number(view.samples_per_s))

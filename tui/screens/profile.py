@@ -50,8 +50,12 @@ class LayerTable(DataTable):
         self.clear(columns=True)  # the sorted column's header carries the arrow
         for i, (header, _) in enumerate(COLUMNS):
             sorted_here = i == self.sort_column
-            self.add_column(Text(self.sorted_by if sorted_here else header,
-                                 style="bold" if sorted_here else ""), key=header)
+            self.add_column(
+                Text(
+                    self.sorted_by if sorted_here else header, style="bold" if sorted_here else ""
+                ),
+                key=header,
+            )
         attr = COLUMNS[self.sort_column][1]
         known = [r for r in self._rows if getattr(r, attr) is not None]
         rows = sorted(known, key=lambda r: getattr(r, attr), reverse=self.descending)

@@ -52,8 +52,18 @@ class TrialTable(DataTable):
     def on_mount(self) -> None:
         # Times per step of the trial's own batch; samples/s is what the decision compares.
         # error = |prediction - measured| / measured, raw -> corrected by earlier trials.
-        for col in ("#", "role", "config", "predicted step", "corrected", "measured step", "samples/s",
-                    "error", "status", "note"):
+        for col in (
+            "#",
+            "role",
+            "config",
+            "predicted step",
+            "corrected",
+            "measured step",
+            "samples/s",
+            "error",
+            "status",
+            "note",
+        ):
             self.add_column(col, key=col)
 
     def show(self, trials: tuple[TrialView, ...]) -> None:
@@ -106,7 +116,9 @@ def study_line(study: StudyView) -> Text:
         text.append(f" · study {study.study_id}")
     if study.running and study.current is not None:
         t = study.trial(study.current)
-        text.append(f" · trial {study.index} of {study.total}: {t.role} {t.description}" if t else "")
+        text.append(
+            f" · trial {study.index} of {study.total}: {t.role} {t.description}" if t else ""
+        )
         if study.phase:
             text.append(
                 f" · {study.phase} {study.step}/{study.steps} {ms(study.step_s)}", style="dim"

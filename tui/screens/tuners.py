@@ -83,8 +83,13 @@ class CandidateTable(DataTable):
     def show(self, tuner: TunerView | None, baseline: BaselineView | None = None) -> None:
         self.clear()
         for i, c in enumerate(tuner.candidates if tuner else (), 1):
-            self.add_row(str(i), c.description, predicted_rate(c, baseline), candidate_step(c, baseline),
-                         c.rationale)
+            self.add_row(
+                str(i),
+                c.description,
+                predicted_rate(c, baseline),
+                candidate_step(c, baseline),
+                c.rationale,
+            )
 
 
 def predicted_rate(c: CandidateView | None, baseline: BaselineView | None) -> str:
@@ -200,7 +205,9 @@ class TunersScreen(TunekitScreen):
     def show_study(self, study: StudyView) -> None:
         enabled = sum(t.enabled for t in self.tk.tuner_views)
         self.query_one("#tune-line", Static).update(
-            tune_line(study, self.tk.tune_request.describe(), enabled, self.tk.tune_request.pause_job)
+            tune_line(
+                study, self.tk.tune_request.describe(), enabled, self.tk.tune_request.pause_job
+            )
         )
 
     def _show_detail(self) -> None:

@@ -45,37 +45,156 @@ from tunekit.workload_spec import resolve_spec
 
 @click.command("auto")
 @click.argument("workload", default=f"example:{DEFAULT_EXAMPLE}")
-@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
-@click.option("--plugins", "plugins", multiple=True, metavar="NAMES", help="Tuners to use (comma-separated; default: all).")
-@click.option("--trials", type=click.IntRange(min=0), default=None, help="Candidate trials to run [default: 3].")
-@click.option("--budget", type=DURATION, default=None,
-              help="Time budget instead of a trial count (90s, 5m, 1h); time for confirming the leader is kept back.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"), show_default=True)
+@click.option(
+    "--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node."
+)
+@click.option(
+    "--plugins",
+    "plugins",
+    multiple=True,
+    metavar="NAMES",
+    help="Tuners to use (comma-separated; default: all).",
+)
+@click.option(
+    "--trials",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Candidate trials to run [default: 3].",
+)
+@click.option(
+    "--budget",
+    type=DURATION,
+    default=None,
+    help="Time budget instead of a trial count (90s, 5m, 1h); time for confirming the leader is kept back.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("tunekit-out"),
+    show_default=True,
+)
 @STORE_OPTION
-@click.option("--resume", is_flag=True, help="Continue the last unfinished study of this workload; finished trials are not re-run.")
-@click.option("--steps", type=click.IntRange(min=2), default=16, show_default=True, help="Measured steps per trial.")
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Warm-up steps per trial.")
-@click.option("--timeout", "timeout_s", type=DURATION, default=300.0, help="Per-trial limit; past it the trial is too_slow (steps still finishing) or a hang [default: 5m].")
-@click.option("--stall", "stall_s", type=DURATION, default=60.0,
-              help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].")
-@click.option("--min-effect", type=click.FloatRange(min=0, max=1), default=0.01, show_default=True, help="Smallest speed-up that counts, beyond noise.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the last unfinished study of this workload; finished trials are not re-run.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    default=16,
+    show_default=True,
+    help="Measured steps per trial.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Warm-up steps per trial.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=DURATION,
+    default=300.0,
+    help="Per-trial limit; past it the trial is too_slow (steps still finishing) or a hang [default: 5m].",
+)
+@click.option(
+    "--stall",
+    "stall_s",
+    type=DURATION,
+    default=60.0,
+    help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].",
+)
+@click.option(
+    "--min-effect",
+    type=click.FloatRange(min=0, max=1),
+    default=0.01,
+    show_default=True,
+    help="Smallest speed-up that counts, beyond noise.",
+)
+@click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+)
+@click.option(
+    "--hardware",
+    default=None,
+    help="Plan for a hardware profile (name or TOML) instead of this machine.",
+)
 @node_options
 @click.option("--rdzv-id", default=None, help="Rendezvous id (several machines).")
 @TOKEN_FILE_OPTION
 @JOIN_TIMEOUT_OPTION
-@click.option("--loopback-nodes", type=click.IntRange(min=1), default=1, help="Run N torchrun agents here as N nodes.")
-@click.option("--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars.")
-@click.option("--apply", "apply_run", default=None, metavar="RUN", help="Apply the winner to this live run (tunekit run).")
-@click.option("--keep-running", is_flag=True, help="With --apply: let the run train while the trials measure (they share the machine).")
-@click.option("--no-probe", is_flag=True, help="Do not measure this machine's collectives when none are cached.")
-@click.option("--no-rerank", is_flag=True,
-              help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.")
-@click.option("--search-steps", type=click.IntRange(min=4), default=60, show_default=True, help="Steps an in-job search may use.")
-def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resume, steps, warmup, timeout_s, stall_s,
-             min_effect, device, hardware, nnodes, node_rank, rdzv_endpoint, rdzv_id, token_file, join_timeout_s,
-             loopback_nodes, as_json, apply_run, keep_running, no_probe, no_rerank, search_steps):
+@click.option(
+    "--loopback-nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Run N torchrun agents here as N nodes.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print events as JSON lines instead of progress bars."
+)
+@click.option(
+    "--apply",
+    "apply_run",
+    default=None,
+    metavar="RUN",
+    help="Apply the winner to this live run (tunekit run).",
+)
+@click.option(
+    "--keep-running",
+    is_flag=True,
+    help="With --apply: let the run train while the trials measure (they share the machine).",
+)
+@click.option(
+    "--no-probe",
+    is_flag=True,
+    help="Do not measure this machine's collectives when none are cached.",
+)
+@click.option(
+    "--no-rerank",
+    is_flag=True,
+    help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.",
+)
+@click.option(
+    "--search-steps",
+    type=click.IntRange(min=4),
+    default=60,
+    show_default=True,
+    help="Steps an in-job search may use.",
+)
+def auto_cmd(
+    workload,
+    nproc,
+    plugins,
+    trials,
+    budget,
+    out_dir,
+    store_dir,
+    resume,
+    steps,
+    warmup,
+    timeout_s,
+    stall_s,
+    min_effect,
+    device,
+    hardware,
+    nnodes,
+    node_rank,
+    rdzv_endpoint,
+    rdzv_id,
+    token_file,
+    join_timeout_s,
+    loopback_nodes,
+    as_json,
+    apply_run,
+    keep_running,
+    no_probe,
+    no_rerank,
+    search_steps,
+):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
@@ -95,7 +214,9 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
         return
     if keep_running and not apply_run:
         raise click.UsageError("--keep-running goes with --apply RUN")
-    run_dir = RunDir.find(apply_run, store_dir) if apply_run else None  # fail before tuning, not after
+    run_dir = (
+        RunDir.find(apply_run, store_dir) if apply_run else None
+    )  # fail before tuning, not after
     ensure_writable(store_dir, "the study store folder (--store)")
     ensure_writable(out_dir, "the report folder (--out)")
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
@@ -103,19 +224,42 @@ def auto_cmd(workload, nproc, plugins, trials, budget, out_dir, store_dir, resum
     from tunekit.trials.launcher import LaunchOptions
 
     settings = AutoSettings(
-        workload=workload, nproc=nproc, plugins=split_names(plugins),
-        trials=3 if trials is None and budget is None else trials, budget_s=budget,
-        out_dir=out_dir, store_dir=store_dir, resume=resume, warmup=warmup, steps=steps,
-        timeout_s=timeout_s, stall_s=stall_s, min_effect=min_effect, device=device, hardware=hardware, probe=not no_probe,
-        search_steps=search_steps, rerank=not no_rerank, pause_run=None if keep_running else run_dir,
-        launch=LaunchOptions(nproc=nproc, nnodes=place.nnodes, node_rank=0, rdzv_endpoint=place.endpoint,
-                             rdzv_id=rdzv_id, loopback_nodes=loopback_nodes),
-        node_token=read_token(token_file), join_timeout_s=join_timeout_s,
+        workload=workload,
+        nproc=nproc,
+        plugins=split_names(plugins),
+        trials=3 if trials is None and budget is None else trials,
+        budget_s=budget,
+        out_dir=out_dir,
+        store_dir=store_dir,
+        resume=resume,
+        warmup=warmup,
+        steps=steps,
+        timeout_s=timeout_s,
+        stall_s=stall_s,
+        min_effect=min_effect,
+        device=device,
+        hardware=hardware,
+        probe=not no_probe,
+        search_steps=search_steps,
+        rerank=not no_rerank,
+        pause_run=None if keep_running else run_dir,
+        launch=LaunchOptions(
+            nproc=nproc,
+            nnodes=place.nnodes,
+            node_rank=0,
+            rdzv_endpoint=place.endpoint,
+            rdzv_id=rdzv_id,
+            loopback_nodes=loopback_nodes,
+        ),
+        node_token=read_token(token_file),
+        join_timeout_s=join_timeout_s,
     )
     try:
         decision = asyncio.run(_drive(settings, as_json))
     except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
-        raise Interrupted(f"interrupted; the study is saved: continue it with `{resume_command()}`") from None
+        raise Interrupted(
+            f"interrupted; the study is saved: continue it with `{resume_command()}`"
+        ) from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)
 
@@ -172,7 +316,12 @@ def _apply_winner(run_dir: RunDir, decision: dict | None, as_json: bool) -> None
         message = f"run {run_dir.run_id}: {outcome.message}"
         result = outcome.to_dict()
     if as_json:
-        click.echo(json.dumps({"event": "Applied", "run": run_dir.run_id, "message": message, **result}, default=str))
+        click.echo(
+            json.dumps(
+                {"event": "Applied", "run": run_dir.run_id, "message": message, **result},
+                default=str,
+            )
+        )
     else:
         console.print(message)
 
@@ -186,8 +335,13 @@ class _ProgressView:
 
     def __init__(self):
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console, transient=True,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[last]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
         )
         self.tasks: dict[int, int] = {}
         self.budget_skipped: list[int] = []
@@ -202,18 +356,24 @@ class _ProgressView:
     def handle(self, ev) -> None:
         if isinstance(ev, StudyStarted):
             extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
-            self.say(f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}")
+            self.say(
+                f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}"
+            )
         elif isinstance(ev, Notice):
             self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
         elif isinstance(ev, PluginProblem):
             self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
         elif isinstance(ev, Observed):
             s = ev.summary
-            self.say(f"observed: {s['num_params']:,} parameters, global batch {s['global_batch']}, "
-                     f"baseline {_ms(s['baseline_median_s'])} ± {_ms(s['baseline_spread_s'])} per step")
+            self.say(
+                f"observed: {s['num_params']:,} parameters, global batch {s['global_batch']}, "
+                f"baseline {_ms(s['baseline_median_s'])} ± {_ms(s['baseline_spread_s'])} per step"
+            )
             t = s.get("truth")
             if t and t.get("parts_s"):
-                parts = " · ".join(f"{PART_LABELS[p]} {f:.0%}" for p, f in t["fractions"].items() if f >= 0.005)
+                parts = " · ".join(
+                    f"{PART_LABELS[p]} {f:.0%}" for p, f in t["fractions"].items() if f >= 0.005
+                )
                 r = f" · overlap R {t['overlap_R']:.0f}" if t.get("overlap_R") is not None else ""
                 self.say(f"  where the step goes (measured): {parts}{r}")
         elif isinstance(ev, Diagnosed):
@@ -225,7 +385,8 @@ class _ProgressView:
             pred = _prediction(ev.predicted_s, ev.corrected_s)
             pred = f", predicted {pred}" if pred else ""
             self.tasks[ev.trial_id] = self.progress.add_task(
-                f"[{ev.index}/{ev.total}] {ev.role} {ev.description}{pred}", total=None, last="")
+                f"[{ev.index}/{ev.total}] {ev.role} {ev.description}{pred}", total=None, last=""
+            )
         elif isinstance(ev, TrialProgress):
             task = self.tasks.get(ev.trial_id)
             if task is not None:
@@ -239,16 +400,22 @@ class _ProgressView:
                 self.budget_skipped.append(ev.seq)
             elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
-                self.say(f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
-                         + (f" (predicted {pred})" if pred else ""))
+                self.say(
+                    f"  trial {ev.seq} {ev.role} {ev.description}: {_ms(ev.median_s)} ± {_ms(ev.spread_s)}"
+                    + (f" (predicted {pred})" if pred else "")
+                )
             else:
-                self.say(f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}")
+                self.say(
+                    f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}"
+                )
         elif isinstance(ev, Reranked):
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
             if learnt:
                 self.say(f"  [dim]feedback — {learnt}[/]")
             if ev.dropped:
-                self.say(f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]")
+                self.say(
+                    f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]"
+                )
         elif isinstance(ev, Decided):
             self.decision = ev.decision
         elif isinstance(ev, ReportWritten):
@@ -258,13 +425,17 @@ class _ProgressView:
 
     def finish(self) -> None:
         if self.budget_skipped:
-            console.print(f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
-                          f"(#{', #'.join(map(str, self.budget_skipped))})")
+            console.print(
+                f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
+                f"(#{', #'.join(map(str, self.budget_skipped))})"
+            )
         if self.decision is not None:
             console.print(result_table(self.decision))
             console.print(f"decision: {self.decision.get('reason', '')}")
         if self.paths:
-            console.print(f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}")
+            console.print(
+                f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}"
+            )
 
 
 def _prediction(raw: float | None, corrected: float | None) -> str:
@@ -294,6 +465,10 @@ def result_table(decision: dict) -> Table:
         return table
     ci = decision.get("ci")
     sp = decision.get("speedup") or 1.0
-    table.add_row(decision.get("winner", "baseline"), _ms(best), rate(best, best_gb),
-                  f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else ""))
+    table.add_row(
+        decision.get("winner", "baseline"),
+        _ms(best),
+        rate(best, best_gb),
+        f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else ""),
+    )
     return table

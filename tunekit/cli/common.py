@@ -41,7 +41,6 @@ class Table(rich.table.Table):
         super().add_column(*args, **kwargs)
 
 
-
 class Interrupted(TunekitError):
     """Ctrl-C: said in one line with the command that continues the work."""
 
@@ -60,8 +59,10 @@ def ensure_writable(folder: Path, what: str) -> Path:
             pass
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise TunekitError(f"cannot write {what} {folder}: {reason} (give another folder, or run from a "
-                           "writable working directory)") from None
+        raise TunekitError(
+            f"cannot write {what} {folder}: {reason} (give another folder, or run from a "
+            "writable working directory)"
+        ) from None
     return folder
 
 
@@ -117,8 +118,12 @@ def split_names(values: tuple[str, ...], option: str = "--plugins") -> list[str]
 
 
 STORE_OPTION = click.option(
-    "--store", "store_dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".tunekit"),
-    show_default=True, help="Study store folder (studies, cached probes and profiles, runs/).",
+    "--store",
+    "store_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".tunekit"),
+    show_default=True,
+    help="Study store folder (studies, cached probes and profiles, runs/).",
 )
 
 
@@ -133,17 +138,40 @@ def _pct(x: float | None) -> str:
 def trials_table(rows: list[dict], title: str = "trials") -> Table:
     """Every trial: its prediction, raw and corrected by the trials before it, what was
     measured (per step, and samples/s: what the decision compares) and the error of each (rows from ``tunekit.report.data.report_data``)."""
-    table = Table(title=title + " (per step; error = |prediction − measured| / measured)", title_justify="left")
-    for col in ("#", "role", "config", "status", "steps", "predicted", "corrected", "measured", "samples/s",
-                "error", "note"):
+    table = Table(
+        title=title + " (per step; error = |prediction − measured| / measured)",
+        title_justify="left",
+    )
+    for col in (
+        "#",
+        "role",
+        "config",
+        "status",
+        "steps",
+        "predicted",
+        "corrected",
+        "measured",
+        "samples/s",
+        "error",
+        "note",
+    ):
         table.add_column(col)
     for t in rows:
         med = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
         err = _pct(t.get("prediction_error"))
         if t.get("corrected_prediction_error") is not None:
             err += f" → {_pct(t['corrected_prediction_error'])}"
-        table.add_row(str(t["seq"]), t["role"], t["description"], t["status"], t.get("steps_run") or "—",
-                      _ms(t["predicted_s"]), _ms(t.get("corrected_s")), med,
-                      "—" if not t.get("samples_per_s") else f"{t['samples_per_s']:,.1f}", err,
-                      (t.get("note") or t.get("error") or "")[:160])
+        table.add_row(
+            str(t["seq"]),
+            t["role"],
+            t["description"],
+            t["status"],
+            t.get("steps_run") or "—",
+            _ms(t["predicted_s"]),
+            _ms(t.get("corrected_s")),
+            med,
+            "—" if not t.get("samples_per_s") else f"{t['samples_per_s']:,.1f}",
+            err,
+            (t.get("note") or t.get("error") or "")[:160],
+        )
     return table

@@ -106,7 +106,9 @@ def probe_cmd(nproc, repeats, save, store_dir, no_store):
     show_default=True,
     help="Without PROFILE: ranks this machine is described for.",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+)
 @STORE_OPTION
 def show_cmd(profile, nproc, device, store_dir):
     """Validate and print PROFILE: a TOML file or a shipped profile's name (`tunekit hardware list`).
@@ -137,7 +139,9 @@ def local_hardware(nproc: int, device: str, store_dir: Path) -> Hardware:
         if fits:
             hw = describe_local_machine(nproc, device_type, tuple(CollectiveFit(**f) for f in fits))
     if not hw.collectives:
-        console.print("[dim]no collective fits cached for this machine: `tunekit hardware probe` measures them[/]")
+        console.print(
+            "[dim]no collective fits cached for this machine: `tunekit hardware probe` measures them[/]"
+        )
     return hw
 
 

@@ -104,7 +104,10 @@ class LazyGroup(click.Group):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(__version__, prog_name="tunekit")
 def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
@@ -122,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except TunekitError as exc:
         # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
-        err_console.print(f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
-                          highlight=False)
+        err_console.print(
+            f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
+            highlight=False,
+        )
         return exc.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -132,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise  # anything else is a bug in tunekit: keep its traceback
         where = f": {exc.filename}" if exc.filename else ""
-        err_console.print(f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}", highlight=False)
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}",
+            highlight=False,
+        )
         return 2
     return 0
 

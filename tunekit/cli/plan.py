@@ -20,15 +20,38 @@ from tunekit.workload_spec import resolve_spec
 @click.command("plan")
 @click.argument("plugin")
 @click.argument("workload", default=f"example:{DEFAULT_EXAMPLE}")
-@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks (devices) to plan for.")
-@click.option("--hardware", default=None, help="Plan for a hardware profile (name or TOML) instead of this machine.")
-@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Candidates to show.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("tunekit-out"),
-              show_default=True, help="Where configs too long for one command line are written.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Ranks (devices) to plan for.",
+)
+@click.option(
+    "--hardware",
+    default=None,
+    help="Plan for a hardware profile (name or TOML) instead of this machine.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Candidates to show."
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("tunekit-out"),
+    show_default=True,
+    help="Where configs too long for one command line are written.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis and candidates as JSON.")
-@click.option("--timeout", "timeout_s", type=DURATION, default=300.0,
-              help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
-                   "past it, a hang [default: 5m].")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=DURATION,
+    default=300.0,
+    help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
+    "past it, a hang [default: 5m].",
+)
 @STORE_OPTION
 def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
@@ -50,7 +73,8 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     store = Store.open_default(store_dir)
     try:
         static, study, obs, diag, candidates = asyncio.run(
-            _observe_and_plan(tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s))
+            _observe_and_plan(tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s)
+        )
         tried = []
         truth = obs.truth
         if study is not None:
@@ -60,35 +84,65 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     finally:
         store.close()
     rows = ranked_candidates(tuner, candidates, obs.global_batch)
-    apply_args = [_apply_args(r["config"], tuner.defaults(), out_dir / "plan" / f"{tuner.name}-{i}.json")
-                  for i, r in enumerate(rows, 1)]
+    apply_args = [
+        _apply_args(r["config"], tuner.defaults(), out_dir / "plan" / f"{tuner.name}-{i}.json")
+        for i, r in enumerate(rows, 1)
+    ]
     if as_json:
-        click.echo(json.dumps({
-            "plugin": tuner.name, "workload": static.spec, "nproc": nproc, "hardware": static.hardware.name,
-            "applies": diag.applies, "summary": diag.summary, "expected_gain": diag.expected_gain,
-            "baseline_step_s": truth.step_s if truth is not None else None,
-            "candidates": [{**r, "config": r["config"].to_dict(), "apply": f"tunekit apply RUN {a}"}
-                           for r, a in zip(rows, apply_args, strict=True)],
-        }, indent=2, default=str))
+        click.echo(
+            json.dumps(
+                {
+                    "plugin": tuner.name,
+                    "workload": static.spec,
+                    "nproc": nproc,
+                    "hardware": static.hardware.name,
+                    "applies": diag.applies,
+                    "summary": diag.summary,
+                    "expected_gain": diag.expected_gain,
+                    "baseline_step_s": truth.step_s if truth is not None else None,
+                    "candidates": [
+                        {**r, "config": r["config"].to_dict(), "apply": f"tunekit apply RUN {a}"}
+                        for r, a in zip(rows, apply_args, strict=True)
+                    ],
+                },
+                indent=2,
+                default=str,
+            )
+        )
         return
-    console.print(f"[bold]{tuner.name}[/] — {tuner.title} · {static.spec} on {nproc} × {static.hardware.name}")
+    console.print(
+        f"[bold]{tuner.name}[/] — {tuner.title} · {static.spec} on {nproc} × {static.hardware.name}"
+    )
     if truth is None:
-        console.print("[dim]no measured baseline in the store for these settings (run `tunekit auto` first); "
-                      "predictions use the model alone[/]")
+        console.print(
+            "[dim]no measured baseline in the store for these settings (run `tunekit auto` first); "
+            "predictions use the model alone[/]"
+        )
     else:
         console.print(f"measured baseline (study {study.id}): {truth.describe()}")
-    console.print(("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary)
+    console.print(
+        ("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary
+    )
     if not rows:
         return
-    table = Table(title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)",
-                  title_justify="left")
+    table = Table(
+        title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)",
+        title_justify="left",
+    )
     for col in ("#", "config", "predicted step", "samples/s", "why"):
         table.add_column(col)
     for i, r in enumerate(rows, 1):
-        table.add_row(str(i), r["description"], _ms(r["predicted_step_s"]), _rate(r["predicted_samples_per_s"]),
-                      r["rationale"])
+        table.add_row(
+            str(i),
+            r["description"],
+            _ms(r["predicted_step_s"]),
+            _rate(r["predicted_samples_per_s"]),
+            r["rationale"],
+        )
     console.print(table)
-    console.print("apply one to a live run (`tunekit run`); `tunekit trial` takes the same arguments:")
+    console.print(
+        "apply one to a live run (`tunekit run`); `tunekit trial` takes the same arguments:"
+    )
     for i, a in enumerate(apply_args, 1):
         console.print(f"  #{i}  tunekit apply RUN {a}", soft_wrap=True)
     if tried:
@@ -114,16 +168,28 @@ def ranked_candidates(tuner, candidates, base_batch: int) -> list[dict]:
         cfg = TuningConfig({tuner.name: tuner.validate(c.knobs)})
         batch = c.global_batch or base_batch
         rate = batch / c.predicted_step_s if c.predicted_step_s and batch else None
-        rows.append({"config": cfg, "description": cfg.describe(defaults), "predicted_step_s": c.predicted_step_s,
-                     "global_batch": batch, "predicted_samples_per_s": rate, "rationale": c.rationale})
+        rows.append(
+            {
+                "config": cfg,
+                "description": cfg.describe(defaults),
+                "predicted_step_s": c.predicted_step_s,
+                "global_batch": batch,
+                "predicted_samples_per_s": rate,
+                "rationale": c.rationale,
+            }
+        )
     return sorted(rows, key=lambda r: -(r["predicted_samples_per_s"] or 0.0))
 
 
 def _apply_args(config: TuningConfig, defaults: dict, path: Path) -> str:
     """What follows ``tunekit apply RUN``: the knobs off their defaults as shell-quoted pairs
     (the job fills in the rest), or the path of a file with the whole config."""
-    changed = TuningConfig({name: {k: v for k, v in knobs.items() if defaults.get(k, object()) != v} or knobs
-                            for name, knobs in config.plugins.items()})
+    changed = TuningConfig(
+        {
+            name: {k: v for k, v in knobs.items() if defaults.get(k, object()) != v} or knobs
+            for name, knobs in config.plugins.items()
+        }
+    )
     pairs = " ".join(shlex.quote(p) for p in changed.to_pairs())
     if len(pairs) <= LONGEST_COMMAND_ARGS:
         return pairs
@@ -140,8 +206,16 @@ def _rate(x: float | None) -> str:
     return "—" if x is None else f"{x:,.1f}"
 
 
-async def _observe_and_plan(tuner, workload: str, nproc: int, hardware: str | None, limit: int, store: Store,
-                            store_dir: Path, timeout_s: float):
+async def _observe_and_plan(
+    tuner,
+    workload: str,
+    nproc: int,
+    hardware: str | None,
+    limit: int,
+    store: Store,
+    store_dir: Path,
+    timeout_s: float,
+):
     """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
     process of the workload's own; returns what was observed, the stored study, the diagnosis
     and the candidates. A tuner that fails is one line (PluginError)."""
@@ -154,10 +228,20 @@ async def _observe_and_plan(tuner, workload: str, nproc: int, hardware: str | No
 
     async with WorkloadProcess(store_dir / OBSERVE_LOG, timeout_s) as child:
         try:
-            static = await observe_in_child(workload, nproc, "auto", hardware, store, timeout_s=timeout_s,
-                                            log_dir=store_dir, child=child)
+            static = await observe_in_child(
+                workload,
+                nproc,
+                "auto",
+                hardware,
+                store,
+                timeout_s=timeout_s,
+                log_dir=store_dir,
+                child=child,
+            )
         except ObservationFailed as exc:
-            raise ObservationFailed(exc.status, f"could not observe {workload} ({exc.status}): {exc}") from None
+            raise ObservationFailed(
+                exc.status, f"could not observe {workload} ({exc.status}): {exc}"
+            ) from None
         study, base_row = _stored_baseline(store, static, nproc, hardware)
         baseline = Measurement(**base_row.result["measurement"]) if base_row else None
         obs = static.observation(nproc, baseline, store)

@@ -182,7 +182,9 @@ def _layers_table(layers: list[dict[str, Any]], device: str) -> None:
 
 
 def _blocks_table(blocks: list[dict[str, Any]], device: str) -> None:
-    table = Table(title=f"by transformer block (layers measured standalone on {device})", title_justify="left")
+    table = Table(
+        title=f"by transformer block (layers measured standalone on {device})", title_justify="left"
+    )
     for c in ("block", "layers", "fwd ms", "bwd ms", "share", "GFLOP"):
         table.add_column(c, justify="left" if c == "block" else "right")
     total = sum(r["forward_s"] + r["backward_s"] for r in blocks) or 1.0

@@ -19,7 +19,13 @@ from tunekit.trials.launcher import LaunchOptions
 @click.command("report")
 @click.argument("study", required=False)
 @STORE_OPTION
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Also rewrite the report files here.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also rewrite the report files here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report data as JSON.")
 @click.option("--list", "list_studies", is_flag=True, help="List the studies in the store.")
 def report_cmd(study, store_dir, out_dir, as_json, list_studies):
@@ -34,7 +40,13 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
             for col in ("id", "workload", "ranks", "status", "winner"):
                 table.add_column(col)
             for st in store.studies():
-                table.add_row(str(st.id), st.workload, str(st.nproc), st.status, (st.decision or {}).get("winner", "—"))
+                table.add_row(
+                    str(st.id),
+                    st.workload,
+                    str(st.nproc),
+                    st.status,
+                    (st.decision or {}).get("winner", "—"),
+                )
             console.print(table)
             return
         row = load_study(store, study)
@@ -47,7 +59,9 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
             click.echo(json.dumps(data, indent=2, default=str))
             return
         st = data["study"]
-        console.print(f"[bold]study {st['id']}[/] · {st['workload']} · {st['nproc']} rank(s) · {st['status']}")
+        console.print(
+            f"[bold]study {st['id']}[/] · {st['workload']} · {st['nproc']} rank(s) · {st['status']}"
+        )
         console.print(trials_table(data["trials"]))
         if data["decision"]:
             console.print(result_table(data["decision"]))

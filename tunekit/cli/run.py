@@ -51,21 +51,62 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 
 @click.command("run")
 @click.argument("workload", required=False)
-@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node.")
-@click.option("--config", "config_path", default=None, help="Start with this config (file or inline JSON).")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after this many steps [default: run until stopped].")
+@click.option(
+    "--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node."
+)
+@click.option(
+    "--config", "config_path", default=None, help="Start with this config (file or inline JSON)."
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many steps [default: run until stopped].",
+)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=50, show_default=True)
-@click.option("--watch-window", type=click.IntRange(min=2), default=10, show_default=True, help="Steps compared before and after an apply.")
-@click.option("--min-effect", type=click.FloatRange(0, 1), default=0.02, show_default=True, help="Slowdown beyond noise that rolls back.")
-@click.option("--resume", "resume", default=None, metavar="RUN", help="Continue RUN from its last checkpoint.")
+@click.option(
+    "--watch-window",
+    type=click.IntRange(min=2),
+    default=10,
+    show_default=True,
+    help="Steps compared before and after an apply.",
+)
+@click.option(
+    "--min-effect",
+    type=click.FloatRange(0, 1),
+    default=0.02,
+    show_default=True,
+    help="Slowdown beyond noise that rolls back.",
+)
+@click.option(
+    "--resume", "resume", default=None, metavar="RUN", help="Continue RUN from its last checkpoint."
+)
 @click.option("--name", default=None, help="Run id (default: a timestamp).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+)
 @node_options
 @TOKEN_FILE_OPTION
 @JOIN_TIMEOUT_OPTION
 @STORE_OPTION
-def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window, min_effect, resume, name, device,
-            nnodes, node_rank, rdzv_endpoint, token_file, join_timeout_s, store_dir):
+def run_cmd(
+    workload,
+    nproc,
+    config_path,
+    steps,
+    checkpoint_every,
+    watch_window,
+    min_effect,
+    resume,
+    name,
+    device,
+    nnodes,
+    node_rank,
+    rdzv_endpoint,
+    token_file,
+    join_timeout_s,
+    store_dir,
+):
     """Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop."""
     from tunekit.trials.nodes import node_place
 
@@ -85,11 +126,23 @@ def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window,
             raise click.UsageError("missing WORKLOAD (or --resume RUN)")
         config = read_config(config_path) if config_path else None
         ensure_writable(store_dir, "the study store folder (--store)")
-        rd = create_run(store_dir, workload, nproc=nproc, config=config, steps=steps,
-                        checkpoint_every=checkpoint_every, watch_window=watch_window, min_effect=min_effect,
-                        device=device, name=name, nnodes=place.nnodes)
+        rd = create_run(
+            store_dir,
+            workload,
+            nproc=nproc,
+            config=config,
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            watch_window=watch_window,
+            min_effect=min_effect,
+            device=device,
+            name=name,
+            nnodes=place.nnodes,
+        )
     if resume and int(rd.read_run().get("nnodes") or 1) != place.nnodes:
-        raise click.UsageError(f"run {rd.run_id} spans {rd.read_run().get('nnodes') or 1} node(s), not {place.nnodes}")
+        raise click.UsageError(
+            f"run {rd.run_id} spans {rd.read_run().get('nnodes') or 1} node(s), not {place.nnodes}"
+        )
     with supervising(rd):  # one supervisor and one job per run, or a one-line refusal
         if resume:
             ckpt = prepare_resume(rd)
@@ -99,8 +152,10 @@ def run_cmd(workload, nproc, config_path, steps, checkpoint_every, watch_window,
         with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
             code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()
-    console.print(f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
-                  + (f": {st['error']}" if st.get("error") else ""))
+    console.print(
+        f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
+        + (f": {st['error']}" if st.get("error") else "")
+    )
     raise SystemExit(code)
 
 
@@ -116,7 +171,9 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
     nodes, hint = host_coordinator(place.endpoint, place.nnodes, read_token(token_file), store_dir)
     try:
         console.print(nodes.how_to_follow(hint))
-        nodes.wait_for_followers(join_timeout_s, hint, lambda r, _: console.print(describe_hello(nodes, r)))
+        nodes.wait_for_followers(
+            join_timeout_s, hint, lambda r, _: console.print(describe_hello(nodes, r))
+        )
         yield nodes
     finally:
         nodes.close()
@@ -124,8 +181,14 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
 
 def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
     total = rd.read_run().get("steps")
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
     task = progress.add_task("training", total=total, info="starting")
     seen_events = [0]
 
@@ -133,24 +196,35 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
         st = rd.read_status()
         last = st.get("last") or {}
         if last:
-            info = (f"loss {last['loss']:.4f} · {last['step_s'] * 1e3:.1f} ms/step · "
-                    f"{st.get('world_size')} rank(s) · config {st.get('config_id', '?')}")
+            info = (
+                f"loss {last['loss']:.4f} · {last['step_s'] * 1e3:.1f} ms/step · "
+                f"{st.get('world_size')} rank(s) · config {st.get('config_id', '?')}"
+            )
             progress.update(task, completed=st.get("step", 0), info=info)
         events = rd.read_events()
-        for ev in events[seen_events[0]:]:
+        for ev in events[seen_events[0] :]:
             if ev["kind"] not in ("started",):
                 # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
                 # read as a closing tag and end the supervisor with a MarkupError.
-                progress.console.print(f"  {ev['kind']}: " + ", ".join(
-                    f"{k}={v}" for k, v in ev.items() if k in ("step", "nproc", "reason", "error")), markup=False)
+                progress.console.print(
+                    f"  {ev['kind']}: "
+                    + ", ".join(
+                        f"{k}={v}"
+                        for k, v in ev.items()
+                        if k in ("step", "nproc", "reason", "error")
+                    ),
+                    markup=False,
+                )
         seen_events[0] = len(events)
 
     try:
         with progress:
             return supervise(rd, on_tick=tick, nodes=nodes)
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted; the run checkpointed and stopped: continue it with "
-                          f"`tunekit run --resume {rd.run_id}`") from None
+        raise Interrupted(
+            f"interrupted; the run checkpointed and stopped: continue it with "
+            f"`tunekit run --resume {rd.run_id}`"
+        ) from None
 
 
 def _find(run: str, store_dir: Path) -> RunDir:
@@ -160,10 +234,18 @@ def _find(run: str, store_dir: Path) -> RunDir:
 @click.command("apply", epilog=CONFIG_FORMS)
 @click.argument("run")
 @click.argument("config", nargs=-1, required=True)
-@click.option("--nproc", type=click.IntRange(min=1), default=None,
-              help="Relaunch with this many ranks in all (a job across nodes splits them evenly over its nodes).")
-@click.option("--watch", type=click.IntRange(min=2), default=None, help="Steps to watch before keeping it.")
-@click.option("--no-wait", is_flag=True, help="Return once applied, without waiting for the watch verdict.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Relaunch with this many ranks in all (a job across nodes splits them evenly over its nodes).",
+)
+@click.option(
+    "--watch", type=click.IntRange(min=2), default=None, help="Steps to watch before keeping it."
+)
+@click.option(
+    "--no-wait", is_flag=True, help="Return once applied, without waiting for the watch verdict."
+)
 @STORE_OPTION
 def apply_cmd(run, config, nproc, watch, no_wait, store_dir):
     """Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary."""
@@ -191,7 +273,9 @@ def status_cmd(run, as_json, store_dir):
         click.echo(json.dumps(st, indent=2, default=str))
         return
     last = st.get("last") or {}
-    console.print(f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)")
+    console.print(
+        f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)"
+    )
     if last:
         console.print(f"  last step {last['step_s'] * 1e3:.1f} ms, loss {last['loss']:.4f}")
     rate = throughput(read_metrics_tail(rd.metrics_file), st.get("config_id"))
@@ -201,18 +285,24 @@ def status_cmd(run, as_json, store_dir):
     batch = st.get("batch") or {}
     if batch.get("size"):
         rng = batch.get("range")
-        console.print(f"  batch {batch['size']} per rank" + (f" (allowed {rng[0]}–{rng[1]})" if rng else
-                                                           " (the workload sets no batch_range)"))
+        console.print(
+            f"  batch {batch['size']} per rank"
+            + (f" (allowed {rng[0]}–{rng[1]})" if rng else " (the workload sets no batch_range)")
+        )
     if st.get("watch"):
         console.print(f"  watch: {st['watch']['state']} {st['watch'].get('reason', '')}")
     if st.get("paused"):
-        console.print(f"  paused at step {st['paused']['step']}: {st['paused']['reason'] or 'no reason given'}")
+        console.print(
+            f"  paused at step {st['paused']['step']}: {st['paused']['reason'] or 'no reason given'}"
+        )
 
 
 @click.command("trial", epilog=CONFIG_FORMS)
 @click.argument("run")
 @click.argument("config", nargs=-1, required=True)
-@click.option("--window", type=click.IntRange(min=2), default=10, show_default=True, help="Steps per window.")
+@click.option(
+    "--window", type=click.IntRange(min=2), default=10, show_default=True, help="Steps per window."
+)
 @STORE_OPTION
 def trial_cmd(run, config, window, store_dir):
     """Try CONFIG inside the live RUN (candidate and current in alternating windows); keep the faster."""
@@ -220,8 +310,10 @@ def trial_cmd(run, config, window, store_dir):
     cfg = read_config(config)
     check_batch(cfg, rd.read_status())
     r = client(rd).request("trial", config=cfg.to_dict(), window=window)
-    console.print(f"candidate {r['candidate_samples_per_s']:,.0f} vs current {r['current_samples_per_s']:,.0f} "
-                  f"samples/s ({r['speedup']:.2f}x, 95% CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f}): kept the {r['kept']}")
+    console.print(
+        f"candidate {r['candidate_samples_per_s']:,.0f} vs current {r['current_samples_per_s']:,.0f} "
+        f"samples/s ({r['speedup']:.2f}x, 95% CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f}): kept the {r['kept']}"
+    )
 
 
 @click.command("rollback")
@@ -231,7 +323,9 @@ def rollback_cmd(run, store_dir):
     """Go back to the config RUN had before its last apply."""
     r = client(_find(run, store_dir)).request("rollback")
     if r.get("relaunching"):
-        console.print(f"rolling back: relaunching with {r['nproc']} rank(s) from step {r.get('step')}")
+        console.print(
+            f"rolling back: relaunching with {r['nproc']} rank(s) from step {r.get('step')}"
+        )
     else:
         console.print(f"rolled back at step {r.get('step')}")
 
@@ -285,10 +379,12 @@ def throughput(metrics: list[dict], config_id: str | None, steps: int = TREND_ST
     text = f"{median:,.1f} samples/s (median of the last {len(rates)} step(s) of this config)"
     if len(rates) < 10:
         return text
-    chunks = [rates[i * len(rates) // 5:(i + 1) * len(rates) // 5] for i in range(5)]
+    chunks = [rates[i * len(rates) // 5 : (i + 1) * len(rates) // 5] for i in range(5)]
     meds = [statistics.median(c) for c in chunks]
     lo, hi = min(meds), max(meds)
-    bars = "".join(SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in meds)
+    bars = "".join(
+        SPARK[0 if hi == lo else round((v - lo) / (hi - lo) * (len(SPARK) - 1))] for v in meds
+    )
     change = meds[-1] / meds[0] - 1
     return f"{text}, trend {bars} {change:+.0%}"
 

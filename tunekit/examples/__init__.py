@@ -19,21 +19,27 @@ EXAMPLES: dict[str, tuple[str, str, str]] = {
     "cnn": ("tunekit.examples.cnn", "workload", "small CNN, 32x32 images (the default)"),
     "alexnet": ("tunekit.examples.vision", "alexnet", "torchvision AlexNet, 224x224"),
     "vgg16": ("tunekit.examples.vision", "vgg16", "torchvision VGG-16, 224x224"),
-    "inception_v3": ("tunekit.examples.vision", "inception_v3", "torchvision Inception-v3, 299x299"),
+    "inception_v3": (
+        "tunekit.examples.vision",
+        "inception_v3",
+        "torchvision Inception-v3, 299x299",
+    ),
     "googlenet": ("tunekit.examples.vision", "googlenet", "torchvision GoogLeNet, 224x224"),
     "resnet152": ("tunekit.examples.vision", "resnet152", "torchvision ResNet-152, 224x224"),
     "lstm": ("tunekit.examples.lstm", "workload", "BigLSTM-shaped language model, small"),
     "gpt": ("tunekit.examples.transformers", "gpt", "decoder-only transformer LM, ~14M parameters"),
     "vit": ("tunekit.examples.transformers", "vit", "vision transformer encoder, 32x32 images"),
-    "hf-gpt2": ("tunekit.examples.hf", "gpt2", "Hugging Face GPT-2 from a small config (tunekit[hf])"),
+    "hf-gpt2": (
+        "tunekit.examples.hf",
+        "gpt2",
+        "Hugging Face GPT-2 from a small config (tunekit[hf])",
+    ),
 }
 
 
 def example_factory(name: str) -> Callable:
     """The function that builds example ``name``."""
     if name not in EXAMPLES:
-        raise WorkloadError(
-            f"unknown example {name!r}; choose one of: {', '.join(EXAMPLES)}"
-        )
+        raise WorkloadError(f"unknown example {name!r}; choose one of: {', '.join(EXAMPLES)}")
     module, fn, _ = EXAMPLES[name]
     return getattr(importlib.import_module(module), fn)

@@ -53,7 +53,9 @@ def _vision(name: str, build: Callable[[], nn.Module], size: int, batch: int) ->
 
 
 def alexnet() -> Workload:
-    return _vision("alexnet", lambda: _torchvision_models().alexnet(num_classes=NUM_CLASSES), 224, 16)
+    return _vision(
+        "alexnet", lambda: _torchvision_models().alexnet(num_classes=NUM_CLASSES), 224, 16
+    )
 
 
 def vgg16() -> Workload:
@@ -79,4 +81,6 @@ def googlenet() -> Workload:
 
 
 def resnet152() -> Workload:
-    return _vision("resnet152", lambda: _torchvision_models().resnet152(num_classes=NUM_CLASSES), 224, 2)
+    return _vision(
+        "resnet152", lambda: _torchvision_models().resnet152(num_classes=NUM_CLASSES), 224, 2
+    )

@@ -59,8 +59,12 @@ class ModelSummary:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSummary:
-        return cls(num_params=d["num_params"], param_bytes=d["param_bytes"],
-                   layers=[LayerInfo(**layer) for layer in d["layers"]], example_batch=d["example_batch"])
+        return cls(
+            num_params=d["num_params"],
+            param_bytes=d["param_bytes"],
+            layers=[LayerInfo(**layer) for layer in d["layers"]],
+            example_batch=d["example_batch"],
+        )
 
 
 def summarize_model(model: nn.Module, example_inputs: Any) -> ModelSummary:
@@ -76,7 +80,9 @@ def summarize_model(model: nn.Module, example_inputs: Any) -> ModelSummary:
             seen.add(name)
             first = out[0] if isinstance(out, tuple | list) else out
             shape = list(first.shape) if isinstance(first, torch.Tensor) else None
-            params = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+            params = [
+                f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)
+            ]
             order.append(
                 LayerInfo(
                     name=name,

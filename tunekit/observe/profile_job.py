@@ -186,4 +186,3 @@ async def _observe(
         notices.append(timed["notice"])
         return graph, None
     return graph, LayerProfile.from_dict(timed["layer_profile"])
-

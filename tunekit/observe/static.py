@@ -54,13 +54,23 @@ class StaticObservation:
     def graph_hash(self) -> str:
         return self.graph.graph_hash()
 
-    def observation(self, nproc: int, baseline: Measurement | None, store: Store | None) -> Observation:
+    def observation(
+        self, nproc: int, baseline: Measurement | None, store: Store | None
+    ) -> Observation:
         return Observation(
-            workload_spec=self.spec, workload=self.workload, nproc=nproc,
-            backend="nccl" if self.device_type == "cuda" else "gloo", device_type=self.device_type,
-            hardware=self.hardware, model=self.summary, baseline=baseline, graph=self.graph,
+            workload_spec=self.spec,
+            workload=self.workload,
+            nproc=nproc,
+            backend="nccl" if self.device_type == "cuda" else "gloo",
+            device_type=self.device_type,
+            hardware=self.hardware,
+            model=self.summary,
+            baseline=baseline,
+            graph=self.graph,
             layer_profile=self.layer_profile,
-            cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}") if store else None,
+            cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}")
+            if store
+            else None,
         )
 
 
@@ -73,8 +83,9 @@ def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str
     return f"layer_profile:{graph.graph_hash()}:{hw.fingerprint()}:{device_type}"
 
 
-def describe_hardware(world_size: int, device_type: str, hardware: str | None, store: Store,
-                      probe: bool = False) -> tuple[Hardware, list[str]]:
+def describe_hardware(
+    world_size: int, device_type: str, hardware: str | None, store: Store, probe: bool = False
+) -> tuple[Hardware, list[str]]:
     """The hardware to plan for: a profile, or this machine with its collectives probed once (cached)."""
     if hardware:
         return load_profile(hardware), []
@@ -85,17 +96,30 @@ def describe_hardware(world_size: int, device_type: str, hardware: str | None, s
         result = probe_hardware(world_size, device_type=device_type)
         fits = [asdict(f) for f in result.hardware.collectives]
         store.cache_put(probe_cache_key(hw), fits)
-        notices.append(f"probed this machine's collectives once ({result.wall_s:.0f} s); "
-                       "cached for later studies (tunekit hardware probe re-measures)")
+        notices.append(
+            f"probed this machine's collectives once ({result.wall_s:.0f} s); "
+            "cached for later studies (tunekit hardware probe re-measures)"
+        )
     if fits:
-        hw = describe_local_machine(world_size, device_type, tuple(CollectiveFit(**f) for f in fits))
+        hw = describe_local_machine(
+            world_size, device_type, tuple(CollectiveFit(**f) for f in fits)
+        )
     return hw, notices
 
 
 async def observe_in_child(
-    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
-    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
-    timeout_s: float = 300.0, log_dir: Path = Path(".tunekit"), child: WorkloadProcess | None = None,
+    workload: str,
+    world_size: int,
+    device: str,
+    hardware: str | None,
+    store: Store,
+    seed: int = 0,
+    threads_per_rank: int | None = None,
+    time_layers: bool = True,
+    probe: bool = False,
+    timeout_s: float = 300.0,
+    log_dir: Path = Path(".tunekit"),
+    child: WorkloadProcess | None = None,
 ) -> StaticObservation:
     """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
     a workload that crashes, hangs or exits while it is built, traced or timed fails with
@@ -109,32 +133,59 @@ async def observe_in_child(
     own = child is None
     child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
     try:
-        seen = await observe_call(child, "observe", "building and tracing the model", workload=spec, seed=seed)
+        seen = await observe_call(
+            child, "observe", "building and tracing the model", workload=spec, seed=seed
+        )
         graph = ModelGraph.from_dict(seen["graph"])
-        hw, notices = await asyncio.to_thread(describe_hardware, world_size, device_type, hardware, store, probe)
+        hw, notices = await asyncio.to_thread(
+            describe_hardware, world_size, device_type, hardware, store, probe
+        )
         if graph.notice:
             notices.append(graph.notice)
         profile = None
         if time_layers and not hardware:
-            profile = await _layer_profile(child, graph, hw, device_type, store, world_size, threads_per_rank,
-                                           notices)
+            profile = await _layer_profile(
+                child, graph, hw, device_type, store, world_size, threads_per_rank, notices
+            )
         if not own:
             await observe_call(child, "idle", "dropping the model")
     finally:
         if own:
             await child.close()
-    return StaticObservation(spec, stand_in_workload(seen["workload"]), ModelSummary.from_dict(seen["summary"]),
-                             graph, profile, hw, device_type, notices)
+    return StaticObservation(
+        spec,
+        stand_in_workload(seen["workload"]),
+        ModelSummary.from_dict(seen["summary"]),
+        graph,
+        profile,
+        hw,
+        device_type,
+        notices,
+    )
 
 
-async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware, device_type: str, store: Store,
-                         world_size: int, threads_per_rank: int | None, notices: list[str]) -> LayerProfile | None:
+async def _layer_profile(
+    child: WorkloadProcess,
+    graph: ModelGraph,
+    hw: Hardware,
+    device_type: str,
+    store: Store,
+    world_size: int,
+    threads_per_rank: int | None,
+    notices: list[str],
+) -> LayerProfile | None:
     """The model's layer times: cached in the store, or timed in the workload's process."""
     key = _layer_profile_key(graph, hw, device_type)
     if cached := store.cache_get(key):
         return LayerProfile.from_dict(cached)
-    timed = await observe_call(child, "profile_layers", "timing the model's layers", device=device_type,
-                       threads=rank_threads(world_size, threads_per_rank), hardware_fingerprint=hw.fingerprint())
+    timed = await observe_call(
+        child,
+        "profile_layers",
+        "timing the model's layers",
+        device=device_type,
+        threads=rank_threads(world_size, threads_per_rank),
+        hardware_fingerprint=hw.fingerprint(),
+    )
     if not timed["layer_profile"]:
         notices.append(timed["notice"])
         return None
@@ -143,8 +194,15 @@ async def _layer_profile(child: WorkloadProcess, graph: ModelGraph, hw: Hardware
 
 
 def observe_static(
-    workload: str, world_size: int, device: str, hardware: str | None, store: Store, seed: int = 0,
-    threads_per_rank: int | None = None, time_layers: bool = True, probe: bool = False,
+    workload: str,
+    world_size: int,
+    device: str,
+    hardware: str | None,
+    store: Store,
+    seed: int = 0,
+    threads_per_rank: int | None = None,
+    time_layers: bool = True,
+    probe: bool = False,
 ) -> StaticObservation:
     """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
 
@@ -158,7 +216,9 @@ def observe_static(
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
     model = wl.model()
     example = wl.example_batch(wl.batch_size, seed=seed)[0]
-    graph = trace_model(model, example)  # first: a forward pass that fails is one WorkloadError line
+    graph = trace_model(
+        model, example
+    )  # first: a forward pass that fails is one WorkloadError line
     summary = summarize_model(model, example)
     if graph.notice:
         notices.append(graph.notice)
@@ -173,11 +233,22 @@ def observe_static(
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                profile = profile_layers(model, example, graph, device=device_type, warmup=1, repeats=3,
-                                         hardware_fingerprint=hw.fingerprint())
-            except Exception as exc:  # the workload's own code failed; the baseline trial reports it
-                notices.append(f"could not time the model's layers ({type(exc).__name__}: {exc}); "
-                               "tuners fall back to the whole-step measurements")
+                profile = profile_layers(
+                    model,
+                    example,
+                    graph,
+                    device=device_type,
+                    warmup=1,
+                    repeats=3,
+                    hardware_fingerprint=hw.fingerprint(),
+                )
+            except (
+                Exception
+            ) as exc:  # the workload's own code failed; the baseline trial reports it
+                notices.append(
+                    f"could not time the model's layers ({type(exc).__name__}: {exc}); "
+                    "tuners fall back to the whole-step measurements"
+                )
             finally:
                 torch.set_num_threads(before)
             if profile is not None:

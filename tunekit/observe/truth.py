@@ -103,9 +103,7 @@ class StepTruth:
         head = f"{self.step_s * 1e3:.1f} ms per step (measured)"
         if not self.profiled:
             return head + "; no breakdown (the baseline was not profiled)"
-        shares = " · ".join(
-            f"{PART_LABELS[p]} {self.parts_s[p] / self.step_s:.0%}" for p in PARTS
-        )
+        shares = " · ".join(f"{PART_LABELS[p]} {self.parts_s[p] / self.step_s:.0%}" for p in PARTS)
         return f"{head}: {shares}"
 
     def to_dict(self) -> dict[str, Any]:

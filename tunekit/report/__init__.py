@@ -38,8 +38,13 @@ def write_report(
         "snippet": out_dir / "best_config.md",
         "plot": out_dir / "trials.png",
     }
-    data = report_data(store, study_id, tuners, launch or LaunchOptions(nproc=store.study(study_id).nproc),
-                       config_path=from_here(paths["best_config"]))
+    data = report_data(
+        store,
+        study_id,
+        tuners,
+        launch or LaunchOptions(nproc=store.study(study_id).nproc),
+        config_path=from_here(paths["best_config"]),
+    )
     plot_trials(data, paths["plot"])
     paths["report_md"].write_text(render_markdown(data, plot_name=paths["plot"].name))
     paths["report_json"].write_text(json.dumps(data, indent=2, default=_json_default))

@@ -15,8 +15,13 @@ from tunekit.trials.feedback import relative_error
 from tunekit.trials.launcher import LaunchOptions
 
 
-def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch: LaunchOptions,
-                config_path: str = "best_config.json") -> dict[str, Any]:
+def report_data(
+    store: Store,
+    study_id: int,
+    tuners: Mapping[str, Tuner],
+    launch: LaunchOptions,
+    config_path: str = "best_config.json",
+) -> dict[str, Any]:
     """``config_path``: where best_config.json is, as the commands in the snippet should name it."""
     study = store.study(study_id)
     trials = store.trials(study_id)
@@ -32,17 +37,29 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
         m = (t.result or {}).get("measurement") or {}
         ranks = (t.result or {}).get("ranks") or []
         rs = [r["overlap_R"] for r in ranks if r.get("overlap_R") is not None]
-        rows.append({
-            "id": t.id, "seq": t.seq, "role": t.role, "plugin": t.plugin,
-            "config": t.config, "description": describe(t.config), "status": t.status,
-            "predicted_s": t.predicted_s, "corrected_s": t.corrected_s,
-            "prediction_error": relative_error(t.predicted_s, t.median_s),
-            "corrected_prediction_error": relative_error(t.corrected_s, t.median_s),
-            "median_s": t.median_s, "spread_s": t.spread_s,
-            "samples_per_s": t.samples_per_s, "step_s": m.get("step_s"),
-            "overlap_R": sum(rs) / len(rs) if rs else None, "error": t.error,
-            "wall_s": (t.result or {}).get("wall_s"), **_length_columns(t.result, t.error),
-        })
+        rows.append(
+            {
+                "id": t.id,
+                "seq": t.seq,
+                "role": t.role,
+                "plugin": t.plugin,
+                "config": t.config,
+                "description": describe(t.config),
+                "status": t.status,
+                "predicted_s": t.predicted_s,
+                "corrected_s": t.corrected_s,
+                "prediction_error": relative_error(t.predicted_s, t.median_s),
+                "corrected_prediction_error": relative_error(t.corrected_s, t.median_s),
+                "median_s": t.median_s,
+                "spread_s": t.spread_s,
+                "samples_per_s": t.samples_per_s,
+                "step_s": m.get("step_s"),
+                "overlap_R": sum(rs) / len(rs) if rs else None,
+                "error": t.error,
+                "wall_s": (t.result or {}).get("wall_s"),
+                **_length_columns(t.result, t.error),
+            }
+        )
     best = TuningConfig.from_dict(decision.get("winner_config") or {})
     base_rows = [r for r in rows if r["role"] == "baseline" and r["status"] == "ok"]
     summary = obs.get("summary", {})
@@ -52,9 +69,15 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
     best_med = decision.get("winner_median_s") or base_med
     return {
         "study": {
-            "id": study.id, "workload": study.workload, "status": study.status, "nproc": study.nproc,
-            "settings": study.settings, "graph_hash": study.graph_hash, "hardware": study.hw_fingerprint,
-            "created": study.created, "finished": study.finished,
+            "id": study.id,
+            "workload": study.workload,
+            "status": study.status,
+            "nproc": study.nproc,
+            "settings": study.settings,
+            "graph_hash": study.graph_hash,
+            "hardware": study.hw_fingerprint,
+            "created": study.created,
+            "finished": study.finished,
         },
         "observation": summary,
         "diagnoses": obs.get("diagnoses", {}),
@@ -79,8 +102,14 @@ def report_data(store: Store, study_id: int, tuners: Mapping[str, Tuner], launch
             "measured_median_s": best_med,
             "speedup": decision.get("speedup"),
         },
-        "snippet": snippet(study.workload, best, tuners, launch,
-                           (summary.get("batch_size") or 0) or None, config_path=config_path),
+        "snippet": snippet(
+            study.workload,
+            best,
+            tuners,
+            launch,
+            (summary.get("batch_size") or 0) or None,
+            config_path=config_path,
+        ),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
 
@@ -107,10 +136,16 @@ def _length_columns(result: dict[str, Any] | None, error: str | None) -> dict[st
     """The steps a trial was launched with (warm-up + measured) and its note: its error, or why it ran fewer."""
     length = (result or {}).get("length") or {}
     ran = f"{length['warmup']}+{length['steps']}" if length.get("steps") else None
-    return {"steps_run": ran, "length": length or None, "note": error or length.get("reason") or None}
+    return {
+        "steps_run": ran,
+        "length": length or None,
+        "note": error or length.get("reason") or None,
+    }
 
 
-def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]) -> str | None:
+def explanation(
+    decision: dict[str, Any], plans: dict[str, list], tuners: Mapping[str, Tuner]
+) -> str | None:
     """The winning tuner's own account of its candidate (``Tuner.explain``)."""
     winner = decision.get("winner_config") or {}
     for name, knobs in (winner.get("plugins") or {}).items():
@@ -124,15 +159,29 @@ def explanation(decision: dict[str, Any], plans: dict[str, list], tuners: Mappin
 
 
 def snippet(
-    workload: str, best: TuningConfig, tuners: Mapping[str, Tuner], launch: LaunchOptions,
-    batch_size: int | None = None, config_path: str = "best_config.json",
+    workload: str,
+    best: TuningConfig,
+    tuners: Mapping[str, Tuner],
+    launch: LaunchOptions,
+    batch_size: int | None = None,
+    config_path: str = "best_config.json",
 ) -> str:
     """Ready-to-use instructions for the winning config, as Markdown; the commands name
     the config file by ``config_path`` (a path that works from where tunekit ran)."""
-    nodes = ["--standalone"] if launch.nnodes == 1 else [
-        "--nnodes", str(launch.nnodes), "--node-rank", "$NODE_RANK",
-        "--rdzv-backend", launch.rdzv_backend, "--rdzv-endpoint", launch.rdzv_endpoint or "HOST:PORT",
-    ]
+    nodes = (
+        ["--standalone"]
+        if launch.nnodes == 1
+        else [
+            "--nnodes",
+            str(launch.nnodes),
+            "--node-rank",
+            "$NODE_RANK",
+            "--rdzv-backend",
+            launch.rdzv_backend,
+            "--rdzv-endpoint",
+            launch.rdzv_endpoint or "HOST:PORT",
+        ]
+    )
     torchrun = shlex.join(["torchrun", *nodes, "--nproc-per-node", str(launch.nproc)]) + " train.py"
     lines = [
         "# Best config",

@@ -66,7 +66,12 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
             f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {r} | {note} |"
         )
     out += _prediction_section(data)
-    out += ["", f"![trials]({plot_name})", "", data["snippet"].replace("# Best config", "## Best config")]
+    out += [
+        "",
+        f"![trials]({plot_name})",
+        "",
+        data["snippet"].replace("# Best config", "## Best config"),
+    ]
     if data.get("explanation"):
         out += ["## The winning plan in detail", "", data["explanation"], ""]
     return "\n".join(out) + "\n"
@@ -77,16 +82,25 @@ def _nodes_section(obs: dict[str, Any]) -> list[str]:
     nodes = obs.get("nodes")
     if not nodes:
         return []
-    out = ["## Nodes", "",
-           "| node | host | cores | GPUs | its ranks' compute per step | CPU busy | all-reduce within it (probe) |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "## Nodes",
+        "",
+        "| node | host | cores | GPUs | its ranks' compute per step | CPU busy | all-reduce within it (probe) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in nodes["rows"]:
         cpu = "—" if row.get("cpu_pct_mean") is None else f"{row['cpu_pct_mean']:.0f}%"
         link = "—" if row.get("all_reduce_gbps") is None else f"{row['all_reduce_gbps']:.2f} GB/s"
-        out.append(f"| {row['node']} | {row.get('host') or '?'} | {row.get('cores') or '?'} | "
-                   f"{', '.join(row.get('gpus') or []) or 'none'} | {_ms(row.get('compute_s'))} | {cpu} | {link} |")
+        out.append(
+            f"| {row['node']} | {row.get('host') or '?'} | {row.get('cores') or '?'} | "
+            f"{', '.join(row.get('gpus') or []) or 'none'} | {_ms(row.get('compute_s'))} | {cpu} | {link} |"
+        )
     line = describe_slowest(nodes)
-    out += ["", (line[0].upper() + line[1:] + ".") if line else "Only one node's ranks were timed.", ""]
+    out += [
+        "",
+        (line[0].upper() + line[1:] + ".") if line else "Only one node's ranks were timed.",
+        "",
+    ]
     return out
 
 
@@ -95,31 +109,51 @@ def _observation_section(obs: dict[str, Any]) -> list[str]:
     out: list[str] = _nodes_section(obs)
     b = obs.get("truth")
     if b and b.get("parts_s"):
-        out += ["## Where the baseline's step goes", "", "| part | per step | share |", "| --- | --- | --- |"]
+        out += [
+            "## Where the baseline's step goes",
+            "",
+            "| part | per step | share |",
+            "| --- | --- | --- |",
+        ]
         for part, seconds in b["parts_s"].items():
             out.append(f"| {PART_LABELS[part]} | {_ms(seconds)} | {b['fractions'][part]:.0%} |")
         out += ["", f"Source: {b['source']}. Every diagnosis below starts from these figures."]
         if b.get("overlap_R") is not None:
-            out += ["", f"Overlap ratio R (Lee et al. Eq. 11): {b['overlap_R']:.1f} — the share of "
-                    "communication time hidden behind computation."]
+            out += [
+                "",
+                f"Overlap ratio R (Lee et al. Eq. 11): {b['overlap_R']:.1f} — the share of "
+                "communication time hidden behind computation.",
+            ]
         out.append("")
     if obs.get("top_layers"):
-        out += ["| slowest layers | kind | forward | backward | GFLOP (forward) |",
-                "| --- | --- | --- | --- | --- |"]
+        out += [
+            "| slowest layers | kind | forward | backward | GFLOP (forward) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for t in obs["top_layers"]:
-            out.append(f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} | "
-                       f"{_gflop(t.get('flops'))} |")
+            out.append(
+                f"| {t['name']} | {t['kind']} | {_ms(t['forward_s'])} | {_ms(t['backward_s'])} | "
+                f"{_gflop(t.get('flops'))} |"
+            )
         out.append("")
     if obs.get("blocks"):
         total = sum(r["forward_s"] + r["backward_s"] for r in obs["blocks"]) or 1.0
-        out += ["## By transformer block", "",
-                "| block | layers | forward | backward | share of layer time | GFLOP (forward) |",
-                "| --- | --- | --- | --- | --- | --- |"]
+        out += [
+            "## By transformer block",
+            "",
+            "| block | layers | forward | backward | share of layer time | GFLOP (forward) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for r in obs["blocks"]:
             share = (r["forward_s"] + r["backward_s"]) / total
-            out.append(f"| {r['unit']} | {r['layers']} | {_ms(r['forward_s'])} | {_ms(r['backward_s'])} | "
-                       f"{share:.0%} | {_gflop(r['flops'])} |")
-        out += ["", "Layers timed alone, at one rank's batch (the step breakdown above is the measured whole)."]
+            out.append(
+                f"| {r['unit']} | {r['layers']} | {_ms(r['forward_s'])} | {_ms(r['backward_s'])} | "
+                f"{share:.0%} | {_gflop(r['flops'])} |"
+            )
+        out += [
+            "",
+            "Layers timed alone, at one rank's batch (the step breakdown above is the measured whole).",
+        ]
         out.append("")
     return out
 
@@ -144,13 +178,20 @@ def _prediction_section(data: dict[str, Any]) -> list[str]:
     errors = data.get("prediction_errors") or {}
     if not errors:
         return []
-    out = ["", "## How good were the predictions", "",
-           "| tuner | trials | median error | corrected | correction learnt |", "| --- | --- | --- | --- | --- |"]
+    out = [
+        "",
+        "## How good were the predictions",
+        "",
+        "| tuner | trials | median error | corrected | correction learnt |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     corrections = data.get("corrections") or {}
     for name, e in sorted(errors.items()):
         learnt = (corrections.get(name) or {}).get("text", "—")
-        out.append(f"| {name} | {e['trials']} | {_pct(e['median_error'])} | "
-                   f"{_pct(e['median_corrected_error'])} | {learnt} |")
+        out.append(
+            f"| {name} | {e['trials']} | {_pct(e['median_error'])} | "
+            f"{_pct(e['median_corrected_error'])} | {learnt} |"
+        )
     return out
 
 

@@ -37,8 +37,13 @@ class ApplyOutcome:
         return {"message": self.message, **verdict, **self.reply}
 
 
-def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, watch: int | None = None,
-                 wait: bool = True) -> ApplyOutcome:
+def apply_to_run(
+    rd: RunDir,
+    config: TuningConfig,
+    nproc: int | None = None,
+    watch: int | None = None,
+    wait: bool = True,
+) -> ApplyOutcome:
     """Apply and (by default) wait for the outcome: kept, rolled back, or relaunched."""
     body: dict[str, Any] = {"config": config.to_dict()}
     if nproc is not None:
@@ -63,4 +68,6 @@ def apply_to_run(rd: RunDir, config: TuningConfig, nproc: int | None = None, wat
     st = wait_for(rd, verdict)
     w = st.get("watch") or {}
     rolled = w.get("state") in ("rolled_back", "rolling_back")
-    return ApplyOutcome(f"{msg}; {'rolled back' if rolled else 'kept'}: {w.get('reason', '')}", reply, rolled)
+    return ApplyOutcome(
+        f"{msg}; {'rolled back' if rolled else 'kept'}: {w.get('reason', '')}", reply, rolled
+    )

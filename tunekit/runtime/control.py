@@ -87,7 +87,9 @@ def _finite_float(text: str) -> float:
 
 def _short_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_DIGITS:
-        raise _Refused(f"an integer with {len(text)} characters has too many digits (at most {MAX_DIGITS})")
+        raise _Refused(
+            f"an integer with {len(text)} characters has too many digits (at most {MAX_DIGITS})"
+        )
     return int(text)
 
 
@@ -100,7 +102,9 @@ def decode(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_MESSAGE:
         raise ValueError(f"message larger than {MAX_MESSAGE} bytes")
     try:
-        obj = json.loads(line, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_short_int)
+        obj = json.loads(
+            line, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_short_int
+        )
     except _Refused as exc:
         raise ValueError(f"malformed JSON: {exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -124,12 +128,24 @@ class Field:
 
     def problem(self, name: str, value: Any) -> str | None:
         if self.kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
-            return None if ok else f"{name} must be an integer between {self.low} and {self.high}, not {value!r:.40}"
+            ok = (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and self.low <= value <= self.high
+            )
+            return (
+                None
+                if ok
+                else f"{name} must be an integer between {self.low} and {self.high}, not {value!r:.40}"
+            )
         if self.kind is str:
             if not isinstance(value, str):
                 return f"{name} must be a string, not {value!r:.40}"
-            return None if len(value) <= self.max_len else f"{name} is longer than {self.max_len} characters"
+            return (
+                None
+                if len(value) <= self.max_len
+                else f"{name} is longer than {self.max_len} characters"
+            )
         return None if isinstance(value, dict) else f"{name} must be an object, not {value!r:.40}"
 
 
@@ -139,8 +155,11 @@ REQUEST_FIELDS: dict[str, dict[str, Field]] = {
     "rollback": {},
     "stop": {},
     "pause": {"reason": Field(str, max_len=1000)},  # status shows the first 200 characters
-    "apply": {"config": Field(dict, required=True), "nproc": Field(int, low=1, high=1024),
-              "watch": Field(int, low=2, high=10_000)},
+    "apply": {
+        "config": Field(dict, required=True),
+        "nproc": Field(int, low=1, high=1024),
+        "watch": Field(int, low=2, high=10_000),
+    },
     "trial": {"config": Field(dict, required=True), "window": Field(int, low=2, high=10_000)},
 }
 """Every field each op takes besides ``token`` and ``op``; anything else is refused."""
@@ -207,8 +226,14 @@ class _Server(socketserver.ThreadingUnixStreamServer):
         if not self._take_slot():
             with contextlib.suppress(OSError):
                 request.settimeout(0.5)
-                request.sendall(encode({"ok": False, "error": f"{BUSY}: {MAX_CONNECTIONS} connections are open; "
-                                                              "try again"}))
+                request.sendall(
+                    encode(
+                        {
+                            "ok": False,
+                            "error": f"{BUSY}: {MAX_CONNECTIONS} connections are open; try again",
+                        }
+                    )
+                )
             self.shutdown_request(request)
             return
         try:
@@ -244,7 +269,11 @@ class _Server(socketserver.ThreadingUnixStreamServer):
         exc = sys.exc_info()[1]
         if isinstance(exc, OSError):  # the client went away or stopped reading: nothing to say
             return
-        print(f"tunekit control: a request failed ({type(exc).__name__}: {exc})"[:300], file=sys.stderr, flush=True)
+        print(
+            f"tunekit control: a request failed ({type(exc).__name__}: {exc})"[:300],
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class ControlServer:
@@ -287,12 +316,16 @@ class ControlServer:
             def handle(self) -> None:
                 server._handle(self.connection, self.rfile, self.wfile)
 
-        old = os.umask(0o177)  # the socket is created 0600 (no chmod after: it would follow a symlink)
+        old = os.umask(
+            0o177
+        )  # the socket is created 0600 (no chmod after: it would follow a symlink)
         try:
             self._server = _Server(str(self.socket_path), Handler)
         finally:
             os.umask(old)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tunekit-control", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="tunekit-control", daemon=True
+        )
         self._thread.start()
 
     # -- loop side ---------------------------------------------------------------------
@@ -330,7 +363,9 @@ class ControlServer:
         try:
             line = rfile.readline(MAX_MESSAGE + 1)
         except TimeoutError:
-            wfile.write(encode({"ok": False, "error": f"no request within {conn.gettimeout():.0f} s"}))
+            wfile.write(
+                encode({"ok": False, "error": f"no request within {conn.gettimeout():.0f} s"})
+            )
             return
         try:
             msg = decode(line)
@@ -342,7 +377,9 @@ class ControlServer:
             return
         op = msg.get("op")
         if op not in OPS:
-            wfile.write(encode({"ok": False, "error": f"unknown op {op!r:.40}; one of {', '.join(OPS)}"}))
+            wfile.write(
+                encode({"ok": False, "error": f"unknown op {op!r:.40}; one of {', '.join(OPS)}"})
+            )
             return
         problem = check_fields(msg)
         if problem is None and op not in ("status", "subscribe"):
@@ -421,8 +458,10 @@ def check_socket_owner(path: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ControlError(f"{path} is not a socket; not sending the run's token there")
     if st.st_uid != os.geteuid():
-        raise ControlError(f"control socket {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
-                           "not sending the run's token there")
+        raise ControlError(
+            f"control socket {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+            "not sending the run's token there"
+        )
 
 
 def check_peer(sock: socket.socket, path: Path) -> None:
@@ -430,10 +469,14 @@ def check_peer(sock: socket.socket, path: Path) -> None:
     peercred = getattr(socket, "SO_PEERCRED", None)
     if peercred is None:
         return
-    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
+    _, uid, _ = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i"))
+    )
     if uid != os.geteuid():
-        raise ControlError(f"the process serving {path} runs as uid {uid}, not as you (uid {os.geteuid()}); "
-                           "not sending the run's token there")
+        raise ControlError(
+            f"the process serving {path} runs as uid {uid}, not as you (uid {os.geteuid()}); "
+            "not sending the run's token there"
+        )
 
 
 class ControlClient:
@@ -457,7 +500,9 @@ class ControlClient:
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                raise JobNotRunning(f"the run is not running (no control socket at {self.socket_path})") from None
+                raise JobNotRunning(
+                    f"the run is not running (no control socket at {self.socket_path})"
+                ) from None
             except BlockingIOError:  # the listen queue is full: the job is busy, not gone
                 sock.close()
             except OSError as exc:
@@ -486,7 +531,9 @@ class ControlClient:
                         pass  # a busy job answers and hangs up unread: its reply is still there to read
                     line = f.readline(MAX_MESSAGE + 1)
                 except TimeoutError:
-                    raise ControlError(f"the job did not answer within {self.timeout_s:.0f} s") from None
+                    raise ControlError(
+                        f"the job did not answer within {self.timeout_s:.0f} s"
+                    ) from None
                 except OSError as exc:
                     line = b""
                     if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
@@ -526,7 +573,11 @@ class ControlClient:
         The pause lives as long as this connection: if this process dies, the
         job resumes by itself. Yields the reply (``paused_at``: the step).
         """
-        with self._open(encode({"token": self.token, "op": "pause", "reason": reason})) as (sock, _, reply):
+        with self._open(encode({"token": self.token, "op": "pause", "reason": reason})) as (
+            sock,
+            _,
+            reply,
+        ):
             if not reply.get("ok"):
                 raise ControlError(reply.get("error", "pause refused"))
             sock.settimeout(None)  # held for as long as the block runs

@@ -47,7 +47,9 @@ class MetricsTail:
         return list(self.lines)
 
 
-def live_baseline(metrics: Sequence[Mapping[str, Any]], world_size: int, min_steps: int = 8) -> Measurement | None:
+def live_baseline(
+    metrics: Sequence[Mapping[str, Any]], world_size: int, min_steps: int = 8
+) -> Measurement | None:
     """The live job's recent steps as a baseline :class:`Measurement`, when it runs the untuned config.
 
     The first steps after a config change or a relaunch are left out (warm-up).

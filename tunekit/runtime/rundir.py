@@ -52,7 +52,12 @@ class CheckpointError(TunekitError):
 @contextlib.contextmanager
 def private_file(path: Path, append: bool = False, binary: bool = False) -> Iterator[IO]:
     """Open ``path`` for writing, created 0600 whatever the umask (never through a symlink)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC) | getattr(os, "O_NOFOLLOW", 0)
+    flags = (
+        os.O_WRONLY
+        | os.O_CREAT
+        | (os.O_APPEND if append else os.O_TRUNC)
+        | getattr(os, "O_NOFOLLOW", 0)
+    )
     fd = os.open(path, flags, PRIVATE_FILE)
     with open(fd, ("a" if append else "w") + ("b" if binary else "")) as f:
         yield f
@@ -91,7 +96,11 @@ def private_socket_folder() -> Path:
     made) as this user's own, mode 0700, and not a symlink; otherwise (another user
     made one first, or it is open to others) a fresh ``mkdtemp`` folder.
     """
-    bases = [Path(os.environ["XDG_RUNTIME_DIR"]) / "tunekit"] if os.environ.get("XDG_RUNTIME_DIR") else []
+    bases = (
+        [Path(os.environ["XDG_RUNTIME_DIR"]) / "tunekit"]
+        if os.environ.get("XDG_RUNTIME_DIR")
+        else []
+    )
     bases.append(Path(tempfile.gettempdir()) / f"tunekit-{os.geteuid()}")
     for folder in bases:
         with contextlib.suppress(OSError):
@@ -156,8 +165,10 @@ class RunDir:
         name = f"{hashlib.sha256(str(self.path).encode()).hexdigest()[:16]}.sock"
         path = private_socket_folder() / name
         if len(str(path)) > _SOCKET_MAX:
-            raise ControlError(f"no socket path short enough for run {self.run_id}: {path} is too long "
-                               "(set TMPDIR to a shorter folder)")
+            raise ControlError(
+                f"no socket path short enough for run {self.run_id}: {path} is too long "
+                "(set TMPDIR to a shorter folder)"
+            )
         return path
 
     def socket_file(self) -> Path:
@@ -185,7 +196,9 @@ class RunDir:
         """A run by path, by id under ``store_dir/runs``, or ``latest``."""
         candidates = [Path(run), Path(store_dir) / RUNS_DIR / str(run)]
         if str(run) == "latest":
-            runs = sorted((Path(store_dir) / RUNS_DIR).glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+            runs = sorted(
+                (Path(store_dir) / RUNS_DIR).glob("*/run.json"), key=lambda p: p.stat().st_mtime
+            )
             candidates = [runs[-1].parent] if runs else []
         for c in candidates:
             if (c / "run.json").is_file():
@@ -255,11 +268,15 @@ class RunDir:
     def read_events(self) -> list[dict[str, Any]]:
         if not self.events_file.exists():
             return []
-        return [json.loads(line) for line in self.events_file.read_text().splitlines() if line.strip()]
+        return [
+            json.loads(line) for line in self.events_file.read_text().splitlines() if line.strip()
+        ]
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int, state: dict[str, Any], keep: tuple[Path, ...] = ()) -> Path:
+    def save_checkpoint(
+        self, step: int, state: dict[str, Any], keep: tuple[Path, ...] = ()
+    ) -> Path:
         """Write ``step-<N>.pt``; then drop all but the newest few and those in ``keep``.
 
         Raises CheckpointError (and leaves the checkpoints there untouched) when it
@@ -287,11 +304,17 @@ class RunDir:
     def checkpoint_files(self) -> list[Path]:
         """Every ``step-<N>.pt``, oldest first; CheckpointError when the folder cannot be read."""
         try:
-            return sorted(p for p in self.checkpoints.iterdir() if p.name.startswith("step-") and p.suffix == ".pt")
+            return sorted(
+                p
+                for p in self.checkpoints.iterdir()
+                if p.name.startswith("step-") and p.suffix == ".pt"
+            )
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise CheckpointError(f"cannot read the checkpoints of run {self.run_id}: {exc}") from None
+            raise CheckpointError(
+                f"cannot read the checkpoints of run {self.run_id}: {exc}"
+            ) from None
 
     def latest_checkpoint(self) -> Path | None:
         found = self.checkpoint_files()

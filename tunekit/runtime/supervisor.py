@@ -65,12 +65,24 @@ def create_run(
     records = load_all()
     tuners = available_tuners(records)
     resolve(config, tuners)
-    rd = RunDir.create(store_dir, {
-        "workload": spec, "nproc": nproc, "config": config.to_dict(), "steps": steps, "seed": seed,
-        "checkpoint_every": checkpoint_every, "watch_window": watch_window, "min_effect": min_effect,
-        "device": device, "resume": None, "plugins": sorted(tuners),  # the ranks load these and no others
-        "nnodes": nnodes,  # nproc is per node; a change of world size keeps the nodes
-    }, name=name)
+    rd = RunDir.create(
+        store_dir,
+        {
+            "workload": spec,
+            "nproc": nproc,
+            "config": config.to_dict(),
+            "steps": steps,
+            "seed": seed,
+            "checkpoint_every": checkpoint_every,
+            "watch_window": watch_window,
+            "min_effect": min_effect,
+            "device": device,
+            "resume": None,
+            "plugins": sorted(tuners),  # the ranks load these and no others
+            "nnodes": nnodes,  # nproc is per node; a change of world size keeps the nodes
+        },
+        name=name,
+    )
     for line in slow_imports([r for r in records if r.ok]):
         rd.log_event("slow_plugin", reason=line)
     return rd
@@ -83,15 +95,21 @@ def supervising(rd: RunDir) -> Iterator[FileLock]:
     try:
         lock.acquire()
     except LockHeld as exc:
-        raise TunekitError(f"run {rd.run_id} is already supervised by {describe_holder(exc.holder)}; "
-                           f"see `tunekit status {rd.run_id}`") from None
+        raise TunekitError(
+            f"run {rd.run_id} is already supervised by {describe_holder(exc.holder)}; "
+            f"see `tunekit status {rd.run_id}`"
+        ) from None
     except OSError as exc:
-        raise TunekitError(f"cannot lock run {rd.run_id} ({exc.strerror}: {exc.filename})") from None
+        raise TunekitError(
+            f"cannot lock run {rd.run_id} ({exc.strerror}: {exc.filename})"
+        ) from None
     try:
         holder = rank0_still_held(rd)
         if holder is not None:  # a job whose supervisor died, still training
-            raise TunekitError(f"run {rd.run_id} is still training: its rank 0 is {describe_holder(holder)}; "
-                               f"stop it with `tunekit stop {rd.run_id}` before resuming it")
+            raise TunekitError(
+                f"run {rd.run_id} is still training: its rank 0 is {describe_holder(holder)}; "
+                f"stop it with `tunekit stop {rd.run_id}` before resuming it"
+            )
         yield lock
     finally:
         lock.release()
@@ -126,13 +144,26 @@ def prepare_resume(rd: RunDir) -> Path:
     if ckpt is None:
         raise TunekitError(f"run {rd.run_id} has no checkpoint to resume from")
     spec = rd.read_run()
-    if plan is not None and plan.get("launch") == spec.get("launch") and Path(plan["checkpoint"]) == ckpt:
-        rd.update_run(nproc=per_node(plan["nproc"], spec), config=plan["config"], resume=str(ckpt), watch=plan.get("watch"),
-                      applied=plan.get("applied", spec.get("applied", [])))
-        rd.log_event("resume_requested", checkpoint=str(ckpt), pending_relaunch=True, nproc=plan["nproc"])
+    if (
+        plan is not None
+        and plan.get("launch") == spec.get("launch")
+        and Path(plan["checkpoint"]) == ckpt
+    ):
+        rd.update_run(
+            nproc=per_node(plan["nproc"], spec),
+            config=plan["config"],
+            resume=str(ckpt),
+            watch=plan.get("watch"),
+            applied=plan.get("applied", spec.get("applied", [])),
+        )
+        rd.log_event(
+            "resume_requested", checkpoint=str(ckpt), pending_relaunch=True, nproc=plan["nproc"]
+        )
         return ckpt
     if plan is not None:
-        rd.log_event("stale_relaunch_dropped", plan_step=plan.get("step"), checkpoint=plan.get("checkpoint"))
+        rd.log_event(
+            "stale_relaunch_dropped", plan_step=plan.get("step"), checkpoint=plan.get("checkpoint")
+        )
     rd.update_run(resume=str(ckpt), config=None, watch=None)
     rd.log_event("resume_requested", checkpoint=str(ckpt))
     return ckpt
@@ -161,8 +192,12 @@ def client(rd: RunDir, timeout_s: float = 600.0) -> ControlClient:
     return ControlClient(rd.socket_file(), rd.token(), timeout_s)
 
 
-def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_s: float = 0.5,
-              nodes: Coordinator | None = None) -> int:
+def supervise(
+    rd: RunDir,
+    on_tick: Callable[[RunDir], None] | None = None,
+    poll_s: float = 0.5,
+    nodes: Coordinator | None = None,
+) -> int:
     """Run the job to its end; 0 when it finished or stopped, 1 when it crashed.
 
     The caller holds the run (:func:`supervising`). With ``nodes`` (the job spans machines)
@@ -179,24 +214,36 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         opts = LaunchOptions(nproc=int(spec["nproc"]))
         job = None
         if nodes is not None:
-            job, master = nodes.announce_live({k: v for k, v in spec.items() if k != "socket"}, rd.run_id, opts.nproc)
+            job, master = nodes.announce_live(
+                {k: v for k, v in spec.items() if k != "socket"}, rd.run_id, opts.nproc
+            )
             opts = LaunchOptions(nproc=opts.nproc, nnodes=nodes.nnodes, node_rank=0, master=master)
         (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
         env = launch_env(opts)
-        env["PYTHONSAFEPATH"] = "1"  # `python -m` would put the working directory on the ranks' import path
+        env["PYTHONSAFEPATH"] = (
+            "1"  # `python -m` would put the working directory on the ranks' import path
+        )
         log_path = rd.logs / f"agent-{launches}.log"
         launches += 1
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
         with open(fd, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    umask=0o077)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                umask=0o077,
+            )
             lost: dict[int, str] = {}
             try:
                 while proc.poll() is None:
                     if on_tick is not None:
                         on_tick(rd)
                     if nodes is not None and (lost := nodes.lost()):
-                        _kill(proc)  # its ranks would wait for the lost node's until a collective times out
+                        _kill(
+                            proc
+                        )  # its ranks would wait for the lost node's until a collective times out
                         break
                     time.sleep(poll_s)
             except KeyboardInterrupt:
@@ -209,18 +256,31 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         if on_tick is not None:
             on_tick(rd)
         if lost:
-            error = (f"{'; '.join(lost.values())}; continue with `tunekit run --resume {rd.run_id}` once its "
-                     "follower is back")
-            rd.write_status({**rd.read_status(), "status": "crashed", "error": error, "launch": None})
+            error = (
+                f"{'; '.join(lost.values())}; continue with `tunekit run --resume {rd.run_id}` once its "
+                "follower is back"
+            )
+            rd.write_status(
+                {**rd.read_status(), "status": "crashed", "error": error, "launch": None}
+            )
             rd.log_event("node_lost", nodes=sorted(lost), error=error)
             return 1
         plan = _take_relaunch_plan(rd)
         if plan is not None and plan.get("launch") == launch:
-            rd.update_run(nproc=per_node(plan["nproc"], spec), config=plan["config"], resume=plan["checkpoint"],
-                          watch=plan.get("watch"), applied=plan.get("applied", []))
+            rd.update_run(
+                nproc=per_node(plan["nproc"], spec),
+                config=plan["config"],
+                resume=plan["checkpoint"],
+                watch=plan.get("watch"),
+                applied=plan.get("applied", []),
+            )
             continue
         if plan is not None:  # not this launch's: carrying it out would rewind the run
-            rd.log_event("stale_relaunch_dropped", plan_step=plan.get("step"), checkpoint=plan.get("checkpoint"))
+            rd.log_event(
+                "stale_relaunch_dropped",
+                plan_step=plan.get("step"),
+                checkpoint=plan.get("checkpoint"),
+            )
         if proc.returncode == 0:
             return 0
         status = rd.read_status()
@@ -231,16 +291,32 @@ def supervise(rd: RunDir, on_tick: Callable[[RunDir], None] | None = None, poll_
         if watch.get("state") == "watching" and watch.get("checkpoint") and key not in rolled_back:
             # The change under watch broke the job: go back to before it.
             rolled_back.add(key)
-            nproc = per_node(watch["prev_nproc"], spec) if watch.get("prev_nproc") else spec["nproc"]
-            verdict = {**watch, "state": "rolled_back", "before": None,
-                       "reason": f"the job crashed under the new config ({error}); "
-                                 "relaunched from the checkpoint taken before it"}
-            rd.log_event("rolled_back_after_crash", step=watch.get("applied_at"), error=error,
-                         config=watch.get("prev_config"), nproc=nproc)
+            nproc = (
+                per_node(watch["prev_nproc"], spec) if watch.get("prev_nproc") else spec["nproc"]
+            )
+            verdict = {
+                **watch,
+                "state": "rolled_back",
+                "before": None,
+                "reason": f"the job crashed under the new config ({error}); "
+                "relaunched from the checkpoint taken before it",
+            }
+            rd.log_event(
+                "rolled_back_after_crash",
+                step=watch.get("applied_at"),
+                error=error,
+                config=watch.get("prev_config"),
+                nproc=nproc,
+            )
             rd.write_status({**status, "status": "relaunching", "watch": verdict, "launch": None})
             applied = rd.read_run().get("applied") or []  # as the job left it
-            rd.update_run(config=watch.get("prev_config"), nproc=nproc, resume=watch["checkpoint"], watch=verdict,
-                          applied=applied[:-1])
+            rd.update_run(
+                config=watch.get("prev_config"),
+                nproc=nproc,
+                resume=watch["checkpoint"],
+                watch=verdict,
+                applied=applied[:-1],
+            )
             continue
         rd.write_status({**status, "status": "crashed", "error": error, "launch": None})
         rd.log_event("crashed", step=status.get("step"), error=error)
@@ -270,14 +346,18 @@ def stop_gracefully(rd: RunDir, proc: subprocess.Popen, wait_s: float = 60.0) ->
         _kill(proc)
 
 
-_RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)")
+_RAISED = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)"
+)
 
 
 def last_error(log_path: Path) -> str:
     """The exception a rank raised, from the end of the agent's log (torchrun's own
     ChildFailedError report, which follows it, says only that a rank failed)."""
     try:
-        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [
+            ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()
+        ]
     except FileNotFoundError:
         return "no log"
     for ln in reversed(lines):
@@ -290,8 +370,12 @@ def last_error(log_path: Path) -> str:
     return lines[-1][:300] if lines else "exited without output"
 
 
-def wait_for(rd: RunDir, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 300.0,
-             poll_s: float = 0.25) -> dict[str, Any]:
+def wait_for(
+    rd: RunDir,
+    predicate: Callable[[dict[str, Any]], bool],
+    timeout_s: float = 300.0,
+    poll_s: float = 0.25,
+) -> dict[str, Any]:
     """Poll status.json until ``predicate(status)``; raise ControlError on timeout or crash."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

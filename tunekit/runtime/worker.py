@@ -48,7 +48,9 @@ class _Progress:
     def __init__(self, path: Path, enabled: bool):
         self.file = open(path, "a", buffering=1) if enabled else None  # noqa: SIM115
 
-    def write(self, phase: str, index: int, total: int, rec: StepRecord | None = None, **extra) -> None:
+    def write(
+        self, phase: str, index: int, total: int, rec: StepRecord | None = None, **extra
+    ) -> None:
         if self.file is None:
             return
         line: dict[str, Any] = {"phase": phase, "index": index, "total": total, "t": time.time()}
@@ -65,7 +67,9 @@ class _Progress:
 def run(spec: dict[str, Any], trial_dir: Path) -> int:
     # A rank that dies of a signal writes no result file; this says where it died.
     enable_fault_report(trial_dir / "faults" / f"rank{os.environ.get('RANK', '0')}.txt")
-    ctx = init_from_env(spec.get("device", "auto"), timeout_s=float(spec.get("collective_timeout_s", 300)))
+    ctx = init_from_env(
+        spec.get("device", "auto"), timeout_s=float(spec.get("collective_timeout_s", 300))
+    )
     (trial_dir / "pids").mkdir(exist_ok=True)
     (trial_dir / "pids" / f"rank{ctx.rank}").write_text(str(os.getpid()))
     progress = _Progress(trial_dir / "progress.jsonl", enabled=ctx.rank == 0)
@@ -136,10 +140,17 @@ def _run_search(session: Session, config: TuningConfig, tuners, search: dict, pr
         return None
     chosen = TuningConfig({**config.plugins, name: tuner.validate(found.knobs)})
     session.apply_config(chosen, tuners)
-    return {"knobs": found.knobs, "trace": found.trace, "summary": found.summary, "details": found.details}
+    return {
+        "knobs": found.knobs,
+        "trace": found.trace,
+        "summary": found.summary,
+        "details": found.details,
+    }
 
 
-def _train(session: Session, spec: dict, progress: _Progress, result: dict, trial_dir: Path) -> None:
+def _train(
+    session: Session, spec: dict, progress: _Progress, result: dict, trial_dir: Path
+) -> None:
     warmup, steps = int(spec.get("warmup", 3)), int(spec.get("steps", 10))
     for i in range(warmup):
         progress.write("warmup", i + 1, warmup, session.train_step())
@@ -157,7 +168,9 @@ def _train(session: Session, spec: dict, progress: _Progress, result: dict, tria
     session.flush()
 
 
-def _profile(session: Session, steps: int, progress: _Progress, trial_dir: Path) -> dict[str, list[float]]:
+def _profile(
+    session: Session, steps: int, progress: _Progress, trial_dir: Path
+) -> dict[str, list[float]]:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU]
@@ -165,8 +178,12 @@ def _profile(session: Session, steps: int, progress: _Progress, trial_dir: Path)
         activities.append(ProfilerActivity.CUDA)
     out: dict[str, list[float]] = {"step_s": [], "data_s": []}
     # active=steps+1 keeps recording through the last step() so each step gets a ProfilerStep#N.
-    with profile(activities=activities, record_shapes=False, with_stack=False,
-                 schedule=schedule(wait=0, warmup=0, active=steps + 1)) as prof:
+    with profile(
+        activities=activities,
+        record_shapes=False,
+        with_stack=False,
+        schedule=schedule(wait=0, warmup=0, active=steps + 1),
+    ) as prof:
         for i in range(steps):
             rec = session.train_step()
             prof.step()

@@ -51,7 +51,9 @@ def _store(rank: int, world: int, out_dir: str) -> dist.TCPStore:
     deadline = time.monotonic() + _STORE_TIMEOUT.total_seconds()
     while not published.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 published no store port within {_STORE_TIMEOUT.total_seconds():.0f} s")
+            raise TimeoutError(
+                f"rank 0 published no store port within {_STORE_TIMEOUT.total_seconds():.0f} s"
+            )
         time.sleep(0.01)
     port = int(published.read_text())
     return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=_STORE_TIMEOUT)
@@ -83,7 +85,9 @@ def _rank_main(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(store.port),
         )
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_STORE_TIMEOUT)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=_STORE_TIMEOUT
+        )
         value = fn(rank, world, *args)
         torch.save({"ok": True, "value": value}, result_path)
     except BaseException:
@@ -144,7 +148,9 @@ def run_ranks(
             _spawn_ranks(fn, nproc, out_dir, args, timeout_s, dtype)
         paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]
         found = [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
-    failed = [(res["t"], rank, res["error"]) for rank, res in enumerate(found) if res and not res["ok"]]
+    failed = [
+        (res["t"], rank, res["error"]) for rank, res in enumerate(found) if res and not res["ok"]
+    ]
     if failed:  # the first to fail; the others mostly fail because it left them waiting
         _, rank, error = min(failed)
         raise RuntimeError(f"rank {rank} failed:\n{error}")
@@ -181,7 +187,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def assert_states_close(actual: Any, expected: Any, what: str, *, rtol: float = EQUIVALENCE_RTOL) -> None:
+def assert_states_close(
+    actual: Any, expected: Any, what: str, *, rtol: float = EQUIVALENCE_RTOL
+) -> None:
     """Assert two training states (nested dicts/lists of tensors and values) agree.
 
     Floating tensors must be float64 (the claim is "the same mathematics", see

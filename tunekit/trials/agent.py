@@ -21,14 +21,24 @@ def failures_of(exc) -> list[dict]:
     """A ``ChildFailedError``'s failures, first to fail first."""
     rows = []
     for rank, f in sorted(exc.failures.items(), key=lambda kv: kv[1].timestamp):
-        rows.append({"rank": int(rank), "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
-                     "timestamp": f.timestamp})
+        rows.append(
+            {
+                "rank": int(rank),
+                "local_rank": f.local_rank,
+                "pid": f.pid,
+                "exitcode": f.exitcode,
+                "timestamp": f.timestamp,
+            }
+        )
     return rows
 
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m tunekit.trials.agent REPORT.json [torchrun arguments ...]", file=sys.stderr)
+        print(
+            "usage: python -m tunekit.trials.agent REPORT.json [torchrun arguments ...]",
+            file=sys.stderr,
+        )
         return 2
     report, args = Path(argv[0]), argv[1:]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

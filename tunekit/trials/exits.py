@@ -60,7 +60,10 @@ def is_oom(exc: BaseException) -> bool:
 
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
-    if isinstance(exc, torch.AcceleratorError) and getattr(exc, "error_code", None) == _CUDA_MEMORY_ALLOCATION:
+    if (
+        isinstance(exc, torch.AcceleratorError)
+        and getattr(exc, "error_code", None) == _CUDA_MEMORY_ALLOCATION
+    ):
         return True
     # cuBLAS failing to allocate its workspace reaches Python as a plain RuntimeError with this status.
     return type(exc) is RuntimeError and "CUBLAS_STATUS_ALLOC_FAILED" in str(exc)
@@ -90,7 +93,9 @@ def fault_location(path: Path) -> str | None:
     except OSError:
         return None
     stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [m for line in text.splitlines() if (m := _FRAME.match(line))]  # most recent call first
+    frames = [
+        m for line in text.splitlines() if (m := _FRAME.match(line))
+    ]  # most recent call first
     if not frames:
         return None
     m = next((f for f in frames if not f["file"].startswith(stdlib)), frames[0])

@@ -56,15 +56,22 @@ class TrialLength:
 
     @property
     def shortened(self) -> bool:
-        return not self.skipped and (self.warmup, self.steps) != (self.planned_warmup, self.planned_steps)
+        return not self.skipped and (self.warmup, self.steps) != (
+            self.planned_warmup,
+            self.planned_steps,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def plan_length(
-    step_s: float | None, warmup: int, steps: int, timeout_s: float,
-    startup_s: float = DEFAULT_STARTUP_S, source: str = "predicted",
+    step_s: float | None,
+    warmup: int,
+    steps: int,
+    timeout_s: float,
+    startup_s: float = DEFAULT_STARTUP_S,
+    source: str = "predicted",
 ) -> TrialLength:
     """Fit ``warmup`` + ``steps`` steps of ``step_s`` seconds (with ``HEADROOM``) and the start-up into the timeout."""
     planned = TrialLength(warmup, steps, warmup, steps, step_s, source, startup_s)
@@ -79,14 +86,26 @@ def plan_length(
     if least_warmup + least_steps > fit:
         n = least_warmup + least_steps
         return TrialLength(
-            0, 0, warmup, steps, step_s, source, startup_s,
+            0,
+            0,
+            warmup,
+            steps,
+            step_s,
+            source,
+            startup_s,
             f"{head}: even {n} steps would exceed the {timeout_s:.0f} s trial timeout "
             f"({least_warmup} warm-up + {least_steps} measured, {why})",
         )
     new_warmup = max(least_warmup, min(warmup, fit - steps))  # warm-up gives way first
     new_steps = min(steps, fit - new_warmup)
     return TrialLength(
-        new_warmup, new_steps, warmup, steps, step_s, source, startup_s,
+        new_warmup,
+        new_steps,
+        warmup,
+        steps,
+        step_s,
+        source,
+        startup_s,
         f"{head}: shortened to {new_warmup + new_steps} of {warmup + steps} planned steps to fit the "
         f"{timeout_s:.0f} s trial timeout ({new_warmup} warm-up + {new_steps} measured, {why})",
     )
@@ -94,14 +113,20 @@ def plan_length(
 
 def startup_estimate(rows: Sequence[TrialRow]) -> float:
     """The longest start-up (launch to the first step) a trial of this study has shown."""
-    seen = [float(r.result["startup_s"]) for r in rows if r.result and r.result.get("startup_s") is not None]
+    seen = [
+        float(r.result["startup_s"])
+        for r in rows
+        if r.result and r.result.get("startup_s") is not None
+    ]
     return max(seen) if seen else DEFAULT_STARTUP_S
 
 
 def step_estimate(row: TrialRow, rows: Sequence[TrialRow]) -> tuple[float | None, str]:
     """Expected seconds per step of ``row``: a measured run of its config beats a prediction,
     and a prediction corrected by earlier trials beats the tuner's raw one."""
-    measured = [r.median_s for r in rows if r.config_id == row.config_id and r.status == "ok" and r.median_s]
+    measured = [
+        r.median_s for r in rows if r.config_id == row.config_id and r.status == "ok" and r.median_s
+    ]
     if measured:
         return max(measured), "measured"
     if row.corrected_s and row.corrected_s != row.predicted_s:
@@ -109,7 +134,9 @@ def step_estimate(row: TrialRow, rows: Sequence[TrialRow]) -> tuple[float | None
     return row.predicted_s, "predicted"
 
 
-def trial_length(row: TrialRow, rows: Sequence[TrialRow], warmup: int, steps: int, timeout_s: float) -> TrialLength:
+def trial_length(
+    row: TrialRow, rows: Sequence[TrialRow], warmup: int, steps: int, timeout_s: float
+) -> TrialLength:
     """The steps ``row`` runs in this study (``rows``: its trials so far)."""
     step_s, source = step_estimate(row, rows)
     return plan_length(step_s, warmup, steps, timeout_s, startup_estimate(rows), source)

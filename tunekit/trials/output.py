@@ -39,15 +39,23 @@ class OutputRecord:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"{self.log}: {_size(self.bytes)} of output; kept its start and end ({_size(self.kept_bytes)}), "
-                f"dropped {_size(self.dropped_bytes)} between them")
+        return (
+            f"{self.log}: {_size(self.bytes)} of output; kept its start and end ({_size(self.kept_bytes)}), "
+            f"dropped {_size(self.dropped_bytes)} between them"
+        )
 
 
 class CappedLog:
     """Writes a stream's head to ``path`` as it comes and keeps its tail in memory until :meth:`close`
     (``append``: after what ``path`` holds, which counts towards no cap)."""
 
-    def __init__(self, path: Path, head_bytes: int = HEAD_BYTES, tail_bytes: int = TAIL_BYTES, append: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        head_bytes: int = HEAD_BYTES,
+        tail_bytes: int = TAIL_BYTES,
+        append: bool = False,
+    ):
         self.path = Path(path)
         self.head_bytes, self.tail_bytes = head_bytes, tail_bytes
         self.file = open(self.path, "ab" if append else "wb")  # noqa: SIM115 - closed in close()
@@ -70,22 +78,27 @@ class CappedLog:
             return
         self.tail.append(data)
         self.tail_size += len(data)
-        while self.tail_size - len(self.tail[0]) >= self.tail_bytes:  # whole chunks no longer needed
+        while (
+            self.tail_size - len(self.tail[0]) >= self.tail_bytes
+        ):  # whole chunks no longer needed
             self.tail_size -= len(self.tail.popleft())
 
     def close(self) -> OutputRecord:
         if self.record is not None:
             return self.record
-        tail = b"".join(self.tail)[-self.tail_bytes:] if self.tail else b""
+        tail = b"".join(self.tail)[-self.tail_bytes :] if self.tail else b""
         dropped = self.total - min(self.total, self.head_bytes) - len(tail)
         if dropped:
-            self.file.write(f"\n[tunekit: {_size(dropped)} of output dropped here; this log keeps the first "
-                            f"{_size(self.head_bytes)} and the last {_size(len(tail))} of {_size(self.total)}]\n"
-                            .encode())
+            self.file.write(
+                f"\n[tunekit: {_size(dropped)} of output dropped here; this log keeps the first "
+                f"{_size(self.head_bytes)} and the last {_size(len(tail))} of {_size(self.total)}]\n".encode()
+            )
         self.file.write(tail)
         self.file.close()
         self.tail.clear()
-        self.record = OutputRecord(self.path.name, self.total, min(self.total, self.head_bytes) + len(tail), dropped)
+        self.record = OutputRecord(
+            self.path.name, self.total, min(self.total, self.head_bytes) + len(tail), dropped
+        )
         return self.record
 
 

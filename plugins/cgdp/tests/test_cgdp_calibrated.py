@@ -39,7 +39,9 @@ DEEP = "tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow"
 # -- DDP as the model sees it ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["example:cnn", "tunekit.plugins.cgdp.tests.workloads_cgdp:wide", DEEP])
+@pytest.mark.parametrize(
+    "spec", ["example:cnn", "tunekit.plugins.cgdp.tests.workloads_cgdp:wide", DEEP]
+)
 def test_ddp_buckets_are_the_ones_ddp_assigns(spec):
     model = load_workload(spec).model()
     params = list(reversed([p for p in model.parameters() if p.requires_grad]))

@@ -163,4 +163,3 @@ def branchy_workload():
         return x, torch.randint(10, (n,), generator=gen)
 
     return Workload(name="branchy", model=_Branchy, make_batch=make_batch, batch_size=8, lr=0.05)
-

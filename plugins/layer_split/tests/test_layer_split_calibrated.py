@@ -156,10 +156,14 @@ def test_every_plan_slower_when_the_executors_cost_outweighs_what_splits_save(ov
         graph=False,
     ).truth
     overhead = ExecutorOverhead(0.010, 0.010 + overhead_ms / 1e3, "thread_cpu", 4)
-    cal = CalibratedModel.fit(truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, 0.0, 2)
+    cal = CalibratedModel.fit(
+        truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, 0.0, 2
+    )
     assert cal.baseline_step_s() == pytest.approx(STEP_S)
     best = cal.best()
-    assert sum(best.totals()[k] for k in ("update_s", "update_bytes")) == 0  # one all-reduce, any plan
+    assert (
+        sum(best.totals()[k] for k in ("update_s", "update_bytes")) == 0
+    )  # one all-reduce, any plan
     predicted = cal.predict(best.configs)
     if overhead_ms:
         assert predicted > STEP_S
@@ -184,7 +188,9 @@ def test_the_executors_all_reduce_is_capped_at_ddps_measured_communication(comm_
     ).truth
     overhead = ExecutorOverhead(0.010, 0.012, "thread_cpu", 4)
     probed = 0.010
-    cal = CalibratedModel.fit(truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, probed, 2)
+    cal = CalibratedModel.fit(
+        truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, probed, 2
+    )
     assert cal.baseline_step_s() == pytest.approx(STEP_S)
     scaled = cal.scales["compute"] * probed
     # DDP exposed 12 ms of its 20 (or 500) ms of communication; the probe at the compute
@@ -197,11 +203,11 @@ def test_the_executors_all_reduce_is_capped_at_ddps_measured_communication(comm_
 
 def test_without_a_profile_the_model_still_reproduces_the_step():
     tables = _tables()
-    truth = synthetic_observation(
-        "example:cnn", step_s=STEP_S, breakdown=False, graph=False
-    ).truth
+    truth = synthetic_observation("example:cnn", step_s=STEP_S, breakdown=False, graph=False).truth
     overhead = ExecutorOverhead(0.010, 0.012, "thread_cpu", 4)
-    cal = CalibratedModel.fit(truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, 0.004, 2)
+    cal = CalibratedModel.fit(
+        truth, tables, exact_tables(tables, tiny_hardware(2)), overhead, 0.004, 2
+    )
     assert cal.baseline_step_s() == pytest.approx(STEP_S)
     assert cal.scales["compute"] == 1.0
     assert any("not profiled" in n for n in cal.notes)

@@ -56,6 +56,7 @@ def test_two_chunk_settings_cut_only_at_block_borders():
     assert aligned and aligned < free  # the block-internal cuts are gone, the others kept
     for k in aligned:
         assert allowed[n - k], layers[n - k].name
-        assert block_of(layers[n - k].name) != block_of(layers[n - k - 1].name) or block_of(
-            layers[n - k].name
-        ) is None
+        assert (
+            block_of(layers[n - k].name) != block_of(layers[n - k - 1].name)
+            or block_of(layers[n - k].name) is None
+        )

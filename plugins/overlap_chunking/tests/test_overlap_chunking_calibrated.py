@@ -20,11 +20,24 @@ def six_layers() -> StepCosts:
     layers = tuple(
         LayerCost(f"l{i}", fwd, bwd, (nbytes,))
         for i, (fwd, bwd, nbytes) in enumerate(
-            [(1.0, 2.0, 200), (0.5, 1.0, 0), (2.0, 3.0, 400), (1.0, 1.5, 800), (0.2, 0.4, 0), (0.5, 1.0, 1600)]
+            [
+                (1.0, 2.0, 200),
+                (0.5, 1.0, 0),
+                (2.0, 3.0, 400),
+                (1.0, 1.5, 800),
+                (0.2, 0.4, 0),
+                (0.5, 1.0, 1600),
+            ]
         )
     )
     return StepCosts(
-        layers, 1e-3, 0.1, 2, lambda n: 0.05 + n / 1000, lambda n: 0.05 + n / 2000, comm_cpu_share=0.5
+        layers,
+        1e-3,
+        0.1,
+        2,
+        lambda n: 0.05 + n / 1000,
+        lambda n: 0.05 + n / 2000,
+        comm_cpu_share=0.5,
     )
 
 
@@ -63,7 +76,13 @@ def test_joint_fit_recovers_the_factors_the_baseline_was_made_with():
 
 @pytest.mark.parametrize(
     ("a", "b", "d", "exposed_share"),
-    [(0.5, 1.0, 0.0, 1.0), (3.0, 20.0, 0.0, 1.0), (1.0, 2.0, 2.0, 1.0), (1.0, 8.0, 0.0, 0.6), (2.0, 3.0, 0.5, 1.3)],
+    [
+        (0.5, 1.0, 0.0, 1.0),
+        (3.0, 20.0, 0.0, 1.0),
+        (1.0, 2.0, 2.0, 1.0),
+        (1.0, 8.0, 0.0, 0.6),
+        (2.0, 3.0, 0.5, 1.3),
+    ],
 )
 def test_fit_reproduces_step_and_exposure(a, b, d, exposed_share):
     """Baselines made with other factors, their exposure then moved to compute or back:
@@ -147,12 +166,16 @@ def test_a_raw_model_that_contradicts_the_measurement_is_reconciled_in_the_text(
     measured = profiled.truth.parts_s["comm_exposed"]
     # A 1 GB/s link leaves a ~5 MiB model next to nothing exposed; 52 ms were measured.
     assert raw < 0.25 * measured
-    assert f"Uncalibrated, the model left {raw * 1e3:.1f} ms exposed against 52.0 ms measured" in diag.summary
+    assert (
+        f"Uncalibrated, the model left {raw * 1e3:.1f} ms exposed against 52.0 ms measured"
+        in diag.summary
+    )
     fit = diag.details["calibration"]
     assert f"collectives x{fit['comm_scale']:.1f} their probe time" in diag.summary
     assert fit["peer_delay_s"] > 0
-    assert f"the peer rank posts the step's last collective {fit['peer_delay_s'] * 1e3:.1f} ms later" in (
-        diag.summary
+    assert (
+        f"the peer rank posts the step's last collective {fit['peer_delay_s'] * 1e3:.1f} ms later"
+        in (diag.summary)
     )
     # The model's split of the measured figure is labelled as the model's.
     assert "Model: of the 52.0 ms exposed" in diag.summary
@@ -193,8 +216,16 @@ def assert_quotes_only_measured_shares(summary: str, truth: StepTruth) -> None:
     # Exposure the raw model contradicts (13%, 60%), and one it nearly agrees with (1%).
     [(0.13, 0.3), (0.01, 0.02), (0.60, 0.7)],
 )
-def test_every_share_quoted_is_measured_and_the_gain_is_at_most_the_exposure(tuner, exposed, comm_total):
-    fractions = {"compute": 0.87 - exposed, "comm_exposed": exposed, "data": 0.02, "optimizer": 0.03, "idle": 0.08}
+def test_every_share_quoted_is_measured_and_the_gain_is_at_most_the_exposure(
+    tuner, exposed, comm_total
+):
+    fractions = {
+        "compute": 0.87 - exposed,
+        "comm_exposed": exposed,
+        "data": 0.02,
+        "optimizer": 0.03,
+        "idle": 0.08,
+    }
     breakdown = synthetic_breakdown(STEP_S, fractions, comm_total_s=comm_total * STEP_S)
     obs = synthetic_observation("example:cnn", step_s=STEP_S, breakdown=breakdown)
     diag = tuner.diagnose(obs)
@@ -243,6 +274,9 @@ def test_a_predicted_gain_beyond_the_exposure_is_explained_not_expected():
     assert predicted > bound + calibration.NOISE_SHARE
     assert gain == pytest.approx(bound)
     summary = diagnosis_text(fit, best, gain, bound, grad_mib=1.0)
-    assert f"should recover ~{bound:.0%} of the step (at most the measured {bound:.0%} exposed)" in summary
+    assert (
+        f"should recover ~{bound:.0%} of the step (at most the measured {bound:.0%} exposed)"
+        in summary
+    )
     assert f"model: {predicted:.0%} shorter" in summary
     assert_quotes_only_measured_shares(summary, truth)

@@ -24,7 +24,9 @@ def _check_against_ddp(results: list[dict], steps: int) -> None:
             assert len(res["steps"]) == steps
             assert_states_close(res["params"], ddp["params"], f"{name} parameters")
             assert_states_close(res["buffers"], ddp["buffers"], f"{name} buffers")
-            assert_states_close(res["optimizer"]["state"], ddp["optimizer"]["state"], f"{name} optimizer")
+            assert_states_close(
+                res["optimizer"]["state"], ddp["optimizer"]["state"], f"{name} optimizer"
+            )
             assert res["requires_grad"], f"{name}: parameters left without requires_grad"
     # Both ranks hold bitwise the same parameters: every update is computed from
     # the same reduced values by the same kernels.

@@ -142,6 +142,7 @@ def test_layer_times_from_an_observed_profile():
         PaperLayer("pool", "MaxPool2d", (), 0, None),
         PaperLayer("fc", "Linear", ("fc.weight",), 10, None),
     ]
+
     def profile(*records: tuple[str, float, float]) -> LayerProfile:
         timings = {n: LayerTiming(n, "x", f, b) for n, f, b in records}
         return LayerProfile("g", "cpu", 2, 0, 1, timings)
@@ -239,7 +240,9 @@ def test_parameters_of_a_container_are_a_layer_at_the_input_end():
     assert [layer.name for layer in layers] == ["", "a", "b"]
     assert layers[0].param_names == ("pos",)
     workload = SimpleNamespace(
-        seed=0, model=_RootParameter, lr=0.1,
+        seed=0,
+        model=_RootParameter,
+        lr=0.1,
         optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr),
         example_batch=lambda n, seed=0: (torch.randn(n, 8), torch.randint(2, (n,))),
         loss=torch.nn.functional.cross_entropy,

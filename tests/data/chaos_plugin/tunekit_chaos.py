@@ -26,8 +26,21 @@ class Chaos(Tuner):
 
     def knobs(self):
         return [
-            Knob("mode", "choice", "ok", "what the trial does", choices=("ok", "raise", "hang", "oom", "slow", "bad_hook")),
-            Knob("sleep_s", "float", 0.15, "seconds the slow mode adds to every step", low=0.0, high=600.0),
+            Knob(
+                "mode",
+                "choice",
+                "ok",
+                "what the trial does",
+                choices=("ok", "raise", "hang", "oom", "slow", "bad_hook"),
+            ),
+            Knob(
+                "sleep_s",
+                "float",
+                0.15,
+                "seconds the slow mode adds to every step",
+                low=0.0,
+                high=600.0,
+            ),
         ]
 
     def diagnose(self, obs):
@@ -46,8 +59,14 @@ class Chaos(Tuner):
     def plan(self, obs, limit):
         if os.environ.get("TUNEKIT_CHAOS_PLAN"):
             planned = json.loads(os.environ["TUNEKIT_CHAOS_PLAN"])
-            return [Candidate({k: v for k, v in c.items() if k != "predicted_s"}, c.get("predicted_s"), "planned by the test")
-                    for c in planned][:limit]
+            return [
+                Candidate(
+                    {k: v for k, v in c.items() if k != "predicted_s"},
+                    c.get("predicted_s"),
+                    "planned by the test",
+                )
+                for c in planned
+            ][:limit]
         modes = ["raise", "hang", "oom", "ok"]
         return [Candidate({"mode": m}, obs.baseline.median_s, f"mode {m}") for m in modes][:limit]
 
