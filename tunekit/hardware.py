@@ -308,7 +308,7 @@ def load_profile(name_or_path: str | Path) -> Hardware:
 
 def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
     r = _Reader(where)
-    name = r.str(data, "name")
+    name = r.text(data, "name")
     host_t = r.table(data, "host")
     host = Host(
         cores=int(r.num(host_t, "cores", "host.", minimum=1)),
@@ -321,9 +321,9 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
         raise HardwareError(f"{where}: needs at least one [[devices]] table")
     for i, t in enumerate(dev_tables):
         p = f"devices[{i}]."
-        base = r.str(t, "name", p)
+        base = r.text(t, "name", p)
         count = int(r.num(t, "count", p, minimum=1, default=1))
-        kind = r.str(t, "kind", p)
+        kind = r.text(t, "kind", p)
         if kind not in ("gpu", "cpu"):
             raise HardwareError(f"{where}: {p}kind must be 'gpu' or 'cpu', not {kind!r}")
         for j in range(count):
@@ -331,13 +331,13 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
                 Device(
                     name=f"{base}{j}" if count > 1 else base,
                     kind=kind,
-                    model=r.str(t, "model", p),
+                    model=r.text(t, "model", p),
                     memory_bytes=r.num(t, "memory_gb", p) * GB,
                     peak_flops=r.num(t, "peak_tflops", p) * 1e12,
                 )
             )
     switches = tuple(
-        r.str(t, "name", f"switches[{i}].") for i, t in enumerate(data.get("switches", []))
+        r.text(t, "name", f"switches[{i}].") for i, t in enumerate(data.get("switches", []))
     )
     known = {d.name for d in devices} | set(switches) | set(host.sockets)
     if len(known) != len(devices) + len(switches) + len(host.sockets):
@@ -361,8 +361,8 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Hardware:
         p = f"collectives[{i}]."
         collectives.append(
             CollectiveFit(
-                backend=r.str(t, "backend", p),
-                op=r.str(t, "op", p),
+                backend=r.text(t, "backend", p),
+                op=r.text(t, "op", p),
                 world_size=int(r.num(t, "world_size", p, minimum=1)),
                 latency=r.num(t, "latency_us", p) * 1e-6,
                 bandwidth=r.num(t, "bandwidth_gb_s", p, minimum=1e-12) * GB,
@@ -462,7 +462,7 @@ class _Reader:
             raise HardwareError(f"{self.where}: missing [{key}] table")
         return t
 
-    def str(self, data: dict, key: str, prefix: str = "") -> str:
+    def text(self, data: dict, key: str, prefix: str = "") -> str:
         v = data.get(key)
         if not isinstance(v, str) or not v:
             raise HardwareError(f"{self.where}: missing or empty field {prefix}{key}")

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Tuner
@@ -42,7 +42,7 @@ from tunekit.events import (
 from tunekit.locks import describe_holder
 from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
-from tunekit.observe.observation import Measurement, Observation
+from tunekit.observe.observation import Measurement, Observation, TelemetrySummary
 from tunekit.observe.static import (
     describe_hardware,
     observe_in_child,
@@ -268,8 +268,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         ):  # its CUDA context would hold GPU memory beside the baseline trial
             await observer.close()  # the tuners' hooks then start a fresh one
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
-        for notice in static.notices:
-            yield Notice(notice, "warning")
+        for text in static.notices:
+            yield Notice(text, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
         lock = store.lock_study(
             key, spec
@@ -332,6 +332,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 decision={"winner": BASELINE, "reason": f"baseline failed: {base_row.error}"},
             )
             raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
+        assert base_row.result is not None  # a finished trial has its result
         baseline = Measurement(**base_row.result["measurement"])
         obs = static.observation(s.launch.world_size, baseline, store)
         obs.breakdown, obs.telemetry = observed_baseline(base_row)
@@ -362,6 +363,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         async for ev in _confirm_leader(run, store, sid, spec, tuners):
             yield ev
         if paused:
+            assert s.pause_run is not None  # paused only when there is a run to pause
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
@@ -410,6 +412,7 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
 async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterator[Event]:
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
+    assert nodes is not None  # only a study across nodes waits for followers
     joined: list[int] = []
     await asyncio.to_thread(
         nodes.wait_for_followers,
@@ -668,17 +671,18 @@ async def _diagnose_and_plan(
         got.searches,
         got.gains,
     )
-    searches.sort(key=lambda t: -gains[t.plugin])
+    searches.sort(key=lambda t: -gains[_tuner_of(t)])
     if run.s.rerank:
         # The first candidates: every tuner's best, then the best predicted (no trials yet
         # to correct the predictions); after each trial `_feedback` re-ranks what is left.
         slots = None if run.s.trials is None else max(0, run.s.trials - len(searches))
+        assert obs.baseline is not None  # planned after the measured baseline
         ranked = rank_pool(
             (PoolEntry(**e) for e in pool), Corrector(obs.baseline.median_s), obs.global_batch
         )
         chosen, dropped = choose_next(
             ranked,
-            {t.plugin for t in searches},
+            {_tuner_of(t) for t in searches},
             len(pool) if slots is None else slots,
             run.s.min_effect,
         )
@@ -707,7 +711,7 @@ async def _diagnose_and_plan(
         ]
         planned = schedule({"all": queue}, run.s.trials, run.s.baseline_every)
     else:  # every tuner's plan in its own order, round-robin by expected gain
-        queues: dict[str, list[PlannedTrial]] = {t.plugin: [t] for t in searches}
+        queues: dict[str, list[PlannedTrial]] = {_tuner_of(t): [t] for t in searches}
         for e in pool:
             queues.setdefault(e["plugin"], []).append(
                 PlannedTrial(
@@ -775,7 +779,9 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
         t.config_id for t in trials if not (t.role == CANDIDATE and t.status == "pending")
     }
     tried = {
-        t.plugin for t in trials if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"
+        _tuner_of(t)
+        for t in trials
+        if t.role in (CANDIDATE, SEARCH, CONFIRM) and t.status != "pending"
     }
     base_batch = (observation.get("summary") or {}).get("global_batch") or 1
     ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
@@ -908,7 +914,13 @@ async def _confirm_leader(
 PROFILE_STEPS = 3
 
 
-def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] | None]:
+def _tuner_of(trial: PlannedTrial | TrialRow) -> str:
+    """The tuner a candidate, search or confirmation trial belongs to (baselines have none)."""
+    assert trial.plugin is not None, trial
+    return trial.plugin
+
+
+def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, TelemetrySummary | None]:
     """The baseline trial's step breakdown (from its traces) and telemetry summary."""
     result = row.result or {}
     breakdown = None
@@ -918,7 +930,7 @@ def observed_baseline(row: TrialRow) -> tuple[Breakdown | None, dict[str, Any] |
             breakdown = analyze_trial(trial_dir)
         except (OSError, ValueError, KeyError) as exc:  # a broken trace must not stop the study
             result.setdefault("notices", []).append(f"could not analyse the baseline traces: {exc}")
-    return breakdown, result.get("telemetry")
+    return breakdown, cast(TelemetrySummary | None, result.get("telemetry"))
 
 
 async def _run_pending(

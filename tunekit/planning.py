@@ -12,9 +12,9 @@ runs regardless: a broken plugin must not stop the others.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Diagnosis, Tuner
@@ -193,7 +193,7 @@ def diagnose_and_plan_here(
     try:
         while True:
             try:
-                steps.__anext__().send(None)
+                cast(Coroutine[Any, Any, TunerStep], steps.__anext__()).send(None)
             except StopIteration as done:
                 yield done.value
             except StopAsyncIteration:
@@ -202,4 +202,4 @@ def diagnose_and_plan_here(
                 raise RuntimeError("an in-process tuner hook waited on something")
     finally:
         with contextlib.suppress(StopIteration, RuntimeError):
-            steps.aclose().send(None)
+            cast(AsyncGenerator[TunerStep, None], steps).aclose().send(None)

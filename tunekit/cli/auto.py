@@ -275,7 +275,8 @@ def resume_command() -> str:
         elif param.name != "resume" and value not in (None, (), False) and value != param.default:
             opt = max(param.opts, key=len)
             values = value if param.multiple else [value]
-            parts += [opt] if param.is_flag else [f"{opt} {shlex.quote(str(v))}" for v in values]
+            flag = isinstance(param, click.Option) and param.is_flag
+            parts += [opt] if flag else [f"{opt} {shlex.quote(str(v))}" for v in values]
     return " ".join([*parts, "--resume"])
 
 

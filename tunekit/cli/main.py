@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import importlib
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 import click
 from rich.markup import escape
@@ -66,7 +66,7 @@ _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, err
 one line, like bad input, wherever they surface."""
 
 
-def _extension_commands() -> dict[str, object]:
+def _extension_commands() -> dict[str, EntryPoint]:
     """Commands outside the core (the TUI) register under this entry-point group, as
     tuners do, so the core never imports them."""
     return {ep.name: ep for ep in entry_points(group="tunekit.commands")}
@@ -96,7 +96,10 @@ class LazyGroup(click.Group):
         rows = []
         for name in self.list_commands(ctx):
             if name in SUMMARIES and name not in self.commands:
-                rows.append((name, click.utils.make_default_short_help(SUMMARIES[name], width)))
+                # click's own shortening of a help text, without importing the command
+                rows.append(
+                    (name, click.Command(name, help=SUMMARIES[name]).get_short_help_str(width))
+                )
             elif (command := self.get_command(ctx, name)) is not None and not command.hidden:
                 rows.append((name, command.get_short_help_str(width)))
         if rows:

@@ -24,7 +24,7 @@ def plugins_cmd(knobs: bool) -> None:
         console.print(f"[yellow]slow:[/] {line}")
     if knobs:
         for r in records:
-            if not r.ok:
+            if not r.ok or r.tuner is None:
                 continue
             kt = Table(title=f"{r.name} knobs", title_justify="left")
             for col in ("knob", "type / range", "default", "live", "help"):

@@ -139,6 +139,10 @@ class StudyCache(Protocol):
 
     def put(self, key: str, value: Any) -> None: ...
 
+    def items(self) -> dict[str, Any]:
+        """Every entry (what a tuner in the workload's process starts with)."""
+        ...
+
 
 class TelemetrySummary(TypedDict, total=False):
     """``Observation.telemetry``: the sampler's summary over the observed baseline run

@@ -52,6 +52,9 @@ class RecordingCache:
         json.dumps(value)  # refuse what the store could not keep, here where the tuner can see it
         self.entries[key] = self.puts[key] = value
 
+    def items(self) -> dict[str, Any]:
+        return dict(self.entries)
+
     def take_puts(self) -> dict[str, Any]:
         puts, self.puts = self.puts, {}
         return puts

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tunekit.errors import ControlError
 
@@ -128,6 +128,7 @@ class Field:
 
     def problem(self, name: str, value: Any) -> str | None:
         if self.kind is int:
+            assert self.low is not None and self.high is not None  # int fields declare a range
             ok = (
                 isinstance(value, int)
                 and not isinstance(value, bool)
@@ -139,6 +140,7 @@ class Field:
                 else f"{name} must be an integer between {self.low} and {self.high}, not {value!r:.40}"
             )
         if self.kind is str:
+            assert self.max_len is not None  # string fields declare a length
             if not isinstance(value, str):
                 return f"{name} must be a string, not {value!r:.40}"
             return (
@@ -310,7 +312,9 @@ class ControlServer:
             timeout = READ_TIMEOUT_S
 
             def setup(self) -> None:
-                self.timeout = self.server.read_timeout  # shorter while crowded
+                # Per connection, shorter while crowded (typeshed calls it a ClassVar, but
+                # StreamRequestHandler reads it from the instance).
+                self.timeout = cast(_Server, self.server).read_timeout  # type: ignore[misc]
                 super().setup()
 
             def handle(self) -> None:
@@ -402,6 +406,7 @@ class ControlServer:
         try:
             self.requests.put(req)
             if req.done.wait(self.reply_timeout_s):
+                assert req.reply is not None  # done is set by answer()
                 wfile.write(encode(req.reply))
                 wfile.flush()
             else:

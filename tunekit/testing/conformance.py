@@ -82,7 +82,7 @@ def check_declaration(tuner: Tuner) -> list[str]:
     aspect = getattr(cls, "aspect", None)
     if not isinstance(aspect, Aspect):
         problems.append(f"aspect {aspect!r} is not a tunekit.contract.Aspect")
-    excludes = getattr(cls, "excludes", frozenset())
+    excludes: Any = getattr(cls, "excludes", frozenset())
     if not all(isinstance(a, Aspect) for a in excludes):
         problems.append(f"excludes {excludes!r} must hold tunekit.contract.Aspect values")
     elif aspect in excludes:
@@ -100,7 +100,7 @@ def check_declaration(tuner: Tuner) -> list[str]:
         knobs = list(tuner.knobs())
     except Exception as exc:
         return [*problems, f"knobs() raised {type(exc).__name__}: {exc}"]
-    names = [getattr(k, "name", None) for k in knobs]
+    names: list[Any] = [getattr(k, "name", None) for k in knobs]
     if len(set(names)) != len(names):
         problems.append(
             f"declares a knob name twice: {sorted(n for n in names if names.count(n) > 1)}"
@@ -357,6 +357,7 @@ def _leak_problems(
 ) -> list[str]:
     """A applied twice gives one state; B after A gives the state B gives in a fresh trial."""
     a, b = dict(knob_sets[0]), dict(knob_sets[1])
+    assert applied[0] is not None and applied[1] is not None and applied[-1] is not None
     problems = [
         f"applying {a} a second time differs from the first: {d}"
         for d in compare_states(applied[0], applied[-1], identity=False)

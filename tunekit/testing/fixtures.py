@@ -211,3 +211,6 @@ class MemoryCache:
 
     def put(self, key: str, value: Any) -> None:
         self.data[key] = json.dumps(value)
+
+    def items(self) -> dict[str, Any]:
+        return {k: json.loads(v) for k, v in self.data.items()}

@@ -154,10 +154,12 @@ def run_ranks(
     if failed:  # the first to fail; the others mostly fail because it left them waiting
         _, rank, error = min(failed)
         raise RuntimeError(f"rank {rank} failed:\n{error}")
+    values = []
     for rank, res in enumerate(found):
         if res is None:
             raise RuntimeError(f"rank {rank} died without a result")
-    return [res["value"] for res in found]
+        values.append(res["value"])
+    return values
 
 
 # == numerical equivalence ================================================================

@@ -9,11 +9,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from tunekit.hardware import Hardware
 from tunekit.observe.breakdown import PARTS, Breakdown, CollectiveTiming, RankBreakdown, StepParts
-from tunekit.observe.observation import Measurement, Observation, summarize_model
+from tunekit.observe.observation import (
+    Measurement,
+    Observation,
+    TelemetrySummary,
+    summarize_model,
+)
 from tunekit.testing.fixtures import MemoryCache, tiny_hardware, tiny_workload
 from tunekit.workload import Workload, load_workload
 
@@ -255,15 +260,16 @@ def synthetic_observation(
         spread_s=q[2] - q[0],
         samples_per_s=workload.batch_size * nproc / statistics.median(times),
     )
+    measured: Breakdown | None = None
     if breakdown is True:
         fractions = dict(DEFAULT_FRACTIONS)
         if nproc < 2:  # one rank: no communication, that share is compute
             fractions["compute"] += fractions.pop("comm_exposed")
-        breakdown = synthetic_breakdown(step_s, fractions, nproc=nproc)
-    elif breakdown is False:
-        breakdown = None
+        measured = synthetic_breakdown(step_s, fractions, nproc=nproc)
     elif isinstance(breakdown, Mapping):
-        breakdown = synthetic_breakdown(step_s, breakdown, nproc=nproc)
+        measured = synthetic_breakdown(step_s, breakdown, nproc=nproc)
+    elif isinstance(breakdown, Breakdown):
+        measured = breakdown
     if telemetry is None and pyspy is not None:
         telemetry = synthetic_telemetry(pyspy, nproc=nproc)
     return Observation(
@@ -277,7 +283,7 @@ def synthetic_observation(
         baseline=baseline,
         graph=traced,
         layer_profile=profile,
-        breakdown=breakdown,
-        telemetry=dict(telemetry) if telemetry is not None else None,
+        breakdown=measured,
+        telemetry=cast(TelemetrySummary, dict(telemetry)) if telemetry is not None else None,
         cache=MemoryCache() if cache else None,
     )
