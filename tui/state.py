@@ -6,6 +6,10 @@ by value: an unchanged poll repaints nothing). The functions here are pure and
 read exactly what the core writes: ``status.json`` and ``metrics.jsonl`` of a
 live run, the telemetry sampler's time series, ``tunekit profile``'s report,
 the orchestrator's events. They are tested without Textual or processes.
+
+One module, though past 600 lines: every screen's state is derived here from
+the same few files, and keeping the derivations side by side keeps the screens
+agreeing on what a figure means.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@
 auto`` renders them with progress bars and the TUI with widgets. Every stage
 writes to the study store, so an interrupted study resumes where it stopped
 (finished trials are never re-run) and reports can be re-printed later.
+
+One module, though the longest in the core: the stages share one run's state
+(``_Run``: the store, the budget, the live run it pauses, the nodes it
+coordinates) and each resumes from what the one before stored; the pieces
+that stand alone live elsewhere (observing: ``observe.static``; diagnosing and
+planning: ``planning``; scheduling, statistics and decisions: ``trials``).
 """
 
 from __future__ import annotations
