@@ -13,6 +13,9 @@ One runner per study: :meth:`Store.lock_study` takes a lock per study key
 kernel releases when its holder exits, however it exits; a second runner is
 refused with the holder's pid. Readers that must not change anything
 (``tunekit report``) open the store read-only.
+
+One module, though past 600 lines: the schema, its migrations and every query
+on it, so that a column's meaning is read in one place.
 """
 
 from __future__ import annotations

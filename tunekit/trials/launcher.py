@@ -17,6 +17,11 @@ A trial is classified from facts, never from its log: each rank's result file
 exit status of the ranks that failed (``agent<i>.json``, see
 :mod:`tunekit.trials.agent`). The agents' output is kept capped
 (:mod:`tunekit.trials.output`): a workload may print without limit.
+
+One module, though past 600 lines: starting a trial's agents, watching them
+(progress, stalls, the timeout) and classifying how they ended read the same
+trial folder and the same clock; the parts that stand alone are their own
+modules (``agent``, ``output``, ``exits``, ``nodes``).
 """
 
 from __future__ import annotations
