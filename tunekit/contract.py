@@ -186,6 +186,11 @@ class Diagnosis:
     """Predicted fraction of step time saved (0.25 = 25 %), if the model gives one."""
     details: dict[str, Any] = field(default_factory=dict)
     """Plain JSON-able evidence for reports and the TUI."""
+    headline: str = ""
+    """At most ~100 characters, read at a glance: verdict, expected gain with its range, and
+    the one measured figure it rests on ("applies · +3% (−1…+6%) · exposed comm 12% of the
+    step"). ``summary`` is the body beside it. Empty: the core derives one
+    (:func:`tunekit.diagnosis_text.headline_of`)."""
 
 
 @dataclass

@@ -48,6 +48,8 @@ class Diagnosed(Event):
     applies: bool
     summary: str
     expected_gain: float | None
+    headline: str = ""
+    """At most ~100 characters (:func:`tunekit.diagnosis_text.headline_of`); ``summary`` is the body."""
 
 
 @dataclass

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Tuner
+from tunekit.contract import Diagnosis, Tuner
+from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     BUDGET_SKIP,
@@ -360,7 +361,15 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 yield ev
         else:
             for name, diag in observation.get("diagnoses", {}).items():
-                yield Diagnosed(name, diag["applies"], diag["summary"], diag.get("expected_gain"))
+                stored = Diagnosis(
+                    diag["applies"],
+                    diag["summary"],
+                    diag.get("expected_gain"),
+                    headline=diag.get("headline", ""),
+                )
+                yield Diagnosed(
+                    name, stored.applies, stored.summary, stored.expected_gain, headline_of(stored)
+                )
 
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev

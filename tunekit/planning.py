@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, cast
 
 from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Diagnosis, Tuner
+from tunekit.diagnosis_text import headline_of
 from tunekit.events import Diagnosed, Planned, PluginProblem
 from tunekit.observe.observation import Observation
 from tunekit.observe.workload_process import (
@@ -40,7 +41,7 @@ class TunerDiagnosed:
 
     def event(self) -> Diagnosed:
         d = self.diagnosis
-        return Diagnosed(self.name, d.applies, d.summary, d.expected_gain)
+        return Diagnosed(self.name, d.applies, d.summary, d.expected_gain, headline_of(d))
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ FIELDS = {
         "live",
         "parse",
     ),
-    Diagnosis: ("applies", "summary", "expected_gain", "details"),
+    Diagnosis: ("applies", "summary", "expected_gain", "details", "headline"),
     Candidate: (
         "knobs",
         "predicted_step_s",
