@@ -37,8 +37,22 @@ FLOP_EFFICIENCY = 0.4
 """Fraction of peak FLOP/s assumed when backward times are estimated for another machine."""
 MIN_GAIN = 0.01
 """Predicted gains below this fraction of a step are within the model's noise."""
-CACHE_VERSION = "v3"
-"""Bumped when what is cached changes shape (v3: per-pass backward samples, offload step)."""
+CACHE_VERSION = "v4"
+"""Bumped when what is cached changes shape or meaning (v3: per-pass backward samples, offload
+step; v4: per-pass forward times, backward's share from each phase's own cost)."""
+
+
+def measured_keys(obs: Observation, device: torch.device) -> dict[str, str]:
+    """The study-cache keys of what the diagnosis measures here: ``layers``
+    (:func:`layer_times`), ``host`` (:func:`measure_host_rates`) and ``offload``
+    (:func:`measure_offload`); a test or benchmark puts recorded measurements there."""
+    hw = obs.hardware
+    spec = f"{obs.workload_spec}:{device}:{obs.nproc}"
+    return {
+        "layers": f"cgdp:layers:{CACHE_VERSION}:{spec}:{hw.devices[0].model}",
+        "host": f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True",
+        "offload": f"cgdp:offload:{CACHE_VERSION}:{spec}",
+    }
 
 
 def rank_threads(nproc: int) -> int:
@@ -68,7 +82,9 @@ def layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str
         times = time_layer_backward(
             model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)
         )
-        source = f"measured from gradient readiness ({len(times.samples)} passes, median shares)"
+        source = (
+            f"measured from gradient readiness ({len(times.samples)} passes, each layer's own cost)"
+        )
     else:
         times = estimate_backward_times(
             model, inputs, targets, work.loss, target.peak_flops, FLOP_EFFICIENCY
