@@ -22,6 +22,8 @@ from tunekit.testing import assert_states_close
 pytestmark = pytest.mark.slow
 
 BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
+# A regression no load can hide: half a second more per step (light_cnn's take ~0.05 s).
+SLOWER = '{"plugins": {"chaos": {"mode": "slow", "sleep_s": 0.5}}}'
 LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside the job
 
 
@@ -63,7 +65,7 @@ def steps_of(rd: RunDir) -> list[int]:
 
 @pytest.mark.equivalence
 def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
-    steps = 40
+    steps = 20  # the apply lands at step 5 or a little later: steps after it carry the claim
     # Both jobs at once: same seeds, same maths, whatever else shares the CPU. In
     # float64, so that a change of bucket layout (another summation order) is
     # bounded tightly on any CPU (tunekit.testing.EQUIVALENCE_RTOL).
@@ -181,7 +183,7 @@ def live(tmp_path_factory):
 def test_a_regression_after_apply_is_rolled_back(live):
     cwd, rd, env = live
     res = run_cli(
-        "apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', cwd=cwd, env_extra=env
+        "apply", "job", SLOWER, cwd=cwd, env_extra=env
     )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rolled back" in res.stdout and "slower beyond noise" in res.stdout
@@ -334,7 +336,7 @@ def test_a_relaunch_apply_is_watched_and_a_slower_one_rolled_back(live):
     res = run_cli(
         "apply",
         "job",
-        '{"plugins": {"chaos": {"mode": "slow"}}}',
+        SLOWER,
         "--nproc",
         "1",
         cwd=cwd,

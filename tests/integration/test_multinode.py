@@ -18,7 +18,7 @@ from support import live_rank_pids
 from tunekit.runtime.dist import free_port
 from tunekit.store import Store
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
+pytestmark = pytest.mark.slow
 
 TOKEN = {"TUNEKIT_NODE_TOKEN": "0123456789abcdef" * 4}
 STARTED: list[subprocess.Popen] = []
@@ -91,7 +91,10 @@ def study_trials(folder: Path):
 
 
 def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordinator(tmp_path):
-    """The same `tunekit auto` command in two SLURM tasks: node 0 coordinates, node 1 follows."""
+    """The same `tunekit auto` command in two SLURM tasks: node 0 coordinates, node 1 follows.
+
+    Node 1 is first killed mid-trial: the study stops, resumable, with nothing left running;
+    the same command with --resume, once node 1 is back, finishes it."""
     port = free_port()
     slurm = {
         "SLURM_STEP_ID": "0",
@@ -106,17 +109,32 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
         "--nproc",
         "1",
         "--plugins",
-        "overlap_chunking,cgdp",
+        "overlap_chunking,cgdp",  # both diagnose a job across nodes; one candidate runs
         "--trials",
-        "2",
+        "1",
         "--no-rerank",
         *SHORT,
     ]
-    follower = start(args, tmp_path / "node1", {**slurm, "SLURM_NODEID": "1"})
-    coordinator = start(args, tmp_path / "node0", {**slurm, "SLURM_NODEID": "0"})
-    rc, out = finish(coordinator, tmp_path / "node0")
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    follower = start(args, node1, {**slurm, "SLURM_NODEID": "1"})
+    coordinator = start(args, node0, {**slurm, "SLURM_NODEID": "0"})
+    wait_for("nodes/node1/job000/pids/rank1", node1 / ".tunekit")  # its rank runs
+    os.killpg(follower.pid, signal.SIGKILL)  # the follower and everything it started
+    rc, out = finish(coordinator, node0, timeout=240)
+    assert rc == 2, out[-3000:]
+    assert "node 1 (" in out and "stopped answering" in out and "--resume" in out
+    assert "Traceback" not in out
+    study, trials = study_trials(node0)
+    assert study.status == "interrupted"
+    # the trial in flight runs again: a lost node is not the config's fault
+    assert trials[0].status == "pending"
+    assert not live_rank_pids(tmp_path)
+
+    follower = start([*args, "--resume"], node1, {**slurm, "SLURM_NODEID": "1"})
+    coordinator = start([*args, "--resume"], node0, {**slurm, "SLURM_NODEID": "0"})
+    rc, out = finish(coordinator, node0)
     assert rc == 0, out[-4000:]
-    frc, fout = finish(follower, tmp_path / "node1", timeout=60)
+    frc, fout = finish(follower, node1, timeout=60)
     assert frc == 0, fout[-3000:]
     assert "the coordinator ended the study" in fout
     assert "× 2 nodes" in out and "node 1 (" in out and "joined" in out
@@ -124,7 +142,7 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
     assert study.status == "finished"
     ran = [t for t in trials if t.status == "ok"]
     assert trials[0].role == "baseline" and trials[0].status == "ok"
-    assert sum(t.role != "baseline" for t in ran) >= 2, [
+    assert sum(t.role != "baseline" for t in ran) >= 1, [
         (t.role, t.status, t.error) for t in trials
     ]
     for (
@@ -168,50 +186,6 @@ def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
     assert "Traceback" not in out
     study, trials = study_trials(tmp_path / "node0")
     assert study.status == "interrupted" and trials[0].status == "pending"  # resumable
-
-
-def test_a_follower_killed_mid_trial_stops_the_study_which_resumes_when_it_is_back(tmp_path):
-    port = free_port()
-    endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-    args = [
-        "auto",
-        "example:cnn",
-        "--nproc",
-        "1",
-        "--nnodes",
-        "2",
-        *endpoint,
-        "--plugins",
-        "overlap_chunking",
-        "--trials",
-        "1",
-        "--no-rerank",
-        *SHORT,
-    ]
-    follow = ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"]
-    follower = start(follow, tmp_path / "node1", {})
-    coordinator = start(args, tmp_path / "node0", {})
-    wait_for("nodes/node1/job000/pids/rank1", tmp_path / "node1" / ".tunekit")  # its rank runs
-    os.killpg(follower.pid, signal.SIGKILL)  # the follower and everything it started
-    rc, out = finish(coordinator, tmp_path / "node0", timeout=240)
-    assert rc == 2, out[-3000:]
-    assert "node 1 (" in out and "stopped answering" in out and "--resume" in out
-    assert "Traceback" not in out
-    study, trials = study_trials(tmp_path / "node0")
-    assert study.status == "interrupted"
-    assert (
-        trials[0].status == "pending"
-    )  # the trial in flight runs again: a lost node is not the config's fault
-    assert not live_rank_pids(tmp_path)
-
-    follower = start(follow, tmp_path / "node1", {})
-    coordinator = start([*args, "--resume"], tmp_path / "node0", {})
-    rc, out = finish(coordinator, tmp_path / "node0")
-    assert rc == 0, out[-4000:]
-    assert finish(follower, tmp_path / "node1", timeout=60)[0] == 0
-    study, trials = study_trials(tmp_path / "node0")
-    assert study.status == "finished" and trials[0].status == "ok"
-    assert sorted(r["rank"] for r in trials[0].result["ranks"]) == [0, 1]
 
 
 def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(tmp_path):

@@ -44,9 +44,9 @@ def full_knobs(config: dict) -> dict:
 @pytest.mark.timeout(1200)
 async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, wait_for_app):
     store = tmp_path / ".tunekit"
-    # On this shared 2-core machine the trials slow the job down while they run; only a
-    # slowdown beyond 2x rolls the apply back, so the check sees the config that was applied.
-    job = JobProcess.start("example:cnn", nproc=2, store_dir=store, watch_window=6, min_effect=0.5)
+    # --min-effect 1: the apply is watched and never rolled back, however busy the machine
+    # (the watch's verdicts are tested on injected measurements and in test_live.py).
+    job = JobProcess.start("example:cnn", nproc=2, store_dir=store, watch_window=6, min_effect=1.0)
     backend = LiveBackend(job.rd, store, job=job)
     request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=6, warmup=1)
     try:
