@@ -24,6 +24,17 @@ import pytest
 # run_ranks keeps its spawned gloo ranks between tests (tunekit.rank_pool): each
 # fresh rank would spend about 3.5 s importing torch and torch._dynamo.
 os.environ.setdefault("TUNEKIT_REUSE_RANKS", "1")
+# Under xdist, two workers share the machine's cores: one intra-op thread per process (every
+# process a test starts inherits it; the trial launcher honours OMP_NUM_THREADS as "someone
+# sharing the machine" sets it) keeps torch's OpenMP threads from spinning on a core the other
+# worker needs. With torch's default threads a plugin's test files at -n 2 took 3.3x the
+# wall time and 3x the CPU time (252 s / 71 s against 76 s / 23 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Diagnoses and observations measure with a quarter of their usual repeats and time budgets
+# (tunekit.effort): the suite checks what the figures say and how they are used, not how
+# tight they are. Every child process (trials, the workload's, a live job) inherits it.
+os.environ.setdefault("TUNEKIT_MEASURE_EFFORT", "0.25")
 
 _WIDE_SCOPES = ("module", "package", "session")
 

@@ -297,7 +297,11 @@ def fit_gloo_allreduce(
     return fit_samples(times, "gloo", "all_reduce", group.size())
 
 
-def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 9) -> float:
+SYNC_STEPS = 9
+"""Steps of the one-rank CGDP run that times the work per chunk (the first is left out)."""
+
+
+def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = SYNC_STEPS) -> float:
     """``t_as`` in practice: seconds the backward thread spends launching one chunk.
 
     Runs CGDP on one rank over a deep model of tiny layers and divides the

@@ -182,9 +182,7 @@ def live(tmp_path_factory):
 
 def test_a_regression_after_apply_is_rolled_back(live):
     cwd, rd, env = live
-    res = run_cli(
-        "apply", "job", SLOWER, cwd=cwd, env_extra=env
-    )
+    res = run_cli("apply", "job", SLOWER, cwd=cwd, env_extra=env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rolled back" in res.stdout and "slower beyond noise" in res.stdout
     st = wait_for(rd, lambda s: s["config"]["plugins"] == {})
