@@ -89,3 +89,27 @@ class SaysItChangesTheMath(DetachesBlockInputs):
                 changes_math=True,
             )
         ]
+
+
+def _used_mb(obs):
+    memory = {"rss_bytes": 1}
+    return memory["used_mb"]  # the bug: a key the telemetry never had
+
+
+class RaisesInDiagnose(Harmless):
+    """A diagnose with a bug in a helper of the plugin's own."""
+
+    name = "raises_in_diagnose"
+
+    def diagnose(self, obs):
+        _used_mb(obs)
+        return super().diagnose(obs)
+
+
+class AppliesNever(Harmless):
+    """Diagnoses that it does not apply, and still has a plan."""
+
+    name = "applies_never"
+
+    def diagnose(self, obs):
+        return Diagnosis(False, "nothing to gain here (tests)")
