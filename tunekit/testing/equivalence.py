@@ -14,6 +14,7 @@ spawned rank), so the caller decides how many processes a check costs.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from tunekit.config import TuningConfig
 from tunekit.contract import Tuner
 from tunekit.errors import TunekitError
+from tunekit.failures import Failure
 from tunekit.runtime.session import Session
 from tunekit.testing.ranks import EQUIVALENCE_RTOL, default_dtype
 from tunekit.workload import Workload
@@ -209,7 +211,13 @@ def _attempt(
     except TunekitError as exc:  # the hook declined these knobs on this job, in one line
         return None, "refused", str(exc)
     except Exception as exc:
-        return None, "failed", f"{type(exc).__name__}: {exc}"
+        failure = Failure.of(exc, type(tuner))
+        at = f" at {failure.where}" if failure.where else ""
+        return (
+            None,
+            "failed",
+            f"{failure.line}{at}\n" + textwrap.indent(failure.traceback.rstrip(), "      "),
+        )
 
 
 def equivalence_on_ranks(
