@@ -57,8 +57,15 @@ from tunekit.observe.static import (
 )
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
-from tunekit.planning import ChildHooks, TunerDiagnosed, TunerPlanned, TunerStep, diagnose_and_plan
-from tunekit.plugin_loading import load_all, select, slow_imports
+from tunekit.planning import (
+    ChildHooks,
+    TunerDiagnosed,
+    TunerFailed,
+    TunerPlanned,
+    TunerStep,
+    diagnose_and_plan,
+)
+from tunekit.plugin_loading import PluginRecord, load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyRow, TrialRow
 from tunekit.trials.decide import (
@@ -235,9 +242,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         await observer.start()
         records = load_all()
         tuners = select(records, s.plugins)
-        for rec in records:
-            if not rec.ok and (s.plugins is None or rec.name in s.plugins):
-                yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        not_loaded = [r for r in records if not r.ok and (s.plugins is None or r.name in s.plugins)]
+        for rec in not_loaded:
+            yield PluginProblem(rec.name, rec.package, rec.status, rec.error, rec.traceback)
         for line in slow_imports([r for r in records if r.name in tuners]):
             yield Notice(line, "warning")
         paused = False
@@ -357,6 +364,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield Observed(observation["summary"])
 
         if "plans" not in observation:  # not planned yet (a plan is written whole or not at all)
+            observation["problems"] = [_load_problem(r) for r in not_loaded]
             async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation, observer):
                 yield ev
         else:
@@ -636,11 +644,17 @@ class _Planning:
     pool: list[dict[str, Any]] = field(default_factory=list)
     searches: list[PlannedTrial] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    """Tuners whose diagnose or plan failed (the report lists them, with the traceback)."""
 
     def keep(self, step: TunerStep, tuner: Tuner, s: AutoSettings) -> None:
         """What the schedule and the store need of one step of :func:`diagnose_and_plan`."""
         name = step.name
-        if isinstance(step, TunerDiagnosed):
+        if isinstance(step, TunerFailed):
+            self.problems.append(step.to_dict())
+            if step.diagnosis is not None:
+                self.diagnoses[name] = asdict(step.diagnosis)
+        elif isinstance(step, TunerDiagnosed):
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
             if s.in_job_search and type(tuner).search is not Tuner.search:
@@ -678,6 +692,8 @@ async def _diagnose_and_plan(
     async with child:
         async for step in diagnose_and_plan(tuners, hooks, limit):
             got.keep(step, tuners[step.name], run.s)
+            if isinstance(step, TunerFailed):
+                store.log_event(sid, "plugin_failed", step.to_dict())
             yield step.event()
     diagnoses, plans, pool, searches, gains = (
         got.diagnoses,
@@ -757,9 +773,21 @@ async def _diagnose_and_plan(
         for seq, pt in enumerate(planned, start=first)
     ]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
+    observation["problems"] = observation.get("problems", []) + got.problems
     store.add_trials(
         sid, rows, observation=observation, drop_pending=True
     )  # the schedule and its reasons, at once
+
+
+def _load_problem(rec: PluginRecord) -> dict[str, Any]:
+    """A plugin that did not load, as the report lists it beside tuners whose hooks failed."""
+    return {
+        "plugin": rec.name,
+        "what": f"{rec.status} ({rec.package})",
+        "error": rec.error,
+        "where": "",
+        "traceback": rec.traceback,
+    }
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import shlex
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tunekit.cli.common import (
@@ -37,7 +39,7 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
-from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.examples import DEFAULT_EXAMPLE, examples_help
 from tunekit.observe.truth import PART_LABELS
 from tunekit.runtime.rundir import RunDir
 from tunekit.workload_spec import resolve_spec
@@ -264,6 +266,10 @@ def auto_cmd(
         _apply_winner(run_dir, decision, as_json)
 
 
+# `tunekit auto --help` lists the examples (docs/workloads.md sends readers there)
+auto_cmd.help = f"{inspect.cleandoc(auto_cmd.help or '')}\n\n{examples_help()}"
+
+
 def resume_command() -> str:
     """This ``tunekit auto`` command line as given, with ``--resume``."""
     ctx = click.get_current_context()
@@ -363,7 +369,8 @@ class _ProgressView:
         elif isinstance(ev, Notice):
             self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
         elif isinstance(ev, PluginProblem):
-            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
+            where = "; traceback in the report's Problems" if ev.traceback else ""
+            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {escape(ev.error)}{where}")
         elif isinstance(ev, Observed):
             s = ev.summary
             self.say(

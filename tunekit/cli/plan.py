@@ -45,6 +45,12 @@ from tunekit.workload_spec import resolve_spec
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis and candidates as JSON.")
 @click.option(
+    "--always-plan",
+    is_flag=True,
+    help="Plan even when the diagnosis does not apply; such candidates are marked "
+    "'not applying' (`tunekit auto` never tries them).",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=DURATION,
@@ -53,7 +59,9 @@ from tunekit.workload_spec import resolve_spec
     "past it, a hang [default: 5m].",
 )
 @STORE_OPTION
-def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s):
+def plan_cmd(
+    plugin, workload, nproc, hardware, limit, out_dir, as_json, always_plan, store_dir, timeout_s
+):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. A baseline measured by an earlier `tunekit auto` with the
@@ -73,7 +81,9 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     store = Store.open_default(store_dir)
     try:
         static, study, obs, diag, candidates = asyncio.run(
-            _observe_and_plan(tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s)
+            _observe_and_plan(
+                tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s, always_plan
+            )
         )
         tried = []
         truth = obs.truth
@@ -84,6 +94,7 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     finally:
         store.close()
     rows = ranked_candidates(tuner, candidates, obs.global_batch)
+    status = "applying" if diag.applies else "not applying"
     apply_args = [
         _apply_args(r["config"], tuner.defaults(), out_dir / "plan" / f"{tuner.name}-{i}.json")
         for i, r in enumerate(rows, 1)
@@ -101,7 +112,12 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
                     "expected_gain": diag.expected_gain,
                     "baseline_step_s": truth.step_s if truth is not None else None,
                     "candidates": [
-                        {**r, "config": r["config"].to_dict(), "apply": f"tunekit apply RUN {a}"}
+                        {
+                            **r,
+                            "config": r["config"].to_dict(),
+                            "apply": f"tunekit apply RUN {a}",
+                            "status": status,
+                        }
                         for r, a in zip(rows, apply_args, strict=True)
                     ],
                 },
@@ -126,7 +142,8 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     if not rows:
         return
     table = Table(
-        title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)",
+        title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)"
+        + ("" if diag.applies else " — not applying: the diagnosis says the tuner does not help"),
         title_justify="left",
     )
     for col in ("#", "config", "predicted step", "samples/s", "why"):
@@ -215,10 +232,12 @@ async def _observe_and_plan(
     store: Store,
     store_dir: Path,
     timeout_s: float,
+    always_plan: bool = False,
 ):
-    """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
-    process of the workload's own; returns what was observed, the stored study, the diagnosis
-    and the candidates. A tuner that fails is one line (PluginError)."""
+    """The workload observed and the tuner's diagnose (and plan, where it applies or
+    ``always_plan``) run in one process of the workload's own; returns what was observed, the
+    stored study, the diagnosis and the candidates. A tuner that fails is one line
+    (PluginError) saying where in the plugin it raised; the traceback is in observe.log."""
     from tunekit.errors import PluginError
     from tunekit.observe.observation import Measurement
     from tunekit.observe.static import observe_in_child
@@ -248,9 +267,11 @@ async def _observe_and_plan(
         if base_row is not None:
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
         diag, candidates = None, []
-        async for step in diagnose_and_plan({tuner.name: tuner}, ChildHooks(child, obs), limit):
+        hooks = ChildHooks(child, obs)
+        async for step in diagnose_and_plan({tuner.name: tuner}, hooks, limit, always_plan):
             if isinstance(step, TunerFailed):
-                raise PluginError(f"{tuner.name}'s {step.hook} failed: {step.problem}")
+                where = f" (at {step.where}; traceback in {child.log_path})" if step.where else ""
+                raise PluginError(f"{tuner.name}'s {step.hook} failed: {step.problem}{where}")
             diag = step.diagnosis
             if isinstance(step, TunerPlanned):
                 candidates = step.candidates

@@ -31,7 +31,14 @@ def block_units(layers: Sequence[tuple[str, str]]) -> list[str] | None:
     """Per layer ``(name, type)``, in model order: the unit it belongs to -- its repeated
     block (``blocks.3``), or its own name outside any -- or None when the model has no
     transformer blocks (a repeated block of two or more layers with a LayerNorm or
-    RMSNorm among them). Consecutive layers of one unit stay together."""
+    RMSNorm among them). Consecutive layers of one unit stay together.
+
+    ``name`` is the module's path (``blocks.3.attn.qkv``: the block is read from it) and
+    ``type`` its class name (``Linear``, ``LayerNorm``: ``type(module).__name__``, as
+    ``GraphNode.module_type`` holds it), e.g. ``[(n, type(m).__name__) for n, m in
+    model.named_modules() if not list(m.children())]``. For a traced graph use
+    :func:`graph_units`, and :func:`~tunekit.observe.layer_modules.layer_modules` for the
+    module behind each layer name."""
     return path_units([(name, name, kind) for name, kind in layers])
 
 

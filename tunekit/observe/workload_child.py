@@ -209,13 +209,19 @@ HANDLERS = {
 }
 
 
-def describe_error(exc: BaseException) -> dict[str, Any]:
-    """An exception as plain data: its type decides how the parent classifies it."""
+def describe_error(exc: BaseException, owner: type | None = None) -> dict[str, Any]:
+    """An exception as plain data: its type decides how the parent classifies it; its
+    traceback and where it was raised (in ``owner``'s package, a plugin) go with it."""
+    from tunekit.failures import Failure
+
+    failure = Failure.of(exc, owner)
     return {
         "type": type(exc).__name__,
         "message": str(exc),
         "oom": is_oom(exc),
         "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None,
+        "where": failure.where,
+        "traceback": failure.traceback,
     }
 
 
@@ -226,7 +232,14 @@ def serve(requests, replies) -> None:
         try:
             reply = json.dumps({"ok": True, "result": HANDLERS[req["op"]](state, req)})
         except BaseException as exc:  # noqa: BLE001 - the workload's sys.exit() too: the parent classifies
-            reply = json.dumps({"ok": False, "error": describe_error(exc)})
+            tuner = state.tuners.get(req.get("plugin", ""))
+            error = describe_error(exc, type(tuner) if tuner is not None else None)
+            if tuner is not None:  # into this process's log, beside what the plugin printed
+                print(
+                    f"plugin {req['plugin']}'s {req['op']} raised:\n{error['traceback']}",
+                    file=sys.stderr,
+                )
+            reply = json.dumps({"ok": False, "error": error})
         replies.write(reply + "\n")
         replies.flush()
 

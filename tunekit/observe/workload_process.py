@@ -54,6 +54,9 @@ class ChildRaised(Exception):
         self.message = error.get("message", "")
         self.oom = bool(error.get("oom"))
         self.tunekit_error = error.get("tunekit_error")
+        self.where = error.get("where", "")
+        """Where it was raised (``file:line in function``), in the plugin when a plugin's hook raised."""
+        self.traceback = error.get("traceback", "")
         super().__init__(self.one_line())
 
     def one_line(self) -> str:

@@ -13,6 +13,7 @@ from tunekit.store import Store
 from tunekit.trials.decide import decide
 from tunekit.trials.feedback import relative_error
 from tunekit.trials.launcher import LaunchOptions
+from tunekit.trials.stats import ranks_global_batch
 
 
 def report_data(
@@ -32,11 +33,14 @@ def report_data(
 
     decision = study.decision or decide(trials, study.settings.get("min_effect", 0.01), describe)
     obs = study.observation or {}
+    planned = _planned_candidates(obs)
+    job_batch = (obs.get("summary") or {}).get("global_batch")
     rows = []
     for t in trials:
         m = (t.result or {}).get("measurement") or {}
         ranks = (t.result or {}).get("ranks") or []
         rs = [r["overlap_R"] for r in ranks if r.get("overlap_R") is not None]
+        candidate = planned.get(t.config_id, {})
         rows.append(
             {
                 "id": t.id,
@@ -53,6 +57,8 @@ def report_data(
                 "median_s": t.median_s,
                 "spread_s": t.spread_s,
                 "samples_per_s": t.samples_per_s,
+                "global_batch": _global_batch(ranks, t.role, candidate, job_batch),
+                "rationale": candidate.get("rationale", ""),
                 "step_s": m.get("step_s"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,
                 "error": t.error,
@@ -81,6 +87,7 @@ def report_data(
         },
         "observation": summary,
         "diagnoses": obs.get("diagnoses", {}),
+        "problems": obs.get("problems", []),
         "plans": obs.get("plans", {}),
         "trials": rows,
         "prediction_errors": prediction_errors(rows),
@@ -112,6 +119,39 @@ def report_data(
         ),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
+
+
+def _planned_candidates(obs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each planned candidate by config id: its rationale and the global batch it trains
+    (the pool lists a tuner's candidates in the order of its plan)."""
+    out: dict[str, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
+    plans = obs.get("plans", {})
+    for entry in obs.get("pool", []):
+        plugin = entry["plugin"]
+        i = seen[plugin] = seen.get(plugin, -1) + 1
+        cands = plans.get(plugin, [])
+        out.setdefault(
+            entry["config_id"],
+            {
+                "config_id": entry["config_id"],
+                "rationale": cands[i].get("rationale", "") if i < len(cands) else "",
+                "global_batch": entry.get("global_batch"),
+            },
+        )
+    return out
+
+
+def _global_batch(
+    ranks: list[dict[str, Any]], role: str, candidate: dict[str, Any], job_batch: int | None
+) -> int | None:
+    """Samples one step of a trial trains over all ranks: as its ranks reported it, else as
+    its candidate was planned (None there: the job's own)."""
+    if ranks:
+        return ranks_global_batch(ranks)
+    if candidate:
+        return candidate.get("global_batch") or job_batch
+    return job_batch if role == "baseline" else None
 
 
 def prediction_errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
