@@ -423,7 +423,9 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
         )
     loop = asyncio.get_running_loop()
 
-    def say(line: str) -> None:  # from whichever thread reads the store; yielded with the next events
+    def say(
+        line: str,
+    ) -> None:  # from whichever thread reads the store; yielded with the next events
         loop.call_soon_threadsafe(run.queue.put_nowait, Notice(line, "warning"))
 
     run.nodes, run.token_hint = host_coordinator(
@@ -437,15 +439,12 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
     nodes = run.nodes
     assert nodes is not None  # only a study across nodes waits for followers
     loop = asyncio.get_running_loop()
+
+    def joined(r: int, _: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(describe_hello(nodes, r)))
+
     waiting = asyncio.create_task(
-        asyncio.to_thread(
-            nodes.wait_for_followers,
-            run.s.join_timeout_s,
-            run.token_hint,
-            lambda r, _: loop.call_soon_threadsafe(
-                run.queue.put_nowait, Notice(describe_hello(nodes, r))
-            ),
-        )
+        asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint, joined)
     )
     while not waiting.done():  # each node said as it joins, or fails to authenticate
         with contextlib.suppress(TimeoutError):
