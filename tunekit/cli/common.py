@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 import rich.table
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 from tunekit.errors import TunekitError
 
@@ -28,8 +30,18 @@ def _width(stream) -> int | None:
     return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
 
 
-console = Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
-err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
+# markup=False: a string is printed as it is. Messages quote logs, errors and user input
+# ("[/__w/pytorch/…/pair.cc:545]", "[rank0]:"), which rich would read as markup, lose or die on
+# (MarkupError). Styling is explicit: :func:`styled`.
+console = Console(highlight=False, soft_wrap=True, markup=False, width=_width(sys.stdout))
+err_console = Console(
+    stderr=True, highlight=False, soft_wrap=True, markup=False, width=_width(sys.stderr)
+)
+
+
+def styled(template: str, *values: object) -> Text:
+    """``template``'s rich markup with each ``{}`` filled by a value taken literally."""
+    return Text.from_markup(template.format(*(escape(str(v)) for v in values)))
 
 
 class Table(rich.table.Table):

@@ -17,10 +17,9 @@ import sys
 from importlib.metadata import EntryPoint, entry_points
 
 import click
-from rich.markup import escape
 
 from tunekit import __version__
-from tunekit.cli.common import err_console
+from tunekit.cli.common import err_console, styled
 from tunekit.errors import TunekitError
 
 COMMANDS = {
@@ -127,10 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except TunekitError as exc:
-        # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
+        # literal: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
         err_console.print(
-            f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
-            highlight=False,
+            str(exc) if exc.exit_code in (130, 143) else styled("[bold red]error:[/] {}", exc)
         )
         return exc.exit_code
     except KeyboardInterrupt:
@@ -140,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise  # anything else is a bug in tunekit: keep its traceback
         where = f": {exc.filename}" if exc.filename else ""
-        err_console.print(
-            f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}",
-            highlight=False,
-        )
+        err_console.print(styled("[bold red]error:[/] {}{}", exc.strerror or exc, where))
         return 2
     return 0
 

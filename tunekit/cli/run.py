@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable
+from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable, styled
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError
@@ -146,9 +146,9 @@ def run_cmd(
     with supervising(rd):  # one supervisor and one job per run, or a one-line refusal
         if resume:
             ckpt = prepare_resume(rd)
-            console.print(f"resuming run [bold]{rd.run_id}[/] from {ckpt.name}")
+            console.print(styled("resuming run [bold]{}[/] from {}", rd.run_id, ckpt.name))
         else:
-            console.print(f"run [bold]{rd.run_id}[/] in {rd.path}")
+            console.print(styled("run [bold]{}[/] in {}", rd.run_id, rd.path))
         with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
             code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()
@@ -182,10 +182,10 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
 def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
     total = rd.read_run().get("steps")
     progress = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
+        TextColumn("{task.fields[info]}", markup=False),
         TimeElapsedColumn(),
         console=console,
     )
@@ -204,16 +204,13 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
         events = rd.read_events()
         for ev in events[seen_events[0] :]:
             if ev["kind"] not in ("started",):
-                # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
-                # read as a closing tag and end the supervisor with a MarkupError.
                 progress.console.print(
                     f"  {ev['kind']}: "
                     + ", ".join(
                         f"{k}={v}"
                         for k, v in ev.items()
                         if k in ("step", "nproc", "reason", "error")
-                    ),
-                    markup=False,
+                    )
                 )
         seen_events[0] = len(events)
 
