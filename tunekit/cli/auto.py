@@ -19,6 +19,7 @@ from tunekit.cli.common import (
     console,
     ensure_writable,
     split_names,
+    stops_on_sigterm,
     styled,
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
@@ -167,6 +168,7 @@ from tunekit.workload_spec import resolve_spec
     show_default=True,
     help="Steps an in-job search may use.",
 )
+@stops_on_sigterm
 def auto_cmd(
     workload,
     nproc,
@@ -259,8 +261,8 @@ def auto_cmd(
     try:
         decision = asyncio.run(_drive(settings, as_json))
     except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
-        raise Interrupted(
-            f"interrupted; the study is saved: continue it with `{resume_command()}`"
+        raise Interrupted.saying(
+            f"the study is saved: continue it with `{resume_command()}`"
         ) from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)

@@ -19,7 +19,7 @@ from importlib.metadata import EntryPoint, entry_points
 import click
 
 from tunekit import __version__
-from tunekit.cli.common import err_console, styled
+from tunekit.cli.common import err_console, interruption, styled
 from tunekit.errors import TunekitError
 
 COMMANDS = {
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return exc.exit_code
     except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return 130
+        said, code = interruption()
+        err_console.print(said)
+        return code
     except OSError as exc:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise  # anything else is a bug in tunekit: keep its traceback

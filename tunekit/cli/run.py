@@ -10,10 +10,18 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable, styled
+from tunekit.cli.common import (
+    STORE_OPTION,
+    Interrupted,
+    console,
+    ensure_writable,
+    stops_on_sigterm,
+    styled,
+)
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError
+from tunekit.locks import holder_if_held
 from tunekit.runtime.client import apply_to_run
 from tunekit.runtime.control import JobNotRunning
 from tunekit.runtime.rundir import RunDir
@@ -89,6 +97,7 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 @TOKEN_FILE_OPTION
 @JOIN_TIMEOUT_OPTION
 @STORE_OPTION
+@stops_on_sigterm
 def run_cmd(
     workload,
     nproc,
@@ -168,7 +177,9 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
         return
     from tunekit.trials.nodes import describe_hello, host_coordinator, read_token
 
-    nodes, hint = host_coordinator(place.endpoint, place.nnodes, read_token(token_file), store_dir)
+    nodes, hint = host_coordinator(
+        place.endpoint, place.nnodes, read_token(token_file), store_dir, console.print
+    )
     try:
         console.print(nodes.how_to_follow(hint))
         nodes.wait_for_followers(
@@ -177,6 +188,8 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
         yield nodes
     finally:
         nodes.close()
+        if refused := nodes.refusals.summary():
+            console.print(refused)
 
 
 def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
@@ -218,10 +231,22 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
         with progress:
             return supervise(rd, on_tick=tick, nodes=nodes)
     except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted; the run checkpointed and stopped: continue it with "
-            f"`tunekit run --resume {rd.run_id}`"
+        raise Interrupted.saying(
+            f"the run checkpointed and stopped: continue it with `tunekit run --resume {rd.run_id}`"
         ) from None
+
+
+ENDED = ("stopped", "finished", "crashed")
+
+
+def died_without_a_word(rd: RunDir, status: dict) -> bool:
+    """Whether the job's status says it lives (running, paused, starting, relaunching) while
+    nothing of it does: neither its supervisor nor its rank 0 holds its lock (the kernel drops a
+    lock with its holder, so a job killed with ``kill -9``, or one whose status could not be
+    written on a full disk, leaves none)."""
+    if status.get("status") in ENDED:
+        return False
+    return holder_if_held(rd.supervisor_lock) is None and holder_if_held(rd.rank0_lock) is None
 
 
 def _find(run: str, store_dir: Path) -> RunDir:
@@ -266,6 +291,18 @@ def status_cmd(run, as_json, store_dir):
         st = client(rd, timeout_s=10).request("status")
     except JobNotRunning:
         st = rd.read_status()  # not running: the last status it wrote
+        if died_without_a_word(rd, st):
+            said = (
+                f"run {rd.run_id}: not running (last seen at step {st.get('step', 0)}, died without "
+                f"a word); `tunekit run --resume {rd.run_id}` continues it from its newest checkpoint"
+            )
+            if as_json:
+                click.echo(
+                    json.dumps({**st, "status": "died", "said": said}, indent=2, default=str)
+                )
+            else:
+                console.print(said)
+            raise SystemExit(1) from None
     if as_json:
         click.echo(json.dumps(st, indent=2, default=str))
         return
