@@ -50,7 +50,7 @@ from tunekit.locks import FileLock, LockHeld, describe_holder
 from tunekit.plugin_loading import load_named, select
 from tunekit.runtime.control import RESUME, ControlServer, Request
 from tunekit.runtime.dist import broadcast_bytes, init_from_env
-from tunekit.runtime.rundir import CheckpointError, RunDir
+from tunekit.runtime.rundir import CheckpointError, LossyStream, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
 from tunekit.workload import load_workload
@@ -936,34 +936,6 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # whatever a rank writes (checkpoints, traces, plugins' files) is private
     sys.stdout, sys.stderr = LossyStream(1), LossyStream(2)
     return LiveJob(RunDir(argv[0])).run()
-
-
-class LossyStream(io.TextIOBase):
-    """A rank's stdout or stderr, written straight to its descriptor, unbuffered.
-
-    A rank's output goes to the agent's log, a file in the run folder: on a full disk
-    ``print`` would raise in the middle of a step, and a buffer left unflushed at exit would
-    end the rank with status 120. Here a line that cannot be written is lost, not the rank.
-    """
-
-    encoding = "utf-8"
-
-    def __init__(self, fd: int):
-        self._fd = fd
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def isatty(self) -> bool:
-        return os.isatty(self._fd)
-
-    def write(self, text: str) -> int:
-        with contextlib.suppress(OSError):
-            os.write(self._fd, text.encode(errors="replace"))
-        return len(text)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -346,3 +347,31 @@ class RunDir:
 
         # Tensors, numbers and strings only: nothing is unpickled beyond that.
         return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class LossyStream(io.TextIOBase):
+    """A rank's stdout or stderr, written straight to its descriptor, unbuffered.
+
+    A rank's output goes to the agent's log, a file in the run folder: on a full disk
+    ``print`` would raise in the middle of a step, and a buffer left unflushed at exit would
+    end the rank with status 120. Here a line that cannot be written is lost, not the rank.
+    """
+
+    encoding = "utf-8"
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            os.write(self._fd, text.encode(errors="replace"))
+        return len(text)
