@@ -226,3 +226,54 @@ def test_status_says_a_job_killed_whole_died_without_a_word(tmp_path):
     assert int(said.split("last seen at step ")[1].split(",")[0]) >= seen
     as_json = run_cli("status", "gone", "--json", cwd=tmp_path)
     assert as_json.returncode == 1 and '"status": "died"' in as_json.stdout
+
+
+def _can_mount_a_tmpfs() -> bool:
+    """Whether a private mount namespace with a tmpfs can be made here (no privilege needed
+    where user namespaces are allowed)."""
+    try:
+        return (
+            subprocess.run(
+                ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+                + ['d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d"'],
+                capture_output=True,
+                timeout=30,
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(
+    not _can_mount_a_tmpfs(),
+    reason="no user and mount namespaces for a tmpfs here; tests/unit/test_full_disk.py "
+    "injects ENOSPC at the writers instead",
+)
+def test_a_full_disk_degrades_status_and_metrics_and_the_job_trains_on(tmp_path):
+    """Issue 34, item 5: the run folder on a 20 MiB tmpfs that fills up while the job trains
+    (tests/full_disk_job.py says what must hold)."""
+    import psutil
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        res = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", sys.executable]
+            + [str(tests / "full_disk_job.py"), str(tmp_path / "disk"), f"{WORKLOADS}:tiny"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):  # the job, were the driver to fail
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+    log = (tmp_path / "supervisor.log").read_text()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + log[-3000:]
+    assert "Traceback" not in log and "full stopped at step" in log, log
