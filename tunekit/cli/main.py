@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
@@ -115,7 +116,26 @@ def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
 
 
+SHARED_OUTPUT = {"new-plugin"}
+"""Commands whose files are for others: a plugin scaffold is source code to share. Every other
+command creates what it writes private (see :func:`main`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    # Studies, trial folders, followers' node files, reports and logs hold configs, results and
+    # the workload's output: nobody else's business. Umask 077 makes every file and folder this
+    # process and the ones it starts (torchrun, ranks, the workload's child) create private
+    # (0600/0700), whoever created the folder above them.
+    user_umask = os.umask(0o077) if not args or args[0] not in SHARED_OUTPUT else None
+    try:
+        return _main(argv)
+    finally:
+        if user_umask is not None:
+            os.umask(user_umask)
+
+
+def _main(argv: list[str] | None) -> int:
     # Commands that profile start torch.profiler themselves, once their input is known to be good.
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
