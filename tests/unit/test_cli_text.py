@@ -70,9 +70,7 @@ def test_markup_is_written_only_through_styled(path):
     allowed = {
         id(node.args[0])
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and getattr(node.func, "id", None) == "styled"
-        and node.args
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "styled" and node.args
     }
     allowed |= {  # the pieces of a template built from parts: styled("  {}: " + mark + ...)
         id(part)

@@ -310,6 +310,8 @@ def status_cmd(run, as_json, store_dir):
     console.print(
         f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)"
     )
+    if st.get("error"):
+        console.print(f"  error: {st['error']}")
     if last:
         console.print(f"  last step {last['step_s'] * 1e3:.1f} ms, loss {last['loss']:.4f}")
     rate = throughput(read_metrics_tail(rd.metrics_file), st.get("config_id"))
