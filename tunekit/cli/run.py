@@ -20,7 +20,7 @@ from tunekit.cli.common import (
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
-from tunekit.errors import ConfigError
+from tunekit.errors import ConfigError, shown
 from tunekit.locks import holder_if_held
 from tunekit.runtime.client import apply_to_run
 from tunekit.runtime.control import JobNotRunning
@@ -51,10 +51,10 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
     if len(args) == 1:
         text = args[0]
         if "(" in text and text.rstrip().endswith(")"):  # `tunekit plan`'s description, pasted
-            raise ConfigError(f"{text!r} is a description, not a config. " + CONFIG_FORMS)
+            raise ConfigError(f"{shown(text)} is a description, not a config. " + CONFIG_FORMS)
         return TuningConfig.load(text)
     bad = next(a for a in args if not ("=" in a and "." in a.partition("=")[0]))
-    raise ConfigError(f"{bad!r} is not PLUGIN.knob=value. " + CONFIG_FORMS)
+    raise ConfigError(f"{shown(bad)} is not PLUGIN.knob=value. " + CONFIG_FORMS)
 
 
 @click.command("run")
