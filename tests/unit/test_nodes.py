@@ -276,3 +276,21 @@ def test_the_slowest_node_is_named_from_its_ranks_compute():
     assert describe_slowest(node_summary({0: hellos[0]}, 2, compute, {})) == ""
     alike = node_summary(hellos, 2, {0: 0.100, 1: 0.100, 2: 0.103, 3: 0.103}, {})
     assert "computed alike" in describe_slowest(alike)
+
+
+def test_the_docs_give_every_follower_its_token_and_name_every_slurm_variable_read():
+    """Issue 34, item 9: the live job's follower line had no token (it failed as written), and
+    the SLURM section did not name SLURM_STEP_ID, without which each task studies alone."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from tunekit.trials import nodes
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "multinode.md").read_text()
+    follows = [ln for ln in doc.splitlines() if ln.strip().startswith("tunekit follow ")]
+    assert len(follows) >= 2 and all("--token-file" in ln for ln in follows), follows
+    slurm = doc.split("\n## SLURM")[1].split("\n## ")[0]
+    read = set(re.findall(r"SLURM_[A-Z_]+", inspect.getsource(nodes.node_place)))
+    assert "SLURM_STEP_ID" in read and read <= set(re.findall(r"SLURM_[A-Z_]+", slurm))
+    assert "TUNEKIT_NODE_TOKEN" in slurm
