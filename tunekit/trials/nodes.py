@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import hashlib
 import json
 import os
@@ -252,8 +253,8 @@ class Channel:
 
     def bound(self, run: str) -> Channel:
         """The same store, token and refusals, for values of run ``run``."""
-        channel = Channel(self.store, "", run, self.refusals)
-        channel.cipher = self.cipher
+        channel = copy.copy(self)
+        channel.run, channel._seq, channel._seen = run, 0, {}
         return channel
 
     def _aad(self, key: str, seq: int) -> bytes:
