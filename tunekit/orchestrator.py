@@ -395,6 +395,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         decision["global_batch"] = obs.global_batch
         for notice in _qualify(decision, trials, s, store.study(sid).observation or {}):
             yield notice
+        if run.nodes is not None and (refused := run.nodes.refusals.summary()):
+            store.log_event(sid, "node_values_refused", {"count": run.nodes.refusals.count})
+            yield Notice(refused, "warning")
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
@@ -426,8 +429,15 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
         raise ConfigError(
             "several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator"
         )
+    loop = asyncio.get_running_loop()
+
+    def say(
+        line: str,
+    ) -> None:  # from whichever thread reads the store; yielded with the next events
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(line, "warning"))
+
     run.nodes, run.token_hint = host_coordinator(
-        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir
+        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir, say
     )
     return [Notice(run.nodes.how_to_follow(run.token_hint))]
 
@@ -436,15 +446,21 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
     assert nodes is not None  # only a study across nodes waits for followers
-    joined: list[int] = []
-    await asyncio.to_thread(
-        nodes.wait_for_followers,
-        run.s.join_timeout_s,
-        run.token_hint,
-        lambda r, hello: joined.append(r),
+    loop = asyncio.get_running_loop()
+
+    def joined(r: int, _: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(describe_hello(nodes, r)))
+
+    waiting = asyncio.create_task(
+        asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint, joined)
     )
-    for r in joined:
-        yield Notice(describe_hello(nodes, r))
+    while not waiting.done():  # each node said as it joins, or fails to authenticate
+        with contextlib.suppress(TimeoutError):
+            yield await asyncio.wait_for(run.queue.get(), timeout=0.2)
+    await asyncio.sleep(0)  # the last call_soon_threadsafe
+    while not run.queue.empty():
+        yield run.queue.get_nowait()
+    waiting.result()
     store.log_event(
         sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())}
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, trials_table
+from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, styled, trials_table
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
@@ -127,17 +127,28 @@ def plan_cmd(
         )
         return
     console.print(
-        f"[bold]{tuner.name}[/] — {tuner.title} · {static.spec} on {nproc} × {static.hardware.name}"
+        styled(
+            "[bold]{}[/] — {} · {} on {} × {}",
+            tuner.name,
+            tuner.title,
+            static.spec,
+            nproc,
+            static.hardware.name,
+        )
     )
     if truth is None:
         console.print(
-            "[dim]no measured baseline in the store for these settings (run `tunekit auto` first); "
-            "predictions use the model alone[/]"
+            "no measured baseline in the store for these settings (run `tunekit auto` first); "
+            "predictions use the model alone",
+            style="dim",
         )
     else:
         console.print(f"measured baseline (study {study.id}): {truth.describe()}")
     console.print(
-        ("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary
+        styled(
+            "[green]applies[/]: {}" if diag.applies else "[yellow]does not apply[/]: {}",
+            diag.summary,
+        )
     )
     if not rows:
         return
