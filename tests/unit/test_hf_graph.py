@@ -92,7 +92,7 @@ def captured(request) -> tuple[str, HFModel, ModelGraph, int]:
     model = HFModel(cls(config)).eval()  # capture must switch to training mode itself
     inputs = _inputs(request.param)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = trace_model(model, (inputs,))
+    graph = trace_model(model, inputs)
     assert not model.training, "the model's own mode is restored"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     return request.param, model, graph, _reference_flops(cls, config, before, inputs)
@@ -176,7 +176,7 @@ def test_layers_of_an_export_graph_are_timed_one_by_one(captured):
         pytest.skip("one model is enough for the layer runner")
     from tunekit.observe.layer_profile import profile_layers
 
-    profile = profile_layers(model, (_inputs(name),), graph, warmup=0, repeats=1)
+    profile = profile_layers(model, _inputs(name), graph, warmup=0, repeats=1)
     computing = {n for n, lay in graph.layers.items() if lay.kind not in ("input", "output")}
     assert set(profile.layers) == computing
     scores = next(n.layer for n in _attention_matmuls(graph))
