@@ -86,6 +86,7 @@ from tunekit.trials.nodes import (
     node_summary,
 )
 from tunekit.trials.output import OutputRecord
+from tunekit.workload import prepare_arguments
 
 
 @dataclass
@@ -610,6 +611,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         if obs.layer_profile is not None
         else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
+        "training": prepare_arguments(obs.workload),  # best_config.md's prepare(...) call
     }
 
 

@@ -199,6 +199,23 @@ class Workload:
         return torch.utils.data.default_collate([ds[i] for i in idx])
 
 
+def prepare_arguments(workload: Workload) -> dict[str, Any]:
+    """What ``tunekit.prepare`` needs, besides the model, optimizer and loss, to train as
+    ``workload`` trains: its per-rank batch, learning rate and scaling rule, and its training
+    features; the scheduler by its factory's name (None without one). Plain JSON: a study
+    keeps it, and ``best_config.md``'s snippet is written from it."""
+    factory = workload.scheduler
+    return {
+        "batch_size": workload.batch_size,
+        "lr": workload.lr,
+        "lr_scaling": workload.lr_scaling,
+        "precision": workload.precision,
+        "accumulation": workload.accumulation,
+        "clip_grad_norm": workload.clip_grad_norm,
+        "scheduler": getattr(factory, "__name__", "scheduler") if factory is not None else None,
+    }
+
+
 # -- loading ------------------------------------------------------------------------
 
 
