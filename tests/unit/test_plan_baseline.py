@@ -21,7 +21,9 @@ def observed(tmp_path_factory):
     store.close()
 
 
-def _study(store, static, nproc=2, steps=6, warmup=1, medians=(0.9, 0.84)) -> int:
+def _study(store, static, nproc=2, steps=6, warmup=1, medians=(0.9, 0.84), traces=None) -> int:
+    """A study with a baseline trial per median; ``traces``: the folder of the first one's
+    trial, profiled (its traces/ exists), as a study profiles its first baseline."""
     settings = AutoSettings(static.spec, nproc=nproc, steps=steps, warmup=warmup).study_settings()
     sid = store.create_study(
         key=study_key(static.graph_hash, static.hardware.fingerprint(), settings),
@@ -37,11 +39,15 @@ def _study(store, static, nproc=2, steps=6, warmup=1, medians=(0.9, 0.84)) -> in
         )
         measurement = {"step_s": [median] * 4, "median_s": median, "spread_s": 0.0,
                        "samples_per_s": 16 / median}  # fmt: skip
-        store.finish_trial(tid, status="ok", median_s=median, result={"measurement": measurement})
+        result = {"measurement": measurement}
+        if traces is not None and seq == 0:
+            (traces / "traces").mkdir(parents=True)
+            result["trial_dir"] = str(traces)
+        store.finish_trial(tid, status="ok", median_s=median, result=result)
     return sid
 
 
-def test_plan_uses_the_latest_baseline_of_a_study_run_with_other_steps(observed):
+def test_plan_uses_the_newest_studys_baseline_whatever_its_steps(observed):
     store, static = observed
     sid = _study(store, static, steps=6, warmup=1)  # not AutoSettings' defaults (16 and 3)
     _study(store, static, nproc=4, medians=(0.5,))  # newer, but another job: 4 ranks
@@ -52,6 +58,13 @@ def test_plan_uses_the_latest_baseline_of_a_study_run_with_other_steps(observed)
         f"study {sid}, baseline trial #1, measured with --steps 6 --warmup 1"
     )
     assert _stored_baseline(store, static, 3, None) == (None, None)  # no study with 3 ranks
+
+
+def test_plan_prefers_the_profiled_baseline_which_brings_its_breakdown(observed, tmp_path):
+    store, static = observed
+    sid = _study(store, static, steps=8, warmup=2, medians=(0.7, 0.6), traces=tmp_path / "t0")
+    study, row = _stored_baseline(store, static, 2, None)
+    assert study.id == sid and row.seq == 0 and row.result["trial_dir"] == str(tmp_path / "t0")
 
 
 def _rendered(calibrated: bool) -> str:

@@ -256,8 +256,9 @@ study measured, not what: a baseline of another ``--steps`` is still this job's 
 
 def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
     """The newest study of this model on this hardware with as many ranks, whatever its
-    ``--steps``/``--warmup``, and its latest successful baseline trial (baselines are measured
-    again between candidates; the latest is the freshest). (None, None) when there is none."""
+    ``--steps``/``--warmup``, and its latest successful baseline trial that was profiled
+    (its step breakdown comes with it; a study profiles its first), else its latest.
+    (None, None) when there is none."""
     from tunekit.orchestrator import AutoSettings
 
     want = AutoSettings(workload=static.spec, nproc=nproc, hardware=hardware).study_settings()
@@ -272,9 +273,15 @@ def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
             for t in store.trials(study.id)
             if t.role == "baseline" and t.status == "ok" and (t.result or {}).get("measurement")
         ]
+        profiled = [t for t in baselines if _profiled(t)]
         if baselines:
-            return study, baselines[-1]
+            return study, (profiled or baselines)[-1]
     return None, None
+
+
+def _profiled(trial) -> bool:
+    where = (trial.result or {}).get("trial_dir")
+    return bool(where) and (Path(where) / "traces").is_dir()
 
 
 def baseline_source(study, row) -> str:
