@@ -281,7 +281,7 @@ def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
 
 def _profiled(trial) -> bool:
     where = (trial.result or {}).get("trial_dir")
-    return bool(where) and (Path(where) / "traces").is_dir()
+    return isinstance(where, str) and bool(where) and (Path(where) / "traces").is_dir()
 
 
 def baseline_source(study, row) -> str:
