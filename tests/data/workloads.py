@@ -48,7 +48,7 @@ class _Raises(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls > 3:  # observation runs three: trace, a first step, summary
+        if self.calls > 3:  # tunekit's observation runs three: trace, first step, summary
             raise RuntimeError("workload exploded on purpose")
         return self.fc(x)
 
@@ -56,7 +56,7 @@ class _Raises(nn.Module):
 class _Hangs(_Raises):
     def forward(self, x):
         self.calls += 1
-        if self.calls > 3:  # observation runs three: trace, a first step, summary
+        if self.calls > 2:
             while True:
                 time.sleep(1)
         return self.fc(x)
@@ -70,7 +70,7 @@ def raises() -> Workload:
 
 
 def hangs() -> Workload:
-    """Builds fine, then never returns from its fourth forward pass."""
+    """Builds fine, then never returns from its third forward pass."""
     w = tiny()
     w.model = _Hangs
     return w
@@ -128,13 +128,13 @@ def _segfault() -> None:
 class _Segfaults(_Raises):
     def forward(self, x):
         self.calls += 1
-        if self.calls > 3:  # observation runs three: trace, a first step, summary
+        if self.calls > 2:
             _segfault()
         return self.fc(x)
 
 
 def segfaults() -> Workload:
-    """Builds fine, then dies of SIGSEGV in its fourth forward pass (inside training)."""
+    """Builds fine, then dies of SIGSEGV in its third forward pass (inside training)."""
     w = tiny()
     w.model = _Segfaults
     return w
