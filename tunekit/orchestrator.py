@@ -93,6 +93,7 @@ from tunekit.trials.nodes import (
     node_summary,
 )
 from tunekit.trials.output import OutputRecord
+from tunekit.workload import prepare_arguments
 
 
 @dataclass
@@ -634,6 +635,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         if obs.layer_profile is not None
         else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
+        "training": prepare_arguments(obs.workload),  # best_config.md's prepare(...) call
     }
 
 

@@ -8,7 +8,8 @@ stdout it was started with; everything the workload prints (to ``sys.stdout``
 or straight to file descriptor 1 or 2) goes to its stderr, which the parent
 keeps in a capped log. Requests, in the order the parent sends them:
 
-* ``observe``: load the workload, build the model, summarise and trace it;
+* ``observe``: load the workload, build the model, trace it, try one training step's
+  forward, loss and backward on the example batch, summarise it;
 * ``profile_layers``: time every layer of that model;
 * ``idle``: drop that model (the process then waits out the baseline trial);
 * ``observation``: set up what tuners read (the parts of an ``Observation``);
@@ -89,15 +90,18 @@ class _State:
 
 
 def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    from tunekit.observe.first_step import try_first_step
     from tunekit.observe.graph import trace_model
     from tunekit.observe.observation import summarize_model
     from tunekit.observe.workload_process import workload_facts
 
     wl = state.load(req["workload"])
     state.model = wl.model()
-    state.example = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))[0]
+    batch = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))
+    state.example = batch[0]
     # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
     state.graph = trace_model(state.model, state.example)
+    try_first_step(wl, state.model, batch)  # a loss that cannot train fails here, not in a trial
     summary = summarize_model(state.model, state.example)
     return {
         "workload": workload_facts(wl),

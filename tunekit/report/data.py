@@ -116,6 +116,7 @@ def report_data(
             launch,
             (summary.get("batch_size") or 0) or None,
             config_path=config_path,
+            training=summary.get("training"),
         ),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
     }
@@ -205,9 +206,12 @@ def snippet(
     launch: LaunchOptions,
     batch_size: int | None = None,
     config_path: str = "best_config.json",
+    training: Mapping[str, Any] | None = None,
 ) -> str:
     """Ready-to-use instructions for the winning config, as Markdown; the commands name
-    the config file by ``config_path`` (a path that works from where tunekit ran)."""
+    the config file by ``config_path`` (a path that works from where tunekit ran).
+    ``training``: the workload's :func:`~tunekit.workload.prepare_arguments`, from which the
+    ``tunekit.prepare(...)`` call is written so that it trains the job that was tuned."""
     nodes = (
         ["--standalone"]
         if launch.nnodes == 1
@@ -252,17 +256,15 @@ def snippet(
     if best.is_baseline:
         lines += ["Nothing to change: the baseline (PyTorch's defaults) was fastest.", ""]
     else:
-        batch = batch_size if batch_size else "YOUR_PER_RANK_BATCH"
         lines += [
             "`tunekit.prepare` applies the config to your model, optimizer and loss, and gives you "
-            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md):",
+            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md, "
+            '"Your own training loop"):',
             "",
             "```python",
             "import tunekit",
             "",
-            "model, optimizer, step = tunekit.prepare(",
-            f'    model, optimizer, loss_fn, config="{config_path}", batch_size={batch}',
-            ")",
+            *prepare_call(config_path, batch_size, training),
             "for inputs, targets in loader:  # a loader of step.batch_size samples per rank",
             "    loss = step(inputs, targets)",
             "```",
@@ -272,3 +274,48 @@ def snippet(
             lines += ["Or, in plain PyTorch without tunekit:", "", "```python", *code, "```", ""]
     lines += ["Launch it as before:", "", "```sh", torchrun, "```", ""]
     return "\n".join(lines)
+
+
+def prepare_call(
+    config_path: str, batch_size: int | None, training: Mapping[str, Any] | None
+) -> list[str]:
+    """``tunekit.prepare(...)`` with every argument that makes it train as the tuned workload:
+    its batch, learning-rate rule, precision, accumulation, scheduler and clipping. Each is
+    written out, the defaults too, so the call does not lean on ``prepare``'s defaults (which
+    are not the workload's: ``lr_scaling`` is linear there, sqrt for a Hugging Face workload)."""
+    batch = batch_size or (training or {}).get("batch_size") or "YOUR_PER_RANK_BATCH"
+    if not training:  # a study stored before the workload's training facts were kept
+        return [
+            "model, optimizer, step = tunekit.prepare(",
+            f'    model, optimizer, loss_fn, config="{config_path}", batch_size={batch}',
+            ")",
+        ]
+    lines = []
+    if training.get("lr") is not None:
+        lines.append(
+            f"# optimizer: built with lr={training['lr']!r}, the workload's at batch {batch} "
+            "(prepare rescales it by lr_scaling when the config changes the batch)"
+        )
+    scheduler = training.get("scheduler")
+    if scheduler is None:
+        sched = "None,"
+    elif scheduler.isidentifier():
+        sched = f"{scheduler}(optimizer),  # the workload's scheduler, on this optimizer"
+    else:
+        sched = "scheduler,  # what the workload's scheduler factory builds on this optimizer"
+    clip = training.get("clip_grad_norm")
+    lines += [
+        "model, optimizer, step = tunekit.prepare(",
+        "    model,",
+        "    optimizer,",
+        "    loss_fn,",
+        f'    config="{config_path}",',
+        f"    batch_size={batch},",
+        f'    lr_scaling="{training.get("lr_scaling", "linear")}",',
+        f'    precision="{training.get("precision", "fp32")}",',
+        f"    accumulation={int(training.get('accumulation') or 1)},",
+        f"    clip_grad_norm={clip!r},",
+        f"    scheduler={sched}",
+        ")",
+    ]
+    return lines
