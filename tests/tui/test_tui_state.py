@@ -149,7 +149,7 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
             ),
             cfg,
         )
-    assert best_target(study).label.startswith("best so far: fastest candidate c2")
+    assert best_target(study).label.startswith("best so far of study 1: fastest candidate c2")
     study = fold_study(
         study,
         Decided(
@@ -165,7 +165,8 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
     assert target.config == fixed.BUCKETS and not target.significant
     assert (
         target.label
-        == "the decision kept the baseline; fastest candidate c2, 1.01x the baseline's samples/s"
+        == "the decision of study 1 kept the baseline; fastest candidate c2, 1.01x the baseline's"
+        " samples/s"
     )
     assert trial_target(study.trials[2]).label == "trial 2: c3"
 
