@@ -471,6 +471,8 @@ class FixedBackend(Backend):
         self.pause_after: int | None = None
         """When set, the tuning stops after this many events until :attr:`resume` is set."""
         self.resume = threading.Event()
+        self.hold_diagnosis: str | None = None
+        """When set, the diagnosis waits at this tuner until :attr:`resume` is set."""
         self.decision_reason: str | None = None
         """The decision's reason, when a test needs another one."""
 
@@ -511,6 +513,8 @@ class FixedBackend(Backend):
         against = BaselineView(64, 0.231, "the live job's last 57 untuned steps")
         for name in names:
             on_progress(name, "diagnosing")
+            while name == self.hold_diagnosis and not self.resume.is_set():
+                time.sleep(0.01)  # this tuner "diagnosing" until the test resumes it
             r = d.get(name) or DiagnosisResult(name, False, "does not apply to this job")
             if r.applies:
                 on_progress(name, "planning its candidates")
@@ -653,3 +657,16 @@ def plain(value: Any) -> str:
 @pytest.fixture
 def text_of() -> Callable[[Any], str]:
     return plain
+
+
+def drawn(app) -> list[str]:
+    """The screen as the terminal would show it, line by line."""
+    return [
+        "".join(segment.text for segment in strip).rstrip()
+        for strip in app.screen._compositor.render_strips()
+    ]
+
+
+@pytest.fixture
+def screen_lines() -> Callable[[Any], list[str]]:
+    return drawn

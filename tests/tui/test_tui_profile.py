@@ -119,3 +119,38 @@ async def test_the_sorted_column_carries_an_arrow(app_factory, wait_for_app):
         await pilot.pause(0.1)
         assert headers()[0] == "layer ▲"
         assert str(table.get_row_at(0)[0]) == "classifier.0"
+
+
+async def test_the_live_hot_spots_follow_new_samples_once_the_series_is_full(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    """Issue 35: the py-spy panel froze after 120 samples: it redrew only when the count
+    changed, and the sampler's series stops growing at 120."""
+    backend = backend_factory()
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("2")
+        await wait_for_app(pilot, lambda: app.live_hotspots)
+        await pilot.pause(0.05)
+        assert "33% step (sgd.py:10)" in text_of(app.screen.query_one("#hotspots"))
+        # The same number of samples, the oldest dropped, newer ones in: rank 0 now only steps.
+        newer = []
+        for s in fixed.pyspy_series():
+            threads = s["data"]["ranks"]["0"]["threads"]
+            frames = [{"name": "step", "file": "/site/torch/optim/sgd.py", "line": 10}]
+            newer.append(
+                {
+                    "t": s["t"] + 1000,
+                    "data": {
+                        "ranks": {
+                            **s["data"]["ranks"],
+                            "0": {"pid": 4242, "threads": [{**threads[0], "frames": frames}]},
+                        }
+                    },
+                }
+            )
+        assert len(newer) == len(backend.pyspy)
+        backend.pyspy = newer
+        await wait_for_app(
+            pilot, lambda: "100% step (sgd.py:10)" in text_of(app.screen.query_one("#hotspots"))
+        )

@@ -131,3 +131,37 @@ async def test_a_tuning_that_fails_to_start_is_a_notification(
         assert "cannot run on a batch of 32" in app.study_view.message
         assert any("cannot run on a batch of 32" in n.message for n in app.notes)
         assert app.is_running
+
+
+async def test_the_time_left_once_trials_have_run(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    """Issue 35: no estimate of how long a tuning would take."""
+    backend = backend_factory()
+    enabled = ["batch_ps_sizing", "cgdp", "overlap_chunking"]
+    events = fixed.tuning_events(enabled)
+    names = [type(ev).__name__ for ev, _ in events]
+    second = [i for i, n in enumerate(names) if n == "TrialStarted"][1]
+    backend.pause_after = second + 2  # trial 2 of 4 in flight, one progress event in
+    app = app_factory(backend)
+    clock = iter(range(0, 10_000, 30))  # each event arrives 30 s after the one before
+    app.clock = lambda: float(next(clock))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for_app(pilot, lambda: app.tuner_views)
+        await pilot.press("t")
+        await wait_for_app(pilot, lambda: app.study_view.index == 2 and app.study_view.step == 4)
+        app.clock = lambda: app.study_view.trial(2).started_at + 10.0  # 10 s into trial 2
+        await pilot.press("4")
+        await pilot.pause(0.1)
+        baseline = app.study_view.trial(1)
+        per_trial = baseline.finished_at - baseline.started_at
+        # two trials to come after this one, and what is left of this one
+        left = 2 * per_trial + (per_trial - 10)
+        assert app.study_view.time_left_s(app.clock()) == pytest.approx(left)
+        from tunekit.tui.formatting import duration
+
+        assert f"about {duration(left)} left" in text_of(app.screen.query_one("#study-line"))
+        await pilot.press("3")
+        await pilot.pause(0.1)
+        assert f"about {duration(left)} left" in text_of(app.screen.query_one("#tune-line"))
+        backend.resume.set()

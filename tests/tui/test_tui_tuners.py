@@ -126,3 +126,31 @@ async def test_a_diagnosis_that_raises_is_a_notification(
         )
         await wait_for_app(pilot, lambda: not any(t.state == "diagnosing" for t in app.tuner_views))
         assert app.is_running
+
+
+async def test_a_diagnosis_says_which_tuner_runs_and_what_it_does(
+    app_factory, backend_factory, wait_for_app, text_of
+):
+    """Issue 35: for two minutes "…" was the only sign of progress."""
+    backend = backend_factory()
+    backend.hold_diagnosis = "cgdp"
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = await open_tuners(app, pilot, wait_for_app)
+        await pilot.press("d")
+        await wait_for_app(pilot, lambda: any(t.state == "diagnosing" for t in app.tuner_views))
+        await pilot.pause(0.1)
+        line = text_of(screen.query_one("#tune-line"))
+        assert line.startswith("diagnosing: cgdp: diagnosing · 1 more to go"), line
+        by_name = {r["tuner"]: r for r in cells(screen.query_one(TunerTable))}
+        assert by_name["batch_ps_sizing"]["applies"] == "yes"  # done before it
+        assert by_name["cgdp"]["applies"] == "diagnosing…"
+        assert by_name["overlap_chunking"]["applies"] == "waiting"
+        await pilot.press("d")
+        assert any("in progress" in n.message for n in app.notes)  # one at a time
+        backend.resume.set()
+        await wait_for_app(
+            pilot, lambda: not any(t.state in ("waiting", "diagnosing") for t in app.tuner_views)
+        )
+        await pilot.pause(0.05)
+        assert text_of(screen.query_one("#tune-line")).startswith("tuning: t starts")

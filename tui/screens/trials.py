@@ -228,7 +228,11 @@ class TrialsScreen(TunekitScreen):
         self._show_line(study)
         # Never an indeterminate bar: its animation would make the screen depend on the clock.
         # Trials over of the trials planned so far; a cancelled one is over, not done.
-        done = study.total if study.state == "finished" else study.done
+        done = (
+            study.total
+            if study.state == "finished"
+            else sum(t.done and t.status != "cancelled" for t in study.trials)
+        )
         self.query_one("#study-progress", ProgressBar).update(
             total=max(study.total, done, 1), progress=done
         )

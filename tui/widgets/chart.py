@@ -84,11 +84,11 @@ def render_chart(series: Series, width: int, height: int) -> Text:
     levels = height * (len(BARS) - 1)
     marks = dict(series.marks)
     span = hi - lo
-    text = Text()
-    for row in range(max(height, 1)):
-        text.append(f"{lines_labels[row]:>{label_w}}", style="dim")
-        text.append("┤" if lines_labels[row] else "│", style="dim")
-        row_floor = (max(height, 1) - 1 - row) * (len(BARS) - 1)  # sub-levels below this row
+    rows = max(height, 1)
+    lines: list[list[tuple[str, str]]] = []
+    for row in range(rows):
+        cells = [(f"{lines_labels[row]:>{label_w}}" + ("┤" if lines_labels[row] else "│"), "dim")]
+        row_floor = (rows - 1 - row) * (len(BARS) - 1)  # sub-levels below this row
         drawn: set[int] = set()
         for col in cols:
             mean = sum(series.values[i] for i in col) / len(col)
@@ -100,15 +100,32 @@ def render_chart(series: Series, width: int, height: int) -> Text:
             mark = next((marks[i] for i in col if i in marks and i not in drawn), None)
             fill = min(max(level - row_floor, 0), len(BARS) - 1)
             if mark and row == 0:
-                glyph, mark_style = MARKS[mark]
-                text.append(glyph, style=mark_style)
+                cells.append(MARKS[mark])
             elif mark and fill == 0:
-                text.append("┊", style=MARKS[mark][1])
+                cells.append(("┊", MARKS[mark][1]))
             else:
-                text.append(BARS[fill], style=style)
+                cells.append((BARS[fill], style))
             drawn.update(col)
-        if row < height - 1:
+        lines.append(cells)
+    return styled_lines(lines)
+
+
+def styled_lines(lines: Sequence[Sequence[tuple[str, str]]]) -> Text:
+    """Lines of (characters, style) cells as one Text, each run of one style one span: a
+    chart is thousands of cells, and a span per cell makes every repaint slow."""
+    text = Text()
+    for n, cells in enumerate(lines):
+        if n:
             text.append("\n")
+        run, style = "", None
+        for chars, cell_style in cells:
+            if cell_style != style and run:
+                text.append(run, style=style or "")
+                run = ""
+            run += chars
+            style = cell_style
+        if run:
+            text.append(run, style=style or "")
     return text
 
 

@@ -15,6 +15,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from tunekit.tui.formatting import scale_numbers
+from tunekit.tui.widgets.chart import styled_lines
 
 ROLE_STYLE = {
     "baseline": "bold cyan",
@@ -78,14 +79,16 @@ def render_trials(
             grid[m][col] = ("◉" if m == q else "●", style)
         elif p.failed:
             grid[rows - 1][col] = ("✕", "bold red")
-    text = Text("samples/s per trial  ", style="bold")
-    text.append("● measured  ○ predicted  ┄ baseline  ✕ failed", style="dim")
+    lines: list[list[tuple[str, str]]] = [
+        [
+            ("samples/s per trial  ", "bold"),
+            ("● measured  ○ predicted  ┄ baseline  ✕ failed", "dim"),
+        ]
+    ]
     for r, cells in enumerate(grid):
         label = high if r == 0 else low if r == rows - 1 else ""
-        text.append(f"\n{label:>{label_w}}" + ("┤" if label else "│"), style="dim")
-        for ch, style in cells:
-            text.append(ch, style=style)
-    text.append("\n" + " " * label_w + "└" + "─" * plot_w, style="dim")
+        lines.append([(f"{label:>{label_w}}" + ("┤" if label else "│"), "dim"), *cells])
+    lines.append([(" " * label_w + "└" + "─" * plot_w, "dim")])
     numbers = [" "] * plot_w
     for i, p in enumerate(shown):
         label = str(p.seq)
@@ -96,8 +99,8 @@ def render_trials(
             and all(c == " " for c in numbers[max(start - 1, 0) : start + len(label)])
         ):
             numbers[start : start + len(label)] = list(label)
-    text.append("\n" + " " * (label_w + 1) + "".join(numbers), style="dim")
-    return text
+    lines.append([(" " * (label_w + 1) + "".join(numbers), "dim")])
+    return styled_lines(lines)
 
 
 class TrialsPlot(Widget):
