@@ -15,9 +15,9 @@ from pathlib import Path
 import click
 
 from tunekit.cli.common import STORE_OPTION, console, ensure_writable, err_console, split_names
-from tunekit.errors import PluginError
+from tunekit.plugin_loading import check_names
 from tunekit.runtime.job_process import JobProcess
-from tunekit.tui.backend import LiveBackend, PluginInfo, TuneRequest, attach, plugin_infos
+from tunekit.tui.backend import LiveBackend, TuneRequest, attach, plugin_infos
 from tunekit.workload_spec import resolve_spec
 
 
@@ -111,6 +111,7 @@ def tui_cmd(
 
     request = TuneRequest(plugins=split_names(plugins), trials=trials, steps=steps, warmup=warmup)
     if request.plugins:  # an unknown or broken name: one line, before anything starts
+        # (on the list a child process made: this one imports neither the plugins nor torch)
         check_names(plugin_infos(), request.plugins)
     ensure_writable(
         store_dir, "the study store folder (--store)"
@@ -156,20 +157,6 @@ def tui_cmd(
                 f"run {backend.run_id} {st.get('status')} at step {st.get('step')}; "
                 f"resume with `tunekit run --resume {backend.run_id}`"
             )
-
-
-def check_names(infos: list[PluginInfo], names: list[str]) -> None:
-    """``--plugins``: every name installed and loading, as ``tunekit auto`` checks them
-    (:func:`tunekit.plugin_loading.select`), on the list a child process made, so that this
-    one imports neither the plugins nor torch."""
-    by_name = {i.name: i for i in infos}
-    for name in names:
-        info = by_name.get(name)
-        if info is None:
-            known = ", ".join(sorted(by_name)) or "none installed"
-            raise PluginError(f"unknown plugin {name!r} (installed: {known})")
-        if not info.ok:
-            raise PluginError(f"plugin {name!r} from {info.package} is {info.status}: {info.error}")
 
 
 def keeps_running(run_id: str) -> str:

@@ -450,6 +450,17 @@ def tuning_events(
     return evs
 
 
+class ManualClock:
+    """The app's clock in tests: it moves only when the fixed tuning says a trial took time
+    (30 s each), so that the time left on screen is the same in every run."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FixedBackend(Backend):
     """Serves the fixed data above; apply and roll back change the config it reports."""
 
@@ -471,6 +482,7 @@ class FixedBackend(Backend):
         self.pause_after: int | None = None
         """When set, the tuning stops after this many events until :attr:`resume` is set."""
         self.resume = threading.Event()
+        self.clock = ManualClock()
         self.hold_diagnosis: str | None = None
         """When set, the diagnosis waits at this tuner until :attr:`resume` is set."""
         self.decision_reason: str | None = None
@@ -535,6 +547,8 @@ class FixedBackend(Backend):
             while i == self.pause_after and not self.resume.is_set():
                 await asyncio.sleep(0.01)  # a trial "in flight"; cancelling lands here
             await asyncio.sleep(0)
+            if isinstance(ev, TrialFinished) and ev.status != "skipped":
+                self.clock.now += 30.0  # each trial takes 30 s of the app's clock
             yield ev
 
     def trial_config(self, study_id: int, trial_id: int) -> dict[str, Any] | None:
@@ -624,10 +638,13 @@ class RecordingApp(TunekitApp):
 
 
 def make_app(backend: Backend | None = None, **kwargs: Any) -> TunekitApp:
-    """The app over fixed data, polling fast so tests need not wait."""
-    return RecordingApp(
-        backend or FixedBackend(), TuneRequest(trials=2, steps=16, warmup=2), poll_s=0.2, **kwargs
-    )
+    """The app over fixed data, polling fast so tests need not wait; its clock the backend's
+    (see :class:`ManualClock`)."""
+    backend = backend or FixedBackend()
+    app = RecordingApp(backend, TuneRequest(trials=2, steps=16, warmup=2), poll_s=0.2, **kwargs)
+    if isinstance(backend, FixedBackend):
+        app.clock = backend.clock
+    return app
 
 
 @pytest.fixture
@@ -670,3 +687,15 @@ def drawn(app) -> list[str]:
 @pytest.fixture
 def screen_lines() -> Callable[[Any], list[str]]:
     return drawn
+
+
+def diagnosed(app) -> bool:
+    """No tuner waits for its turn or diagnoses any more."""
+    return bool(app.tuner_views) and all(
+        t.state not in ("waiting", "diagnosing") for t in app.tuner_views
+    )
+
+
+@pytest.fixture
+def diagnosis_over() -> Callable[[Any], bool]:
+    return diagnosed

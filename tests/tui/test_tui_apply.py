@@ -17,17 +17,22 @@ async def tuned(app, pilot, wait_for_app):
     await wait_for_app(pilot, lambda: app.study_view.state == "finished")
 
 
+async def apply_screen(app, pilot, wait_for_app) -> ApplyScreen:
+    """After a finished tuning: the apply screen, drawn."""
+    await tuned(app, pilot, wait_for_app)
+    await pilot.press("5")
+    await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+    await pilot.pause(0.05)
+    return app.screen
+
+
 async def test_apply_the_best_config_with_confirmation_then_roll_back(
     app_factory, backend_factory, wait_for_app, text_of, fixed
 ):
     backend = backend_factory()
     app = app_factory(backend)
     async with app.run_test(size=(120, 36)) as pilot:
-        await tuned(app, pilot, wait_for_app)
-        await pilot.press("5")
-        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
-        await pilot.pause(0.05)
-        screen = app.screen
+        screen = await apply_screen(app, pilot, wait_for_app)
         assert (
             "winner of study 7 overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)"
             in text_of(screen.query_one("#apply-line"))
@@ -165,10 +170,7 @@ async def test_the_confirmation_carries_the_decisions_caveat(
     )
     app = app_factory(backend)
     async with app.run_test(size=(120, 36)) as pilot:
-        await tuned(app, pilot, wait_for_app)
-        await pilot.press("5")
-        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
-        await pilot.pause(0.05)
+        await apply_screen(app, pilot, wait_for_app)
         caveat = (
             "the baseline drifted between its runs (231 → 262 ms/step): "
             "too noisy to trust this winner without a rerun"

@@ -24,13 +24,11 @@ LONG_RUN = "20260419-101010-ab12"
 """A run id as `tunekit run` names them (the fixed backend's "demo" would hide a cut)."""
 
 
-async def tuned_and_diagnosed(app, pilot, wait_for_app) -> None:
+async def tuned_and_diagnosed(app, pilot, wait_for_app, diagnosed) -> None:
     """Every screen's state filled: a diagnosis, a finished tuning, a profiled run."""
     await wait_for_app(pilot, lambda: app.live_view.step == 60 and app.tuner_views)
     await pilot.press("3", "d")
-    await wait_for_app(
-        pilot, lambda: all(t.state not in ("waiting", "diagnosing") for t in app.tuner_views)
-    )
+    await wait_for_app(pilot, lambda: diagnosed(app))
     await pilot.press("t")
     await wait_for_app(pilot, lambda: app.study_view.state == "finished")
     await pilot.press("2", "p")
@@ -63,10 +61,12 @@ def tables_whole(screen) -> list[str]:
 
 
 @pytest.mark.parametrize("size", [(80, 24), (60, 20)])
-async def test_nothing_is_cut_on_a_small_terminal(app_factory, wait_for_app, screen_lines, size):
+async def test_nothing_is_cut_on_a_small_terminal(
+    app_factory, wait_for_app, screen_lines, diagnosis_over, size
+):
     app = app_factory()
     async with app.run_test(size=size) as pilot:
-        await tuned_and_diagnosed(app, pilot, wait_for_app)
+        await tuned_and_diagnosed(app, pilot, wait_for_app, diagnosis_over)
         for key in ("1", "2", "3", "4", "5"):
             await pilot.press(key)
             await pilot.pause(0.1)
@@ -124,14 +124,14 @@ async def test_the_trials_table_keeps_what_matters_at_each_width(app_factory, wa
     assert set(shown[200]) == {c.key for c in TrialTable.COLUMNS}
 
 
-async def test_the_tuners_predictions_are_whole_at_120_columns(app_factory, wait_for_app):
+async def test_the_tuners_predictions_are_whole_at_120_columns(
+    app_factory, wait_for_app, diagnosis_over
+):
     app = app_factory()
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for_app(pilot, lambda: app.tuner_views)
         await pilot.press("3", "d")
-        await wait_for_app(
-            pilot, lambda: all(t.state not in ("waiting", "diagnosing") for t in app.tuner_views)
-        )
+        await wait_for_app(pilot, lambda: diagnosis_over(app))
         await pilot.pause(0.1)
         table = app.screen.query_one(TunerTable)
         assert "predicted" in table.shown_columns

@@ -59,22 +59,17 @@ def test_profile(shot, app_factory, wait_for_app):
     assert shot(app, steps)
 
 
-def test_tuners_after_diagnosis(shot, app_factory, wait_for_app):
+@pytest.mark.parametrize("size", [SIZE, (80, 24)])
+def test_tuners_after_diagnosis(shot, app_factory, wait_for_app, diagnosis_over, size):
     app = app_factory()
 
     async def steps(pilot):
         await pilot.press("3", "d")
-        await wait_for_app(
-            pilot,
-            lambda: (
-                all(t.state != "diagnosing" for t in app.tuner_views)
-                and any(t.candidates for t in app.tuner_views)
-            ),
-        )
+        await wait_for_app(pilot, lambda: diagnosis_over(app))
         app.screen.query_one(TunerTable).focus()
         await pilot.press("down", "down", "down")
 
-    assert shot(app, steps)
+    assert shot(app, steps, size)
 
 
 def test_trials_running(shot, app_factory, backend_factory, wait_for_app, fixed):
@@ -163,19 +158,6 @@ def test_trials_finished_at(shot, app_factory, wait_for_app, size):
         await pilot.press("4")
 
     assert shot(app, steps, size)
-
-
-def test_tuners_at_80x24(shot, app_factory, wait_for_app):
-    app = app_factory()
-
-    async def steps(pilot):
-        await pilot.press("3", "d")
-        await wait_for_app(
-            pilot,
-            lambda: all(t.state not in ("waiting", "diagnosing") for t in app.tuner_views),
-        )
-
-    assert shot(app, steps, (80, 24))
 
 
 def test_live_at_80x24(shot, app_factory, backend_factory):
