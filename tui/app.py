@@ -117,9 +117,10 @@ class TunekitApp(App[str]):
     ]
     MODES = {mode: cls for mode, (_, cls) in SCREENS.items()}
     # Classes each screen carries for the terminal's size (its stylesheet lays it out by them):
-    # one column below 100 columns, whole configs from 160; taller charts from 32 and 50 rows.
+    # one column below 100 columns, whole configs from 160; taller charts from 32 and 50 rows,
+    # less room for text below 22.
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (160, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall"), (50, "-taller")]
+    VERTICAL_BREAKPOINTS = [(0, "-tiny"), (22, "-short"), (32, "-tall"), (50, "-taller")]
     DEFAULT_MODE = "live"
     # Help and Quit before the screens: a narrow footer cuts from the right, and these two
     # must stay in sight at 80 columns (each screen's own keys come first, see the tests).
