@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import shlex
 from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from tunekit.cli.common import (
     DURATION,
@@ -18,6 +20,8 @@ from tunekit.cli.common import (
     console,
     ensure_writable,
     split_names,
+    stops_on_sigterm,
+    styled,
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig
@@ -37,7 +41,7 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
-from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.examples import DEFAULT_EXAMPLE, examples_help
 from tunekit.observe.truth import PART_LABELS
 from tunekit.runtime.rundir import RunDir
 from tunekit.workload_spec import resolve_spec
@@ -165,6 +169,7 @@ from tunekit.workload_spec import resolve_spec
     show_default=True,
     help="Steps an in-job search may use.",
 )
+@stops_on_sigterm
 def auto_cmd(
     workload,
     nproc,
@@ -257,11 +262,15 @@ def auto_cmd(
     try:
         decision = asyncio.run(_drive(settings, as_json))
     except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
-        raise Interrupted(
-            f"interrupted; the study is saved: continue it with `{resume_command()}`"
+        raise Interrupted.saying(
+            f"the study is saved: continue it with `{resume_command()}`"
         ) from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)
+
+
+# `tunekit auto --help` lists the examples (docs/workloads.md sends readers there)
+auto_cmd.help = f"{inspect.cleandoc(auto_cmd.help or '')}\n\n{examples_help()}"
 
 
 def resume_command() -> str:
@@ -336,10 +345,10 @@ class _ProgressView:
 
     def __init__(self):
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"),
+            TextColumn("{task.fields[last]}", markup=False),
             TimeElapsedColumn(),
             console=console,
             transient=True,
@@ -351,19 +360,23 @@ class _ProgressView:
         self.paths = None
         self.finished = None
 
-    def say(self, text: str) -> None:
-        self.progress.console.print(text)
+    def say(self, *parts: str | Text) -> None:
+        self.progress.console.print(*parts)
 
     def handle(self, ev) -> None:
         if isinstance(ev, StudyStarted):
             extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
             self.say(
-                f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}"
+                styled("[bold]study {}[/]", ev.study_id),
+                f"· {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}",
             )
         elif isinstance(ev, Notice):
-            self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
+            self.say(
+                styled("[yellow]note:[/] {}", ev.message) if ev.level == "warning" else ev.message
+            )
         elif isinstance(ev, PluginProblem):
-            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
+            where = "; traceback in the report's Problems" if ev.traceback else ""
+            self.say(styled("[yellow]plugin {} {}:[/] {}{}", ev.plugin, ev.status, ev.error, where))
         elif isinstance(ev, Observed):
             s = ev.summary
             self.say(
@@ -379,7 +392,7 @@ class _ProgressView:
                 self.say(f"  where the step goes (measured): {parts}{r}")
         elif isinstance(ev, Diagnosed):
             mark = "[green]applies[/]" if ev.applies else "[dim]does not apply[/]"
-            self.say(f"  {ev.plugin}: {mark} — {ev.summary}")
+            self.say(styled("  {}: " + mark + " — {}", ev.plugin, ev.summary))
         elif isinstance(ev, Planned):
             self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
         elif isinstance(ev, TrialStarted):
@@ -407,15 +420,25 @@ class _ProgressView:
                 )
             else:
                 self.say(
-                    f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}"
+                    styled(
+                        "  trial {} {} {}: [red]{}[/] {}",
+                        ev.seq,
+                        ev.role,
+                        ev.description,
+                        ev.status,
+                        ev.error or "",
+                    )
                 )
         elif isinstance(ev, Reranked):
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
             if learnt:
-                self.say(f"  [dim]feedback — {learnt}[/]")
+                self.say(styled("  [dim]feedback — {}[/]", learnt))
             if ev.dropped:
                 self.say(
-                    f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]"
+                    styled(
+                        "  [dim]dropped {} candidate(s) now predicted slower than the baseline[/]",
+                        len(ev.dropped),
+                    )
                 )
         elif isinstance(ev, Decided):
             self.decision = ev.decision
