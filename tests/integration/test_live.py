@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 from support import WORKLOADS, chaos_pythonpath, run_cli
 
+from tunekit.config import TuningConfig
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, wait_for
@@ -247,6 +249,48 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
     assert finished["candidate_samples_per_s"] > 0 and finished["current_samples_per_s"] > 0
     expected = {"overlap_chunking"} if finished["kept"] == "candidate" else set()
     assert set(rd.read_status()["config"]["plugins"]) == expected
+
+
+def test_a_config_copied_from_plan_applies_to_the_live_job(live):
+    """Issue 19: what `tunekit plan` prints is what `tunekit apply` takes, as it is."""
+    cwd, rd, env = live
+    # Every candidate comes apply-ready, fastest predicted (per sample) first.
+    res = run_cli("plan", "batch_ps_sizing", LIGHT, "--json", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    rates = [c["predicted_samples_per_s"] for c in plan["candidates"]]
+    assert rates and rates == sorted(rates, reverse=True)
+    first = plan["candidates"][0]
+    assert first["apply"].startswith("tunekit apply RUN batch_ps_sizing.")
+
+    # A long config is written to a file and named by its path; nothing is cut.
+    res = run_cli("plan", "layer_split", LIGHT, cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout
+    assert "tunekit apply RUN tunekit-out/plan/layer_split-1.json" in res.stdout
+    TuningConfig.load(cwd / "tunekit-out" / "plan" / "layer_split-1.json")
+
+    # The batch range is the run's, checked before anything is sent.
+    bad = run_cli("apply", "job", "batch_ps_sizing.batch_size=100000", cwd=cwd, env_extra=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert any("outside run job's batch range (2–64" in ln for ln in bad.stderr.splitlines())
+
+    args = shlex.split(first["apply"])[3:]
+    res = run_cli("apply", "job", *args, cwd=cwd, env_extra=env)
+    # kept, or rolled back by the watch: applied either way
+    assert res.returncode in (0, 1), res.stderr
+    assert "applied at step" in res.stdout
+    assert rd.read_events()[-1]["kind"] in ("applied", "watch_kept", "rolled_back")
+    applied = next(e for e in reversed(rd.read_events()) if e["kind"] == "applied")
+    assert (
+        TuningConfig.from_dict(applied["config"]).plugins["batch_ps_sizing"]["batch_size"]
+        == (TuningConfig.from_pairs(args).plugins["batch_ps_sizing"]["batch_size"])
+    )
+
+    status = run_cli("status", "job", cwd=cwd, env_extra=env)
+    assert status.returncode == 0, status.stderr
+    assert "samples/s (median of the last" in status.stdout
+    assert "per rank (allowed 2–64)" in status.stdout
 
 
 def test_auto_applies_its_winner_to_the_live_job(live):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -26,10 +25,10 @@ def test_quoted_shares_finds_what_a_diagnosis_says():
     assert quoted_shares(text) == {"comm_exposed": [2], "compute": [61], "data": [4], "idle": [13]}
 
 
-def test_every_diagnosis_agrees_with_the_measured_breakdown(cli, workdir):
-    res = cli("auto", "example:cnn", "--trials", "0", "--steps", "6", "--warmup", "1")
+def test_every_diagnosis_agrees_with_the_measured_breakdown(demo_study):
+    res = demo_study.result
     assert res.returncode == 0, res.stderr + res.stdout
-    report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
+    report = demo_study.report()
     truth = report["observation"]["truth"]
     assert truth and truth["parts_s"], "the baseline was profiled"
     assert sum(truth["parts_s"].values()) == pytest.approx(truth["step_s"], rel=1e-6)
@@ -55,7 +54,7 @@ def test_every_diagnosis_agrees_with_the_measured_breakdown(cli, workdir):
     # The communication tuners start from the measured exposed communication.
     assert "comm_exposed" in quoted_somewhere
     # The report's own breakdown table shows the same shares, at the measured step time.
-    md = (workdir / "tunekit-out" / "report.md").read_text()
+    md = (demo_study.out / "report.md").read_text()
     for part, share in measured.items():
         assert f"| {PART_LABELS[part]} | " in md and f"| {share}% |" in md
     # The CLI's summary line says the same.
