@@ -74,8 +74,9 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
     workdir, chaos_env
 ):
     # The chaos tuner's candidates raise, hang and run out of memory, in that order.
-    # --stall: the hang is caught 8 s after its last step (steps take ~0.1 s, a
-    # profiler start a second or two on a busy machine) instead of after --timeout.
+    # --stall: the hang is caught 20 s after its last step (steps take ~0.1 s, a
+    # profiler start a second or two, several with two busy loops beside) instead of after
+    # --timeout.
     args = [
         sys.executable,
         "-m",
@@ -87,7 +88,7 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
         "--trials",
         "3",
         "--stall",
-        "8s",
+        "20s",
         "--no-probe",
         "--json",
         *FAST,

@@ -123,6 +123,8 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
         "--trials",
         "1",
         "--no-rerank",
+        "--min-effect",  # no leader to confirm: two trials fewer; decisions are not under test
+        "1",
         *SHORT,
     ]
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
@@ -226,9 +228,9 @@ def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(
     )
     wait_for("nodes/node1/job000/pids/rank1", tmp_path / "node1" / ".tunekit")
     os.killpg(coordinator.pid, signal.SIGKILL)
-    started = time.monotonic()
-    rc, out = finish(follower, tmp_path / "node1", timeout=90)
-    assert rc == 2 and time.monotonic() - started < 60, out[-3000:]
+    # It exits by itself (finish kills it after the timeout, which reads as -9, not 2).
+    rc, out = finish(follower, tmp_path / "node1", timeout=180)
+    assert rc == 2, out[-3000:]
     assert "the coordinator" in out and "Traceback" not in out
     deadline = time.monotonic() + 20  # its agent was stopped with it
     while live_rank_pids(tmp_path / "node1") and time.monotonic() < deadline:
@@ -411,9 +413,9 @@ def test_each_node_measures_its_own_collectives_once_for_the_coordinator(tmp_pat
         first = coordinator.probe(2, timeout_s=240)[1]
         fits = {f["op"]: f for f in first["fits"]}
         assert fits["all_reduce"]["world_size"] == 2 and fits["all_reduce"]["bandwidth"] > 0
-        started = time.monotonic()
         again = coordinator.probe(2, timeout_s=60)[1]
-        assert again == first and time.monotonic() - started < 10  # measured once per node
+        # measured once per node: the same samples again (two measurements never agree)
+        assert again == first
     finally:
         coordinator.close()
     rc, out = finish(follower, tmp_path / "node1", timeout=60)
