@@ -24,7 +24,7 @@ from tunekit.testing import assert_states_close
 pytestmark = pytest.mark.slow
 
 BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
-# A regression no load can hide: half a second more per step (light_cnn's take ~0.05 s).
+# A regression no load can hide: half a second more per step (light_cnn's take ~0.1 s).
 SLOWER = '{"plugins": {"chaos": {"mode": "slow", "sleep_s": 0.5}}}'
 LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside the job
 
@@ -88,10 +88,12 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
-    # example:cnn (batch 32): light_cnn's batch of 8 makes step-to-step loss too noisy for the check below.
-    # --min-effect 1: the relaunches are watched, and neither may be rolled back whatever it measures.
+    # paced_cnn (the demo CNN, batch 32): light_cnn's batch of 8 makes step-to-step loss too
+    # noisy for the check below; its batches wait for data, so the job does not train flat out
+    # beside other tests. --min-effect 1: the relaunches are watched, and neither may be rolled
+    # back whatever it measures.
     proc = start_run(
-        tmp_path, "example:cnn", "--name", "elastic", "--min-effect", "1"
+        tmp_path, f"{WORKLOADS}:paced_cnn", "--name", "elastic", "--min-effect", "1"
     )  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
@@ -343,7 +345,7 @@ def test_a_pause_holds_every_rank_until_its_holder_lets_go(live):
         at = reply["paused_at"]
         status = c.request("status")
         assert status["status"] == "paused" and status["paused"] == {"step": at, "reason": "a test"}
-        time.sleep(1.0)  # about 15 steps of this job
+        time.sleep(1.0)  # about 8 steps of this job
         assert c.request("status")["step"] == at
         with pytest.raises(ControlError, match=r"the job is paused \(a test\); apply is refused"):
             c.request("apply", config={"plugins": {}})
