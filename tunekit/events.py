@@ -131,3 +131,5 @@ class StudyFinished(Event):
     study_id: int
     winner: str
     speedup: float | None
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    """Where the study's time went, stage by stage (:mod:`tunekit.timings`)."""

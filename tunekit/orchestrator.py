@@ -21,7 +21,7 @@ import json
 import shutil
 import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +61,7 @@ from tunekit.planning import ChildHooks, TunerDiagnosed, TunerPlanned, TunerStep
 from tunekit.plugin_loading import load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyRow, TrialRow
+from tunekit.timings import Timings, own_cpu_s
 from tunekit.trials.decide import (
     BASELINE,
     CANDIDATE,
@@ -72,10 +73,11 @@ from tunekit.trials.decide import (
     decide,
     leader_to_confirm,
     schedule,
+    still_unclear,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
-from tunekit.trials.length import trial_length
+from tunekit.trials.length import trial_length, wall_estimate
 from tunekit.trials.nodes import (
     Coordinator,
     NodesError,
@@ -112,6 +114,9 @@ class AutoSettings:
     """A winner must be faster than the baseline by this fraction beyond noise."""
     baseline_every: int = 3
     """Re-measure the baseline after this many candidates (interleaving)."""
+    measure_rounds: int = 3
+    """Paired rounds (the leader, and its rival, beside the baseline) a decision that is not yet
+    clear may add, within the time budget (see ``still_unclear``)."""
     device: str = "auto"
     hardware: str | None = None
     """Plan for this hardware profile (name or TOML) instead of this machine."""
@@ -135,6 +140,9 @@ class AutoSettings:
     ``node-token``)."""
     join_timeout_s: float = 300.0
     """Several nodes: how long the followers have to join before the study stops."""
+    clock_from: float | None = None
+    """``time.monotonic()`` at which the time budget starts counting (None: when the study
+    starts). The CLI gives its own process's start, so that ``--budget`` bounds the command."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -183,38 +191,50 @@ class _Run:
 
     def __init__(self, settings: AutoSettings):
         self.s = settings
-        self.started = time.monotonic()
+        self.started = settings.clock_from or time.monotonic()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.trial_walls: list[float] = []
         self.nodes: Coordinator | None = None
         """Several nodes: the followers' coordinator (this is node 0)."""
         self.node_probes: dict[int, list[dict[str, Any]]] = {}
         """Several nodes: each node's own collective fits (node 0's too)."""
         self.token_hint = ""
         """How a follower gets the token (``--token-file PATH``), when this study made it."""
+        self.timings = Timings()
+        """Where this run's time went, stage by stage (report.json's ``timings``)."""
+        if settings.clock_from is not None:  # the command's own start: its imports, torch's
+            self.timings.add("start: tunekit itself", self.elapsed(), own_cpu_s())
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def fits_budget(self, trials_after: int = 0) -> bool:
-        """Whether one more trial, and ``trials_after`` more behind it, fit in the budget left
-        (each estimated at the mean wall time of the trials so far)."""
+    def fits_budget(self, walls: list[float]) -> bool:
+        """Whether trials of these expected wall times, one after another, fit in the budget left."""
         if self.s.budget_s is None:
             return True
-        estimate = (sum(self.trial_walls) / len(self.trial_walls)) if self.trial_walls else 0.0
-        return self.elapsed() + estimate * (1 + trials_after) <= self.s.budget_s
+        return self.elapsed() + sum(walls) <= self.s.budget_s
 
+    def wall(
+        self, config_id: str, step_s: float | None, rows: list[TrialRow], search: bool = False
+    ) -> float:
+        """Expected wall seconds of a trial of ``config_id`` (see ``wall_estimate``)."""
+        s = self.s
+        return wall_estimate(
+            config_id, step_s, rows, s.warmup, s.steps, s.search_steps if search else 0
+        )
 
-RESERVED_FOR_CONFIRMATION = 2
-"""Trials a budget keeps back from candidates: a confirmation run of the leader and the
-baseline run beside it, so that a winner is never declared on a single run for lack of time."""
-
-
-def budget_reserve(role: str) -> int:
-    """Trials that must still fit behind a trial of ``role`` (see :data:`RESERVED_FOR_CONFIRMATION`)."""
-    if role in (CANDIDATE, SEARCH, COMBINED):
-        return RESERVED_FOR_CONFIRMATION
-    return 1 if role == CONFIRM else 0  # a confirmation's own baseline
+    def walls_for(self, row: TrialRow, rows: list[TrialRow]) -> list[float]:
+        """The expected wall times of ``row``'s trial and of those the budget keeps back behind it:
+        for a candidate, the baseline that closes its block (if one is planned), a confirmation
+        of it and the baseline beside that, so that a winner is never declared on a single run
+        for lack of time; for a confirmation, its baseline."""
+        step_s = row.corrected_s or row.predicted_s
+        own = self.wall(row.config_id, step_s, rows, search=bool(row.config.get("search")))
+        base = self.wall(TuningConfig().config_id, None, rows)
+        if row.role in (CANDIDATE, SEARCH, COMBINED):
+            later = [t for t in rows if not t.done and t.seq > row.seq]
+            closing = [base] if any(t.role == BASELINE for t in later) else []
+            return [own, *closing, self.wall(row.config_id, step_s, rows), base]
+        return [own, base] if row.role == CONFIRM else [own]
 
 
 async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
@@ -232,9 +252,10 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if s.launch.nnodes > 1:
             for notice in _coordinate(run, s):
                 yield notice
-        await observer.start()
-        records = load_all()
-        tuners = select(records, s.plugins)
+        with run.timings.stage("start: load the tuners"):
+            await observer.start()
+            records = load_all()
+            tuners = select(records, s.plugins)
         for rec in records:
             if not rec.ok and (s.plugins is None or rec.name in s.plugins):
                 yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
@@ -258,6 +279,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 s.timeout_s,
                 s.store_dir,
                 observer,
+                run.timings,
             )
         except (
             ObservationFailed
@@ -316,6 +338,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         else:
             store.reset_unfinished(study.id)
             store.set_study(study.id, status="running")
+            earlier = (study.observation or {}).get("timings", [])
+            run.timings.stages[:0] = Timings(earlier).stages
         sid = study.id
         lock.update(study=sid)
         if "plans" in (study.observation or {}):  # planned already: no tuner hook will run
@@ -342,7 +366,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         assert base_row.result is not None  # a finished trial has its result
         baseline = Measurement(**base_row.result["measurement"])
         obs = static.observation(s.launch.world_size, baseline, store)
-        obs.breakdown, obs.telemetry = observed_baseline(base_row)
+        with run.timings.stage("observe: analyse the baseline's profile"):
+            obs.breakdown, obs.telemetry = observed_baseline(base_row)
         observation = study.observation or {}
         if run.nodes is not None:  # who joined this time (a resumed study may meet other machines)
             observation["nodes"] = {str(r): hello for r, hello in sorted(run.nodes.nodes.items())}
@@ -377,24 +402,31 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             yield ev
         async for ev in _confirm_leader(run, store, sid, spec, tuners):
             yield ev
+        async for ev in _measure_more(run, store, sid, spec, tuners):
+            yield ev
         if paused:
             assert s.pause_run is not None  # paused only when there is a run to pause
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
-        trials = store.trials(sid)
-        decision = decide(trials, s.min_effect, _describer(tuners))
-        decision["global_batch"] = obs.global_batch
-        for notice in _qualify(decision, trials, s, store.study(sid).observation or {}):
+        with run.timings.stage("decide"):
+            trials = store.trials(sid)
+            decision = decide(trials, s.min_effect, _describer(tuners))
+            decision["global_batch"] = obs.global_batch
+            notices = _qualify(decision, trials, s, store.study(sid).observation or {})
+        for notice in notices:
             yield notice
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
 
-        paths = write_report(store, sid, s.out_dir, tuners, launch=s.launch)
+        _store_timings(store, sid, run.timings)  # the report shows them, up to here
+        with run.timings.stage("write the report"):
+            paths = write_report(store, sid, s.out_dir, tuners, launch=s.launch)
+        timings = _store_timings(store, sid, run.timings)  # `tunekit report` shows them all
         yield ReportWritten({k: str(v) for k, v in paths.items()})
         store.log_event(sid, "finished", {"winner": decision["winner"]})
-        yield StudyFinished(sid, decision["winner"], decision.get("speedup"))
+        yield StudyFinished(sid, decision["winner"], decision.get("speedup"), timings)
     except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit, NodesError):
         if sid is not None:  # leave the study resumable: the trial in flight runs again
             store.reset_unfinished(sid)
@@ -408,6 +440,15 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if lock is not None:
             lock.release()
         store.close()
+
+
+def _store_timings(store: Store, sid: int, timings: Timings) -> list[dict[str, Any]]:
+    """The stages so far (a resumed study's earlier runs first) into the study's observation."""
+    observation = store.study(sid).observation or {}
+    rows = timings.to_list()
+    observation["timings"] = rows
+    store.set_study(sid, observation=observation)
+    return rows
 
 
 def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
@@ -496,25 +537,48 @@ def _qualify(
     if winner is not None and winner.get("runs") == 1:
         why = " (the time budget left no room)" if s.budget_s is not None else ""
         decision["reason"] += f"; not confirmed by a second run{why}"
+    more = observation.get("measured_more") or {}
+    settled = bool(more.get("clear")) and more.get("rounds", 0) > 0
+    if more:
+        decision["measured_more"] = more
+        n = more.get("rounds", 0)
+        rounds = f"{n} more paired round(s)"
+        if settled:
+            decision["reason"] += f"; clear after {rounds} beside the baseline"
+        elif not more.get("clear"):
+            spent = (
+                f"the {s.budget_s:g} s budget"
+                if more.get("spent") == "time budget" and s.budget_s is not None
+                else f"its {n} round(s)"
+                if more.get("spent") == "round limit"
+                else "the time budget"
+            )
+            decision["reason"] += (
+                f"; still unclear after {rounds} ({more.get('why')}): {spent} spent"
+            )
     drift = baseline_drift(trials)
     if drift is not None:
         decision["baseline_drift"] = drift
         runs = " → ".join(f"{m * 1e3:.0f}" for m in drift["medians_s"])
         verdict = (
-            "too noisy to decide"
+            "noisy, and the paired rounds settled the decision regardless"
+            if settled
+            else "too noisy to decide"
             if decision.get("winner") == BASELINE
             else "too noisy to trust this winner without a rerun"
         )
         advice = (
-            "close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
-            "then run again with more --steps"
+            ""
+            if settled
+            else "; close other work on this machine (or pause it: `tunekit auto --apply RUN` "
+            "pauses RUN), then run again with more --steps"
         )
         decision["reason"] += f"; the baseline drifted between its runs ({runs} ms/step): {verdict}"
         notices.append(
             Notice(
                 f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
-                f"({runs} ms/step): this machine was {verdict}; {advice}",
-                "warning",
+                f"({runs} ms/step): this machine was {verdict}{advice}",
+                "info" if settled else "warning",
             )
         )
     return notices
@@ -673,12 +737,21 @@ async def _diagnose_and_plan(
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     # Tuners time pieces of the model: their hooks run in the workload's process, under the
     # trial timeout.
-    hooks = ChildHooks(child, obs)
+    hooks = ChildHooks(child, obs, run.timings)
     got = _Planning()
     async with child:
         async for step in diagnose_and_plan(tuners, hooks, limit):
             got.keep(step, tuners[step.name], run.s)
             yield step.event()
+    with run.timings.stage("plan: schedule the trials"):
+        for ev in _schedule(run, store, sid, obs, observation, got):
+            yield ev
+
+
+def _schedule(
+    run: _Run, store: Store, sid: int, obs: Observation, observation, got: _Planning
+) -> Iterator[Event]:
+    """The trials the tuners' plans add up to, stored at once with the plans."""
     diagnoses, plans, pool, searches, gains = (
         got.diagnoses,
         got.plans,
@@ -890,14 +963,15 @@ async def _confirm_leader(
         yield ev
     while True:
         trials = store.trials(sid)
-        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(
-            budget_reserve(CONFIRM)
-        ):
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS:
             return
         leader = leader_to_confirm(
             decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect
         )
-        if leader is None:
+        base = run.wall(TuningConfig().config_id, None, trials)
+        if leader is None or not run.fits_budget(
+            [run.wall(leader["config_id"], leader["predicted_s"], trials), base]
+        ):
             return
         seq = max(t.seq for t in trials) + 1
         store.add_trials(
@@ -921,6 +995,68 @@ async def _confirm_leader(
         )
         yield Notice(
             f"confirming the leader, {leader['description']}, with a second run beside the baseline"
+        )
+        async for ev in _run_pending(run, store, sid, spec, tuners):
+            yield ev
+
+
+async def _measure_more(
+    run: _Run, store: Store, sid: int, spec: str, tuners
+) -> AsyncIterator[Event]:
+    """Where the decision is not yet clear (``still_unclear``), measure more where it decides:
+    paired, interleaved rounds of the leader (and its rival, when the two cannot be told apart)
+    beside the baseline, until it is clear or ``measure_rounds`` or the time budget is spent.
+    What it came to goes into the decision (``_qualify``)."""
+    s = run.s
+    observation = store.study(sid).observation or {}
+    rounds = int((observation.get("measured_more") or {}).get("rounds", 0))  # a resumed study's
+    while True:
+        trials = store.trials(sid)
+        unclear = still_unclear(
+            decide(trials, s.min_effect, _describer(tuners)), trials, s.min_effect
+        )
+        state: dict[str, Any] = {"rounds": rounds, "clear": unclear is None}
+        if unclear is not None:
+            state["why"] = unclear.why
+            state["spent"] = "round limit" if rounds >= s.measure_rounds else "time budget"
+        walls = (
+            [run.wall(r["config_id"], r["predicted_s"], trials) for r in unclear.rows]
+            if unclear
+            else []
+        )
+        walls.append(run.wall(TuningConfig().config_id, None, trials))
+        if unclear is None or rounds >= s.measure_rounds or not run.fits_budget(walls):
+            observation = store.study(sid).observation or {}
+            observation["measured_more"] = state
+            store.set_study(sid, observation=observation)
+            return
+        seq = max(t.seq for t in trials) + 1
+        rows = [
+            {
+                "seq": seq + i,
+                "role": CONFIRM,
+                "plugin": r["plugin"],
+                "config_id": r["config_id"],
+                "config": r["config"],
+                "predicted_s": r["predicted_s"],
+            }
+            for i, r in enumerate(unclear.rows)
+        ]
+        rows.append(
+            {
+                "seq": seq + len(rows),
+                "role": BASELINE,
+                "config_id": TuningConfig().config_id,
+                "config": TuningConfig().to_dict(),
+            }
+        )
+        rounds += 1
+        observation = store.study(sid).observation or {}
+        observation["measured_more"] = {"rounds": rounds, "clear": False, "why": unclear.why}
+        store.add_trials(sid, rows, observation=observation)  # a round, or none of it
+        names = " and ".join(r["description"] for r in unclear.rows)
+        yield Notice(
+            f"not clear yet ({unclear.why}): round {rounds}, {names} again beside the baseline"
         )
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev
@@ -975,7 +1111,7 @@ async def _run_pending(
         study_rows = store.trials(sid)
         index, total = sum(t.done for t in study_rows) + 1, len(study_rows)
         length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
-        fits = run.fits_budget(budget_reserve(row.role))
+        fits = run.fits_budget(run.walls_for(row, study_rows))
         skip = BUDGET_SKIP if not fits else length.skip_reason
         if skip:
             store.finish_trial(
@@ -1034,6 +1170,7 @@ async def _run_pending(
                 TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s"))
             )
 
+        started, cpu = time.monotonic(), own_cpu_s()
         task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress, run.nodes))
         while not task.done():
             try:
@@ -1047,6 +1184,12 @@ async def _run_pending(
             for notice in sampler.notices:
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
+        run.timings.add(
+            f"trial {row.seq} {row.role}",
+            time.monotonic() - started,
+            own_cpu_s() - cpu,
+            describe(row.config),
+        )
         if run.nodes is not None and (lost := run.nodes.lost()):
             # Not the config's fault: the trial stays unfinished and runs again on --resume.
             why = "; ".join(lost.values())
@@ -1073,7 +1216,6 @@ async def _run_pending(
                 yield Notice(
                     f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}"
                 )
-        run.trial_walls.append(outcome.wall_s)
         result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()

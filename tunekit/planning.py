@@ -27,6 +27,7 @@ from tunekit.observe.workload_process import (
     WorkloadProcess,
     observation_parts,
 )
+from tunekit.timings import Timings
 
 # -- what the loop yields, tuner by tuner --------------------------------------------------
 
@@ -121,8 +122,9 @@ class ChildHooks:
     """The hooks in the workload's process (the one that observed it; a fresh one, set up with
     the observation, after a tuner kills it), each under the process's timeout."""
 
-    def __init__(self, child: WorkloadProcess, obs: Observation):
+    def __init__(self, child: WorkloadProcess, obs: Observation, timings: Timings | None = None):
         self.child = child
+        self.timings = timings or Timings()
         self.cache = obs.cache
         self.parts = observation_parts(obs, obs.cache.items() if obs.cache is not None else {})
         child.setup = {"op": "observation", "parts": self.parts}
@@ -134,7 +136,11 @@ class ChildHooks:
         return [Candidate(**c) for c in (await self._call("plan", name, limit=limit))["candidates"]]
 
     async def _call(self, hook: str, name: str, **args: Any) -> dict[str, Any]:
-        reply, problem = await tuner_hook(self.child, hook, name, self.parts, self.cache, **args)
+        with self.timings.stage(f"{hook} {name}") as stage:
+            reply, problem = await tuner_hook(
+                self.child, hook, name, self.parts, self.cache, **args
+            )
+            stage.cpu_s = self.child.take_cpu_s()
         if problem:
             raise HookFailed(problem)
         return reply

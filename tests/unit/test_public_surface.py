@@ -163,6 +163,7 @@ API_NAMES = (
     "block_units",
     "broadcast_object",
     "check_threads",
+    "compose_headline",
     "copy_timings",
     "ddp_supports_bucket_list",
     "declined_features",
@@ -267,6 +268,7 @@ CLI_SURFACE = {
         "--keep-running",
         "--no-probe",
         "--no-rerank",
+        "-v/--explain",
         "--search-steps",
     ],
     "follow": [
@@ -290,6 +292,7 @@ CLI_SURFACE = {
         "--out",
         "--json",
         "--timeout",
+        "-v/--explain",
         "--store",
     ],
     "plugins": ["--knobs"],

@@ -10,6 +10,7 @@ from tunekit.trials.decide import (
     decide,
     leader_to_confirm,
     schedule,
+    still_unclear,
 )
 from tunekit.trials.stats import compare_runs, slowest_rank_steps, summarize
 
@@ -155,3 +156,71 @@ def test_batch_candidates_are_judged_by_throughput_not_step_time():
     assert d["winner_config"] == TuningConfig(big).to_dict()
     assert d["speedup"] == pytest.approx(4 / 3, rel=0.03)
     assert d["winner_global_batch"] == 128 and d["baseline_global_batch"] == 64
+
+
+def _steps(rng, median, n=12, sd=0.01):
+    return list(median * rng.normal(1, sd, n))
+
+
+def _unclear(rows):
+    return still_unclear(decide(rows, 0.01), rows, 0.01)
+
+
+def test_a_decision_is_clear_once_its_winner_has_two_runs_beyond_noise():
+    rng = np.random.default_rng(3)
+    fast = {"p": {"x": 1}}
+    rows = [_row(0, BASELINE, {}, _steps(rng, 0.1)), _row(1, CANDIDATE, fast, _steps(rng, 0.08))]
+    assert [r["description"] for r in _unclear(rows).rows] == ["p(x=1)"]  # one run: confirm it
+    rows += [_row(2, BASELINE, {}, _steps(rng, 0.1)), _row(3, "confirm", fast, _steps(rng, 0.08))]
+    assert _unclear(rows) is None
+
+
+def test_a_leader_whose_interval_holds_no_gain_is_measured_again_and_a_flat_one_is_not():
+    rng = np.random.default_rng(4)
+    looks = [
+        _row(0, BASELINE, {}, _steps(rng, 0.100, sd=0.2)),
+        _row(1, CANDIDATE, {"p": {}}, _steps(rng, 0.093, sd=0.2)),
+        _row(2, BASELINE, {}, _steps(rng, 0.100, sd=0.2)),
+    ]
+    d = decide(looks, 0.01)
+    assert d["winner"] == "baseline" and d["candidates"][0]["comparison"]["speedup"] > 1.01
+    unclear = still_unclear(d, looks, 0.01)
+    assert unclear.rows[0]["plugin"] == "p" and "holds no gain" in unclear.why
+    flat = [_row(0, BASELINE, {}, [0.1] * 8), _row(1, CANDIDATE, {"p": {}}, [0.1] * 8)]
+    assert _unclear(flat) is None
+    # ... unless the baseline moved under it: then the machine, not the config, is in question.
+    drifted = flat + [_row(2, BASELINE, {}, [0.075] * 8)]
+    assert "drifted" in _unclear(drifted).why
+
+
+def test_two_winners_within_each_others_noise_are_measured_side_by_side():
+    rng = np.random.default_rng(5)
+    a, b = {"p": {"x": 1}}, {"q": {"y": 1}}
+    close = [
+        _row(0, BASELINE, {}, _steps(rng, 0.100)),
+        _row(1, CANDIDATE, a, _steps(rng, 0.080, sd=0.05)),
+        _row(2, CANDIDATE, b, _steps(rng, 0.081, sd=0.05)),
+        _row(3, BASELINE, {}, _steps(rng, 0.100)),
+        _row(4, "confirm", a, _steps(rng, 0.080, sd=0.05)),
+    ]
+    unclear = _unclear(close)
+    assert [r["description"] for r in unclear.rows] == ["p(x=1)", "q(y=1)"]
+    assert "within each other's noise" in unclear.why
+    apart = [r for r in close if r.id != 2] + [_row(2, CANDIDATE, b, _steps(rng, 0.095))]
+    assert _unclear(apart) is None
+
+
+def test_a_winner_on_a_drifting_baseline_needs_a_third_run():
+    rng = np.random.default_rng(6)
+    fast = {"p": {}}
+    rows = [
+        _row(0, BASELINE, {}, _steps(rng, 0.10)),
+        _row(1, CANDIDATE, fast, _steps(rng, 0.06)),
+        _row(2, BASELINE, {}, _steps(rng, 0.13)),
+        _row(3, "confirm", fast, _steps(rng, 0.06)),
+        _row(4, BASELINE, {}, _steps(rng, 0.11)),
+    ]
+    assert decide(rows, 0.01)["winner"] == "p()"
+    assert "drifted" in _unclear(rows).why
+    rows += [_row(5, "confirm", fast, _steps(rng, 0.06)), _row(6, BASELINE, {}, _steps(rng, 0.12))]
+    assert _unclear(rows) is None

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 import rich.table
 from rich.console import Console
+from rich.markup import escape
 
 from tunekit.errors import TunekitError
 
@@ -125,6 +126,14 @@ STORE_OPTION = click.option(
     show_default=True,
     help="Study store folder (studies, cached probes and profiles, runs/).",
 )
+
+
+def marked_headline(headline: str, applies: bool, muted: str = "dim") -> str:
+    """A diagnosis's headline as rich markup, its verdict coloured (green where the tuner
+    applies, ``muted`` where not), the rest escaped."""
+    verdict, sep, rest = headline.partition(" · ")
+    style = "green" if applies else muted
+    return f"[{style}]{escape(verdict)}[/]{sep}{escape(rest)}"
 
 
 def _ms(x: float | None) -> str:

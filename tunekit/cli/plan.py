@@ -8,9 +8,18 @@ import shlex
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
-from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, trials_table
+from tunekit.cli.common import (
+    DURATION,
+    STORE_OPTION,
+    Table,
+    console,
+    marked_headline,
+    trials_table,
+)
 from tunekit.config import TuningConfig
+from tunekit.diagnosis_text import body_points, headline_of
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
 from tunekit.store import Store
@@ -52,8 +61,16 @@ from tunekit.workload_spec import resolve_spec
     help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
     "past it, a hang [default: 5m].",
 )
+@click.option(
+    "-v",
+    "--explain",
+    is_flag=True,
+    help="Print the diagnosis in full (its points, after its headline).",
+)
 @STORE_OPTION
-def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s):
+def plan_cmd(
+    plugin, workload, nproc, hardware, limit, out_dir, as_json, explain, store_dir, timeout_s
+):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. A baseline measured by an earlier `tunekit auto` with the
@@ -97,7 +114,9 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
                     "nproc": nproc,
                     "hardware": static.hardware.name,
                     "applies": diag.applies,
+                    "headline": headline_of(diag),
                     "summary": diag.summary,
+                    "points": body_points(diag.summary),
                     "expected_gain": diag.expected_gain,
                     "baseline_step_s": truth.step_s if truth is not None else None,
                     "candidates": [
@@ -120,9 +139,10 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
         )
     else:
         console.print(f"measured baseline (study {study.id}): {truth.describe()}")
-    console.print(
-        ("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary
-    )
+    console.print(marked_headline(headline_of(diag), diag.applies, muted="yellow"))
+    if explain:
+        for point in body_points(diag.summary):
+            console.print(f"  [dim]·[/] {escape(point)}")
     if not rows:
         return
     table = Table(
