@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
+
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Diagnosis, Tuner
+from tunekit.contract import Aspect, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
@@ -57,7 +59,14 @@ from tunekit.observe.static import (
 )
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
-from tunekit.planning import ChildHooks, TunerDiagnosed, TunerPlanned, TunerStep, diagnose_and_plan
+from tunekit.planning import (
+    ChildHooks,
+    TunerDiagnosed,
+    TunerPlanned,
+    TunerStep,
+    diagnose_and_plan,
+    diagnose_and_plan_side_by_side,
+)
 from tunekit.plugin_loading import load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyRow, TrialRow
@@ -76,7 +85,13 @@ from tunekit.trials.decide import (
     still_unclear,
 )
 from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
-from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
+from tunekit.trials.launcher import (
+    LaunchOptions,
+    TrialOutcome,
+    TrialSpec,
+    rank_threads,
+    run_trial,
+)
 from tunekit.trials.length import trial_length, wall_estimate
 from tunekit.trials.nodes import (
     Coordinator,
@@ -736,16 +751,40 @@ async def _diagnose_and_plan(
     """Every tuner's diagnose and plan, then the schedule they add up to, stored at once."""
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     # Tuners time pieces of the model: their hooks run in the workload's process, under the
-    # trial timeout.
-    hooks = ChildHooks(child, obs, run.timings)
+    # trial timeout; in two of them side by side where a trial's ranks would use two.
     got = _Planning()
-    async with child:
-        async for step in diagnose_and_plan(tuners, hooks, limit):
-            got.keep(step, tuners[step.name], run.s)
-            yield step.event()
+    processes = diagnosing_processes(obs, run.s, len(tuners))
+    async with contextlib.AsyncExitStack() as stack:
+        children = [await stack.enter_async_context(child)]
+        for i in range(2, processes + 1):
+            log = run.s.store_dir / OBSERVE_LOG.replace(".log", f"-{i}.log")
+            children.append(await stack.enter_async_context(WorkloadProcess(log, run.s.timeout_s)))
+            await children[-1].start()  # torch imports there while the first tuner runs here
+        within = f"diagnose and plan: {len(children)} workload processes side by side"
+        if len(children) == 1:
+            steps = diagnose_and_plan(tuners, ChildHooks(child, obs, run.timings), limit)
+        else:
+            hooks = [ChildHooks(c, obs, run.timings, part_of=within) for c in children]
+            steps = diagnose_and_plan_side_by_side(tuners, hooks, limit)
+        with run.timings.stage(within) if len(children) > 1 else contextlib.nullcontext():
+            async for step in steps:
+                got.keep(step, tuners[step.name], run.s)
+                yield step.event()
     with run.timings.stage("plan: schedule the trials"):
         for ev in _schedule(run, store, sid, obs, observation, got):
             yield ev
+
+
+def diagnosing_processes(obs: Observation, s: AutoSettings, tuners: int) -> int:
+    """Workload processes the tuners' hooks share: two where the job computes on CPU ranks of
+    a thread or more each and this machine holds two of them (a tuner times pieces of the model
+    at a rank's threads, so two side by side load the cores as two ranks of a trial do), else
+    one. Not on GPUs: two processes timing on one GPU would skew each other."""
+    if obs.device_type != "cpu" or tuners < 2:
+        return 1
+    threads = rank_threads(s.launch.nproc * s.launch.loopback_nodes, s.launch.threads_per_rank)
+    cores = psutil.cpu_count(logical=False) or 1
+    return 2 if 2 * threads <= cores else 1
 
 
 def _schedule(
@@ -902,7 +941,12 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
 async def _combine_winners(
     run: _Run, store: Store, sid: int, spec: str, tuners
 ) -> AsyncIterator[Event]:
-    """If tuners of different aspects each won, try their winners together once."""
+    """Try the winners of different aspects together once; or, where one tuner's winner
+    changes the batch, that winner with the best config of another aspect (``batch_partner``).
+
+    A gradient-sync setting that gains nothing at the job's batch can pay at a larger one
+    (the compute it overlaps grows with the batch, the gradients do not): judged at the
+    baseline's batch only, it would never meet the batch it pays at."""
     trials = store.trials(sid)
     if any(t.role == COMBINED for t in trials):
         return
@@ -915,11 +959,18 @@ async def _combine_winners(
         tuner = tuners.get(row["plugin"])
         if tuner is not None and str(tuner.aspect) not in best:
             best[str(tuner.aspect)] = row
-    if len(best) < 2:
-        return
     merged = TuningConfig()
     for row in best.values():
         merged = merged.merged(TuningConfig.from_dict(row["config"]))
+    if len(best) < 2:
+        leader = max(best.values(), key=lambda r: r["comparison"]["speedup"], default=None)
+        observation = store.study(sid).observation or {}
+        partner = batch_partner(
+            leader, decision, observation.get("pool", []), tuners, run.s.min_effect
+        )
+        if partner is None:
+            return
+        merged = merged.merged(TuningConfig.from_dict(partner))
     try:
         resolve(merged, tuners)
     except ConfigError as exc:
@@ -946,6 +997,50 @@ async def _combine_winners(
     )
     async for ev in _run_pending(run, store, sid, spec, tuners):
         yield ev
+
+
+def batch_partner(
+    leader: dict[str, Any] | None,
+    decision: dict[str, Any],
+    pool: list[dict[str, Any]],
+    tuners: Mapping[str, Tuner],
+    min_effect: float,
+) -> dict[str, Any] | None:
+    """For a winner that changes the batch (``leader``, a row of ``decide``): the config of
+    another aspect most worth trying beside it, or None.
+
+    The best of those tried, by their own trials' speed-up (any not clearly slower than the
+    baseline); none tried, the best predicted (any not predicted slower by ``min_effect``).
+    Placements are left out: they replace the step the batch runs in.
+    """
+    if leader is None or leader.get("global_batch") == decision.get("baseline_global_batch"):
+        return None
+    taken = {tuners[n].aspect for n in leader["config"].get("plugins", {}) if n in tuners}
+    if Aspect.BATCH not in taken:
+        return None
+
+    def other(plugin: str) -> bool:
+        t = tuners.get(plugin)
+        return (
+            t is not None
+            and t.aspect not in taken | {Aspect.PLACEMENT}
+            and not (t.excludes & taken)
+        )
+
+    tried = [
+        (r["comparison"]["speedup"], r["config"])
+        for r in decision.get("candidates", [])
+        if other(r["plugin"] or "") and r.get("comparison") and r["comparison"]["ci_high"] >= 1.0
+    ]
+    base = decision.get("baseline_median_s")
+    predicted = [
+        (base / e["predicted_s"], e["config"])  # the same batch: per step is per sample
+        for e in pool
+        if other(e["plugin"]) and e.get("predicted_s") and base and not e.get("global_batch")
+    ]
+    predicted = [sc for sc in predicted if sc[0] > 1 - min_effect]
+    scored = tried or predicted
+    return max(scored, key=lambda sc: sc[0])[1] if scored else None
 
 
 MAX_CONFIRMATIONS = 2
@@ -1225,7 +1320,7 @@ async def _run_pending(
         config_desc = describe(row.config)
         if outcome.search and outcome.ok:
             # The search settled on knobs and measured them: record what ran.
-            row_cfg = outcome.ranks[0].get("config") or row.config
+            row_cfg = found_config(outcome.ranks[0].get("config") or row.config, tuners)
             config_desc = describe(row_cfg) + " (found in-job)"
             result["config_found"] = row_cfg
         store.finish_trial(
@@ -1257,6 +1352,18 @@ async def _run_pending(
             reranked = _feedback(store, sid, s.min_effect, s.rerank)
             if reranked is not None:
                 yield reranked
+
+
+def found_config(config: dict[str, Any], tuners: Mapping[str, Tuner]) -> dict[str, Any]:
+    """The config an in-job search settled on; the baseline's (empty) config where it kept
+    every knob at its default: then it found nothing to change, and no decision weighs it
+    against the baseline as if it were a candidate."""
+    cfg = TuningConfig.from_dict(config)
+    for name, knobs in cfg.plugins.items():
+        tuner = tuners.get(name)
+        if tuner is None or tuner.validate(knobs) != tuner.defaults():
+            return config
+    return TuningConfig().to_dict()
 
 
 def _record_search_config(store: Store, trial_id: int, config: dict[str, Any]) -> None:

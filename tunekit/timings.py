@@ -27,6 +27,9 @@ class Stage:
     cpu_s: float | None = None
     """CPU seconds of every process that worked on it, as far as they are known."""
     detail: str = ""
+    part_of: str = ""
+    """The stage this one ran within, beside others (a tuner's diagnose in one of two workload
+    processes): its time is in that stage's already, so totals leave it out."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,15 +50,17 @@ class Timings:
         self.stages = [Stage(**row) for row in earlier or []]
 
     @contextlib.contextmanager
-    def stage(self, name: str, detail: str = "") -> Iterator[Stage]:
-        """Time the ``with`` block; the caller adds the CPU of other processes to the stage it gets."""
+    def stage(self, name: str, detail: str = "", part_of: str = "") -> Iterator[Stage]:
+        """Time the ``with`` block; the caller adds the CPU of other processes to the stage it
+        gets. ``part_of``: see :attr:`Stage.part_of` (its CPU is then only what the caller adds)."""
         wall, cpu = time.monotonic(), own_cpu_s()
-        row = Stage(name, 0.0, 0.0, detail)
+        row = Stage(name, 0.0, 0.0, detail, part_of)
         try:
             yield row
         finally:
             row.wall_s = time.monotonic() - wall
-            row.cpu_s = (row.cpu_s or 0.0) + own_cpu_s() - cpu
+            if not part_of:  # this process's CPU belongs to the enclosing stage then
+                row.cpu_s = (row.cpu_s or 0.0) + own_cpu_s() - cpu
             self.stages.append(row)
 
     def add(self, name: str, wall_s: float, cpu_s: float | None, detail: str = "") -> None:
@@ -63,3 +68,9 @@ class Timings:
 
     def to_list(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self.stages]
+
+
+def total(stages: list[dict[str, Any]]) -> tuple[float, float]:
+    """Wall and CPU seconds of the stages, those within another counted once, in it."""
+    top = [s for s in stages if not s.get("part_of")]
+    return sum(s["wall_s"] for s in top), sum(s.get("cpu_s") or 0.0 for s in top)

@@ -292,9 +292,12 @@ class BatchPsSizing(Tuner):
             entry["knobs"] = {"batch_size": p.batch, "cudnn_benchmark": bool(p.cudnn_benchmark)}
             entry["steps"] = {"ok": per_try, "oom": 1}.get(p.status, 0)
             trace.append(entry)
+        # The job's own batch, settled on, stays "0: the workload's": the search found nothing
+        # to change, and the config says so.
+        kept = knobs.get("batch_size", 0) == 0 and outcome.batch == session.workload.batch_size
         chosen = {
             **knobs,
-            "batch_size": outcome.batch,
+            "batch_size": 0 if kept else outcome.batch,
             "cudnn_benchmark": bool(outcome.cudnn_benchmark),
         }
         best = max(

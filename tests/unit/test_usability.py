@@ -166,26 +166,28 @@ def _timed(i, role, cfg, wall_s, status="ok", predicted_s=None):
 
 
 def test_the_budget_keeps_room_for_the_baseline_and_a_confirmation_behind_a_candidate():
-    run = _Run(AutoSettings(budget_s=100.0))
-    run.started -= 40  # 40 s spent
+    run = _Run(AutoSettings(budget_s=60.0))
+    run.started -= 20  # 20 s spent
     fast = {"p": {"x": 1}}
     rows = [
-        _timed(0, BASELINE, {}, 25.0),  # 10 s start-up, 1.5 s of steps, 13.5 s after them
+        _timed(0, BASELINE, {}, 25.0),  # 10 s start-up, 1.5 s of steps, then profiled steps
         _timed(1, CANDIDATE, fast, 0, status="pending", predicted_s=0.1),
         _timed(2, BASELINE, {}, 0, status="pending"),
     ]
-    # Each trial estimated like the first (10 s, 3 + 16 steps of 0.1 s, 13.5 s): the candidate,
-    # the baseline closing its block, a confirmation and its baseline are 4 x 25.4 s, past the
-    # 60 s left.
-    assert run.walls_for(rows[1], rows) == pytest.approx([25.4] * 4)
+    # Each trial estimated at the first one's start-up, 3 + 16 steps of 0.1 s and a second
+    # after them (the first baseline's own tail is its profiling, not a trial's): the
+    # candidate, the baseline closing its block, a confirmation and its baseline are
+    # 4 x 12.9 s, past the 40 s left.
+    assert run.walls_for(rows[1], rows) == pytest.approx([12.9] * 4)
     assert not run.fits_budget(run.walls_for(rows[1], rows))
     confirm = _timed(3, CONFIRM, fast, 0, status="pending", predicted_s=0.1)
-    assert run.walls_for(confirm, rows) == pytest.approx([25.4, 25.4])
+    assert run.walls_for(confirm, rows) == pytest.approx([12.9, 12.9])
     assert run.fits_budget(run.walls_for(confirm, rows))
     assert run.fits_budget(run.walls_for(rows[2], rows))
-    # A plain baseline run measured since: baselines are estimated at its 12 s, and a
-    # config's own earlier run at its own wall.
-    rows[2] = _timed(2, BASELINE, {}, 12.0)
+    # A plain baseline run since: baselines are estimated at its 12 s, and a config's own
+    # earlier run at its own wall; what trials take after their steps, from the plain ones.
+    rows[2] = _timed(2, BASELINE, {}, 12.0)  # 0.5 s after its steps
+    assert run.walls_for(confirm, rows) == pytest.approx([12.4, 12.0])
     rows.append(_timed(3, CONFIRM, fast, 9.0))
     assert run.walls_for(confirm, rows) == pytest.approx([9.0, 12.0])
     assert _Run(AutoSettings()).fits_budget([1e9])  # no budget

@@ -51,6 +51,7 @@ from tunekit.events import (
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.truth import PART_LABELS
 from tunekit.runtime.rundir import RunDir
+from tunekit.timings import total
 from tunekit.workload_spec import resolve_spec
 
 
@@ -520,11 +521,10 @@ def timings_table(stages: list[dict]) -> Table:
         table.add_column(col)
     for s in stages:
         cpu = "—" if s.get("cpu_s") is None else f"{s['cpu_s']:.1f} s"
-        table.add_row(s["stage"], f"{s['wall_s']:.1f} s", cpu, s.get("detail", ""))
-    total = sum(s["wall_s"] for s in stages)
-    table.add_row(
-        "total", f"{total:.1f} s", f"{sum(s.get('cpu_s') or 0 for s in stages):.1f} s", ""
-    )
+        name = f"  {s['stage']}" if s.get("part_of") else s["stage"]  # within the row after it
+        table.add_row(name, f"{s['wall_s']:.1f} s", cpu, s.get("detail", ""))
+    wall, cpu_s = total(stages)
+    table.add_row("total", f"{wall:.1f} s", f"{cpu_s:.1f} s", "")
     return table
 
 

@@ -101,8 +101,9 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     base_rows = [t for t in trials if t.role == BASELINE and trial_samples(t)]
     base_median = float(statistics.median([x for t in base_rows for x in _step_s(t)]))
     groups: dict[str, list[TrialRow]] = {}
+    untuned = TuningConfig().config_id  # a search that kept every default: no candidate
     for t in trials:
-        if t.role != BASELINE:
+        if t.role != BASELINE and t.config_id != untuned:
             groups.setdefault(t.config_id, []).append(t)
     rows = []
     for runs in groups.values():

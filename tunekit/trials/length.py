@@ -166,7 +166,7 @@ def wall_estimate(
     A run of the same config already measured is the estimate (the longest, a plain run's:
     not the observed baseline's profiled steps, not a search); otherwise the study's start-up,
     the steps at ``step_s`` (the baseline's median step without a prediction) and the time
-    trials took past their last step.
+    plain trials took past their last step (:data:`DEFAULT_TAIL_S` before one has run).
     """
     done = [r for r in rows if r.status == "ok" and (r.result or {}).get("wall_s")]
     done = [r for r in done if not (r.result or {}).get("search")]
@@ -177,7 +177,7 @@ def wall_estimate(
     if step_s is None or step_s <= 0:
         base = [r.median_s for r in rows if r.seq == 0 and r.median_s]
         step_s = base[0] if base else 0.0
-    tails = [_tail_s(r) for r in (plain or done)]
+    tails = [_tail_s(r) for r in plain]  # not the first baseline's: it profiles and exports traces
     tail = max(tails) if tails else DEFAULT_TAIL_S
     counted = warmup + steps + SEARCH_STEP_WEIGHT * search_steps
     return startup_estimate(rows) + counted * step_s + tail
