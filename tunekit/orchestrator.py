@@ -766,10 +766,13 @@ async def _diagnose_and_plan(
         else:
             hooks = [ChildHooks(c, obs, run.timings, part_of=within) for c in children]
             steps = diagnose_and_plan_side_by_side(tuners, hooks, limit)
-        with run.timings.stage(within) if len(children) > 1 else contextlib.nullcontext():
+        with run.timings.stage(within) if len(children) > 1 else contextlib.nullcontext() as whole:
             async for step in steps:
                 got.keep(step, tuners[step.name], run.s)
                 yield step.event()
+            if whole is not None:  # the workload processes' CPU, tuner by tuner
+                parts = [t for t in run.timings.stages if t.part_of == within]
+                whole.cpu_s = sum(t.cpu_s or 0.0 for t in parts)
     with run.timings.stage("plan: schedule the trials"):
         for ev in _schedule(run, store, sid, obs, observation, got):
             yield ev
@@ -812,6 +815,7 @@ def _schedule(
             {_tuner_of(t) for t in searches},
             len(pool) if slots is None else slots,
             run.s.min_effect,
+            promising_first=run.s.budget_s is not None,
         )
         if dropped:
             observation["dropped"] = [
@@ -879,7 +883,9 @@ def _truth_dict(obs: Observation) -> dict[str, Any] | None:
     return truth.to_dict() if truth is not None else None
 
 
-def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) -> Reranked | None:
+def _feedback(
+    store: Store, sid: int, min_effect: float, rerank: bool = True, budget: bool = False
+) -> Reranked | None:
     """Refit every tuner's correction from the trials so far; re-rank the candidates left to run
     (with ``rerank`` off, only their corrected predictions are updated).
 
@@ -912,7 +918,7 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
     }
     base_batch = (observation.get("summary") or {}).get("global_batch") or 1
     ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
-    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect)
+    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect, promising_first=budget)
     store.replace_pending_candidates(
         sid,
         [
@@ -1349,7 +1355,7 @@ async def _run_pending(
             samples_per_s=m.samples_per_s if m else None,
         )
         if row.role != BASELINE:
-            reranked = _feedback(store, sid, s.min_effect, s.rerank)
+            reranked = _feedback(store, sid, s.min_effect, s.rerank, s.budget_s is not None)
             if reranked is not None:
                 yield reranked
 

@@ -309,7 +309,12 @@ class HybridMp(Tuner):
         details["stages"] = where
         model = step_model(obs, og, source)
         if isinstance(model, str):
-            return Diagnosis(False, f"{text}: no calibrated prediction: {model}", details=details)
+            return Diagnosis(
+                False,
+                f"{text}: no calibrated prediction: {model}",
+                details=details,
+                headline=compose_headline(False, figure=f"no prediction: {model}"),
+            )
         pred = predict_placement(obs, model, stages)
         details["calibrated"] = {**model.to_dict(), "prediction": pred.to_dict()}
         text += f", {expectation(obs, pred, m)}"

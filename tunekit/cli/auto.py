@@ -217,7 +217,7 @@ def auto_cmd(
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME).
 
     Without WORKLOAD, the demo: example:cnn in about a minute (a 55 s budget), the
-    tuners' best planned candidates tried (no in-job searches), 12 measured steps a trial.
+    tuners' best planned candidates tried (no in-job searches), 8 measured steps a trial.
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
     the best candidates with short torchrun trials, and writes report.md,
@@ -318,7 +318,7 @@ DEMO_BUDGET_S = 55.0
 """The demo's time budget (``tunekit auto`` without a workload): observing, diagnosing and
 trials, a confirmation kept room for, what does not fit skipped and said; with starting
 tunekit and writing the report, the command's minute."""
-DEMO_STEPS, DEMO_WARMUP = 12, 2
+DEMO_STEPS, DEMO_WARMUP = 8, 2
 """The demo's measured and warm-up steps a trial (where a decision is unclear, more paired
 rounds measure more, within the budget)."""
 
@@ -495,7 +495,7 @@ class _ProgressView:
         if self.budget_skipped:
             console.print(
                 f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
-                f"(#{', #'.join(map(str, self.budget_skipped))})"
+                f"({_ranges(self.budget_skipped)})"
             )
         if self.decision is not None:
             console.print(result_table(self.decision))
@@ -510,6 +510,17 @@ class _ProgressView:
             console.print(
                 f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}"
             )
+
+
+def _ranges(seqs: list[int]) -> str:
+    """``#4–#9, #12``: trial numbers, runs of consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for n in sorted(seqs):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}–#{r[-1]}" for r in runs)
 
 
 def timings_table(stages: list[dict]) -> Table:
