@@ -413,12 +413,14 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
 
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev
-        async for ev in _combine_winners(run, store, sid, spec, tuners):
-            yield ev
-        async for ev in _confirm_leader(run, store, sid, spec, tuners):
-            yield ev
-        async for ev in _measure_more(run, store, sid, spec, tuners):
-            yield ev
+        # A winner that needed more rounds to show gets its combination after them.
+        for _ in range(2):
+            async for ev in _combine_winners(run, store, sid, spec, tuners):
+                yield ev
+            async for ev in _confirm_leader(run, store, sid, spec, tuners):
+                yield ev
+            async for ev in _measure_more(run, store, sid, spec, tuners):
+                yield ev
         if paused:
             assert s.pause_run is not None  # paused only when there is a run to pause
             held.close()
@@ -561,15 +563,16 @@ def _qualify(
         if settled:
             decision["reason"] += f"; clear after {rounds} beside the baseline"
         elif not more.get("clear"):
-            spent = (
-                f"the {s.budget_s:g} s budget"
-                if more.get("spent") == "time budget" and s.budget_s is not None
-                else f"its {n} round(s)"
-                if more.get("spent") == "round limit"
-                else "the time budget"
-            )
+            budget = f"the {s.budget_s:g} s budget" if s.budget_s is not None else "the budget"
+            unclear = more.get("why", "")
+            if more.get("spent") == "time budget":
+                spent = budget
+            else:
+                spent = f"its {n} round(s)" if n else "no rounds allowed (measure_rounds 0)"
             decision["reason"] += (
-                f"; still unclear after {rounds} ({more.get('why')}): {spent} spent"
+                f"; still unclear after {rounds} ({unclear}): {spent} spent"
+                if n
+                else f"; unclear ({unclear}), and {spent} left no room to measure more"
             )
     drift = baseline_drift(trials)
     if drift is not None:

@@ -356,3 +356,17 @@ def test_the_terminal_prints_headlines_and_with_explain_the_bodies_notes_and_tim
         assert ("where the time went" in text) is explain
         if explain:
             assert "trial 0 baseline" in text and "9.5 s" in text
+
+
+def test_a_decision_the_budget_left_no_room_to_measure_more_says_so():
+    trials = [
+        _row(0, BASELINE, {}, 0.100, noise=0.2),
+        _row(1, CANDIDATE, {"p": {"x": 1}}, 0.09, noise=0.2),
+        _row(2, BASELINE, {}, 0.100, noise=0.2),
+    ]
+    decision = decide(trials, 0.01)
+    none = {"measured_more": {"rounds": 0, "clear": False, "why": "x", "spent": "time budget"}}
+    _qualify(decision, trials, AutoSettings(budget_s=55.0, trials=None), none)
+    assert decision["reason"].endswith(
+        "; unclear (x), and the 55 s budget left no room to measure more"
+    )

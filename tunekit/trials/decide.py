@@ -166,6 +166,8 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             reason=(
                 "no candidate beat the baseline beyond noise"
                 if ok
+                else "no candidate trial ran"
+                if rows and all(r["status"] == "skipped" for r in rows)
                 else "no candidate trial succeeded"
                 if rows
                 else "no tuner proposed a candidate for this job"
