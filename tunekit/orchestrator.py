@@ -48,13 +48,17 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
+from tunekit.hardware import Hardware
 from tunekit.locks import describe_holder
 from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.observation import Measurement, Observation, TelemetrySummary
+from tunekit.observe.probe import DEFAULT_REPEATS, DEFAULT_SIZES, ProbeResult, probe_result
 from tunekit.observe.static import (
+    StaticObservation,
     describe_hardware,
     observe_in_child,
+    probe_cache_key,
     resolve_device_type,
 )
 from tunekit.observe.telemetry import TelemetrySampler
@@ -216,6 +220,10 @@ class _Run:
         """How a follower gets the token (``--token-file PATH``), when this study made it."""
         self.timings = Timings()
         """Where this run's time went, stage by stage (report.json's ``timings``)."""
+        self.probe: dict[str, Any] | None = None
+        """What the first baseline trial's ranks probe after their steps (``TrialSpec.probe``)."""
+        self.probed: ProbeResult | None = None
+        """What they measured."""
         if settings.clock_from is not None:  # the command's own start: its imports, torch's
             self.timings.add("start: tunekit itself", self.elapsed(), own_cpu_s())
 
@@ -290,7 +298,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 s.seed,
                 s.launch.threads_per_rank,
                 True,
-                s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1,
+                False,  # the baseline trial's ranks probe, where no probe is cached (below)
                 s.timeout_s,
                 s.store_dir,
                 observer,
@@ -312,6 +320,16 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         ):  # its CUDA context would hold GPU memory beside the baseline trial
             await observer.close()  # the tuners' hooks then start a fresh one
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
+        wants_probe = (
+            s.probe
+            and not s.hardware
+            and s.launch.loopback_nodes == 1
+            and s.launch.nnodes == 1
+            and s.launch.world_size >= 2
+            and not hardware.collectives
+        )
+        if wants_probe:
+            run.probe = {"sizes": list(DEFAULT_SIZES), "repeats": DEFAULT_REPEATS}
         for text in static.notices:
             yield Notice(text, "warning")
         key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
@@ -370,6 +388,10 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0, observe=True):
             yield ev
         base_row = store.trials(sid)[0]
+        if wants_probe and base_row.status == "ok":
+            static.hardware, probe_notes = await _probed(run, store, static, s)
+            for text in probe_notes:
+                yield Notice(text, "warning")
         if base_row.status != "ok":
             store.set_study(
                 sid,
@@ -457,6 +479,26 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if lock is not None:
             lock.release()
         store.close()
+
+
+async def _probed(
+    run: _Run, store: Store, static: StaticObservation, s: AutoSettings
+) -> tuple[Hardware, list[str]]:
+    """This machine with the collectives the baseline trial's ranks timed, cached for later
+    studies; or, where they did not (a study resumed after its baseline, a probe that failed),
+    probed now by ranks of its own."""
+    probed = run.probed
+    if probed is None:
+        with run.timings.stage("observe: the hardware (probe)"):
+            return await asyncio.to_thread(
+                describe_hardware, s.launch.world_size, static.device_type, None, store, True
+            )
+    hw = probed.hardware
+    store.cache_put(probe_cache_key(hw), [asdict(f) for f in hw.collectives])
+    return hw, [
+        f"probed this machine's collectives in the baseline trial ({probed.wall_s:.0f} s); "
+        "cached for later studies (tunekit hardware probe re-measures)"
+    ]
 
 
 def _store_timings(store: Store, sid: int, timings: Timings) -> list[dict[str, Any]]:
@@ -1258,6 +1300,7 @@ async def _run_pending(
             device=s.device,
             search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
+            probe=run.probe if observe else None,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
         sampler = (
@@ -1288,6 +1331,11 @@ async def _run_pending(
             for notice in sampler.notices:
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
+        if spec_.probe and outcome.ok and "all_reduce" in (outcome.ranks[0].get("probe") or {}):
+            first = outcome.ranks[0]["probe"]
+            run.probed = probe_result(
+                first, s.launch.world_size, resolve_device_type(s.device), first["wall_s"]
+            )
         run.timings.add(
             f"trial {row.seq} {row.role}",
             time.monotonic() - started,
