@@ -103,6 +103,9 @@ class TrialFinished(Event):
 BUDGET_SKIP = "did not fit the time budget"
 """``TrialFinished.error`` of a trial skipped because the time budget had no room for it."""
 
+NOTHING_RAN = "nothing ran since the last baseline run (every trial between was skipped)"
+"""``TrialFinished.error`` of an interleaved baseline run skipped: it would measure beside nothing."""
+
 
 @dataclass
 class Reranked(Event):

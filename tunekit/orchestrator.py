@@ -34,6 +34,7 @@ from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     BUDGET_SKIP,
+    NOTHING_RAN,
     Decided,
     Diagnosed,
     Event,
@@ -248,15 +249,25 @@ class _Run:
     def walls_for(self, row: TrialRow, rows: list[TrialRow]) -> list[float]:
         """The expected wall times of ``row``'s trial and of those the budget keeps back behind it:
         for a candidate, the baseline that closes its block (if one is planned), a confirmation
-        of it and the baseline beside that, so that a winner is never declared on a single run
-        for lack of time; for a confirmation, its baseline."""
+        and the baseline beside that, so that a winner is never declared on a single run for
+        lack of time (the confirmation of whichever will lead: this candidate, or one measured
+        once already that looks faster than the baseline, the longest of them); for a
+        confirmation, its baseline."""
         step_s = row.corrected_s or row.predicted_s
         own = self.wall(row.config_id, step_s, rows, search=bool(row.config.get("search")))
         base = self.wall(TuningConfig().config_id, None, rows)
         if row.role in (CANDIDATE, SEARCH, COMBINED):
             later = [t for t in rows if not t.done and t.seq > row.seq]
             closing = [base] if any(t.role == BASELINE for t in later) else []
-            return [own, *closing, self.wall(row.config_id, step_s, rows), base]
+            leaders = [
+                self.wall(r["config_id"], r["median_s"], rows)
+                for r in decide(rows, self.s.min_effect)["candidates"]
+                if r.get("comparison")
+                and r["runs"] == 1
+                and r["comparison"]["speedup"] > 1 + self.s.min_effect
+            ]
+            confirm = max([self.wall(row.config_id, step_s, rows), *leaders])
+            return [own, *closing, confirm, base]
         return [own, base] if row.role == CONFIRM else [own]
 
 
@@ -1259,6 +1270,8 @@ async def _run_pending(
         length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
         fits = run.fits_budget(run.walls_for(row, study_rows))
         skip = BUDGET_SKIP if not fits else length.skip_reason
+        if not skip and row.role == BASELINE and nothing_to_interleave(row, study_rows):
+            skip = NOTHING_RAN
         if skip:
             store.finish_trial(
                 row.id, status="skipped", error=skip, result={"length": length.to_dict()}
@@ -1421,6 +1434,13 @@ def found_config(config: dict[str, Any], tuners: Mapping[str, Tuner]) -> dict[st
         if tuner is None or tuner.validate(knobs) != tuner.defaults():
             return config
     return TuningConfig().to_dict()
+
+
+def nothing_to_interleave(row: TrialRow, rows: list[TrialRow]) -> bool:
+    """Whether a baseline run would follow another baseline run with nothing measured between
+    (the candidates planned between them all skipped, for time): it would only spend time."""
+    before = [t for t in rows if t.seq < row.seq and t.status != "skipped"]
+    return bool(before) and max(before, key=lambda t: t.seq).role == BASELINE
 
 
 def _record_search_config(store: Store, trial_id: int, config: dict[str, Any]) -> None:

@@ -370,3 +370,25 @@ def test_a_decision_the_budget_left_no_room_to_measure_more_says_so():
     assert decision["reason"].endswith(
         "; unclear (x), and the 55 s budget left no room to measure more"
     )
+
+
+def test_a_candidate_keeps_room_for_confirming_the_leader_and_a_baseline_beside_nothing_is_skipped():
+    from tunekit.orchestrator import nothing_to_interleave
+
+    run = _Run(AutoSettings(budget_s=100.0))
+    leader = _row(1, CANDIDATE, {"p": {"x": 1}}, 0.15, noise=0)  # 4x the batch: 2.7x per sample
+    leader.result.update(wall_s=14.0, startup_s=10.0, length={"warmup": 3, "steps": 12})
+    leader.result["ranks"] = [{"global_batch": 256}]
+    rows = [
+        _timed(0, BASELINE, {}, 25.0),
+        leader,
+        _timed(2, CANDIDATE, {"p": {"x": 2}}, 0, status="pending", predicted_s=0.1),
+        _timed(3, BASELINE, {}, 0, status="pending"),
+    ]
+    # The next candidate (10 s start-up, 19 steps of 0.1 s, the 1.75 s the leader took after its
+    # steps) keeps room for confirming the leader (its 14 s run), not itself.
+    assert run.walls_for(rows[2], rows) == pytest.approx([13.65, 13.65, 14.0, 13.65])
+    assert not nothing_to_interleave(rows[3], rows)
+    rows[1] = _timed(1, CANDIDATE, {"p": {"x": 1}}, 0, status="skipped")
+    rows[2] = _timed(2, CANDIDATE, {"p": {"x": 2}}, 0, status="skipped")
+    assert nothing_to_interleave(rows[3], rows)  # both candidates skipped for time

@@ -34,6 +34,7 @@ from tunekit.config import TuningConfig
 from tunekit.diagnosis_text import body_points, headline_of, outcomes
 from tunekit.events import (
     BUDGET_SKIP,
+    NOTHING_RAN,
     Decided,
     Diagnosed,
     Notice,
@@ -466,6 +467,8 @@ class _ProgressView:
                 self.progress.remove_task(task)
             if ev.status == "skipped" and ev.error == BUDGET_SKIP:
                 self.budget_skipped.append(ev.seq)
+            elif ev.status == "skipped" and ev.error == NOTHING_RAN:
+                pass  # bookkeeping of the skips above
             elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(
@@ -476,7 +479,7 @@ class _ProgressView:
                 self.say(
                     f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}"
                 )
-        elif isinstance(ev, Reranked):
+        elif isinstance(ev, Reranked) and self.explain:  # after every trial: -v only
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
             if learnt:
                 self.say(f"  [dim]feedback — {learnt}[/]")
