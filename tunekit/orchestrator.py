@@ -621,7 +621,7 @@ def _qualify(
             if more.get("spent") == "time budget":
                 spent = budget
             else:
-                spent = f"its {n} round(s)" if n else "no rounds allowed (measure_rounds 0)"
+                spent = f"its {n} round(s)" if n else "--measure-rounds 0"
             decision["reason"] += (
                 f"; still unclear after {rounds} ({unclear}): {spent} spent"
                 if n

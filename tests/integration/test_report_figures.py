@@ -70,7 +70,7 @@ def test_every_diagnosis_agrees_with_the_measured_breakdown_and_with_its_trials(
     # enough for a verdict to meet what its trials measured.
     res = cli(
         "auto", "example:cnn", "--trials", "1", "--search-steps", "8", "--steps", "6",
-        "--warmup", "1", env_extra=dataloader_on_path(workdir),
+        "--warmup", "1", "--measure-rounds", "1", env_extra=dataloader_on_path(workdir),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads((workdir / "tunekit-out" / "report.json").read_text())

@@ -253,6 +253,7 @@ CLI_SURFACE = {
         "--warmup",
         "--timeout",
         "--stall",
+        "--measure-rounds",
         "--min-effect",
         "--device",
         "--hardware",

@@ -188,9 +188,10 @@ def test_a_leader_whose_interval_holds_no_gain_is_measured_again_and_a_flat_one_
     assert unclear.rows[0]["plugin"] == "p" and "holds no gain" in unclear.why
     flat = [_row(0, BASELINE, {}, [0.1] * 8), _row(1, CANDIDATE, {"p": {}}, [0.1] * 8)]
     assert _unclear(flat) is None
-    # ... unless the baseline moved under it: then the machine, not the config, is in question.
+    # ... even on a drifting baseline: more runs would not make it a winner (the decision says
+    # the machine was too noisy).
     drifted = flat + [_row(2, BASELINE, {}, [0.075] * 8)]
-    assert "drifted" in _unclear(drifted).why
+    assert _unclear(drifted) is None
 
 
 def test_two_winners_within_each_others_noise_are_measured_side_by_side():

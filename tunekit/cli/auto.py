@@ -122,6 +122,14 @@ from tunekit.workload_spec import resolve_spec
     help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].",
 )
 @click.option(
+    "--measure-rounds",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Paired rounds (the leader, and a rival it cannot be told from, beside the baseline) "
+    "a decision not yet clear may add; 0: none.",
+)
+@click.option(
     "--min-effect",
     type=click.FloatRange(min=0, max=1),
     default=0.01,
@@ -197,6 +205,7 @@ def auto_cmd(
     warmup,
     timeout_s,
     stall_s,
+    measure_rounds,
     min_effect,
     device,
     hardware,
@@ -270,6 +279,7 @@ def auto_cmd(
         timeout_s=timeout_s,
         stall_s=stall_s,
         min_effect=min_effect,
+        measure_rounds=measure_rounds,
         device=device,
         hardware=hardware,
         probe=not no_probe,

@@ -217,9 +217,10 @@ def still_unclear(
     Clear means: a winner measured in two runs or more, beyond noise, with no other winner
     that paired runs cannot tell apart from it (and, when the baseline drifted between its
     runs, measured in three); or, without a winner, no candidate that even looks faster than
-    the baseline by ``min_effect``, on a baseline that held still. Anything else is worth
-    more paired, interleaved runs of the two closest configurations: the leader beside the
-    baseline, or the leader and its rival beside it.
+    the baseline by ``min_effect`` (more runs would not turn that into a winner; a drifting
+    baseline is said in the decision). Anything else is worth more paired, interleaved runs
+    of the two closest configurations: the leader beside the baseline, or the leader and its
+    rival beside it.
     """
     rows = sorted(
         (r for r in decision.get("candidates", []) if r.get("comparison")),
@@ -234,9 +235,7 @@ def still_unclear(
             return Unclear([leader], f"{leader['description']} looks {c['speedup']:.2f}x "
                                      f"but its interval ({c['ci_low']:.2f}–{c['ci_high']:.2f}x) "
                                      "holds no gain")  # fmt: skip
-        if drift is not None:
-            return Unclear([leader], "the baseline drifted between its runs")
-        return None
+        return None  # a drifting baseline says so in the decision; no candidate even looks faster
     if leader["runs"] < 2:
         return Unclear([leader], f"{leader['description']} has one run")
     if drift is not None and leader["runs"] < 3:
