@@ -144,7 +144,9 @@ class TunerOutcome:
     applies: bool
     expected_gain: float | None
     runs: int = 0
-    """Measured runs of its own configs (candidates, its in-job search, confirmations)."""
+    """Measured runs of its best config (a candidate or its in-job search, confirmations)."""
+    configs: int = 0
+    """Its own configs measured (combinations with other tuners' not counted)."""
     best: str = ""
     """Its best measured config: ``overlap_chunking(k=7, mode=two_chunk)``."""
     speedup: float | None = None
@@ -157,10 +159,12 @@ class TunerOutcome:
     """Why the measurement and the verdict differ ("" where they agree)."""
 
     def measured(self) -> str:
-        """``1.25x (2 runs)``, or ``not tried``."""
+        """``1.25x (2 runs)``, ``1.25x (1 run; 3 configs tried)``, or ``not tried``."""
         if self.speedup is None:
             return "not tried"
-        return f"{self.speedup:.2f}x ({self.runs} run{'s' if self.runs != 1 else ''})"
+        runs = f"{self.runs} run{'s' if self.runs != 1 else ''}"
+        tried = f"; {self.configs} configs tried" if self.configs > 1 else ""
+        return f"{self.speedup:.2f}x ({runs}{tried})"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "measured": self.measured()}
@@ -190,7 +194,7 @@ def outcomes(
         own = [r for r in rows if r.get("plugin") == name and r.get("comparison")]
         if own:
             top = max(own, key=lambda r: r["comparison"]["speedup"])
-            o.runs = sum(int(r.get("runs") or 0) for r in own)
+            o.runs, o.configs = int(top.get("runs") or 0), len(own)
             o.best, o.speedup = top.get("description", ""), top["comparison"]["speedup"]
             o.significant = bool(top["comparison"].get("significant"))
         o.note = _note(o, winner_row, float(decision.get("min_effect") or 0.01))

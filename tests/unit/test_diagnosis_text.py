@@ -106,12 +106,13 @@ DIAGNOSES = {
 def test_a_verdict_that_the_trials_contradict_says_why_beside_them():
     rows = [
         row(2, "batch_ps_sizing", "search", "batch_ps_sizing(batch_size=128)", 1.36, True, 2),
+        row(5, "batch_ps_sizing", "candidate", "batch_ps_sizing(batch_size=64)", 1.2, True),
         row(3, "cgdp", "search", "cgdp(chunk_size=5)", 1.03, True),
         row(4, "overlap_chunking", "candidate", "overlap_chunking(k=7)", 0.98, False),
     ]
     got = {o.plugin: o for o in outcomes(DIAGNOSES, decision_with(rows, 2, ["batch_ps_sizing"]))}
     batch = got["batch_ps_sizing"]
-    assert batch.won and batch.measured() == "1.36x (2 runs)"
+    assert batch.won and batch.measured() == "1.36x (2 runs; 2 configs tried)"
     assert batch.note == (
         "won: its model said it does not apply, but its in-job search found "
         "batch_ps_sizing(batch_size=128), which measured 1.36x"
