@@ -871,7 +871,7 @@ def _schedule(
             {_tuner_of(t) for t in searches},
             len(pool) if slots is None else slots,
             run.s.min_effect,
-            promising_first=run.s.budget_s is not None,
+            by_gain=run.s.budget_s is not None,
         )
         if dropped:
             observation["dropped"] = [
@@ -974,7 +974,7 @@ def _feedback(
     }
     base_batch = (observation.get("summary") or {}).get("global_batch") or 1
     ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
-    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect, promising_first=budget)
+    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect, by_gain=budget)
     store.replace_pending_candidates(
         sid,
         [
