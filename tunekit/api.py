@@ -34,15 +34,17 @@ from __future__ import annotations
 
 from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
 from tunekit.diagnosis_text import compose_headline
-from tunekit.hardware import GB, CollectiveFit, Hardware, fastest_path
+from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, fastest_path
 from tunekit.observe.blocks import block_units, graph_units, unit_starts
 from tunekit.observe.breakdown import Breakdown
 from tunekit.observe.grad_timing import Clock, time_groups
 from tunekit.observe.graph import Layer, ModelGraph, layer_output, trace_model
+from tunekit.observe.layer_modules import LayerModule, layer_modules
 from tunekit.observe.layer_profile import (
     LayerProfile,
     LayerRunner,
     LayerStep,
+    LayerTiming,
     measure_layer,
     output_member,
     run_steps,
@@ -108,16 +110,20 @@ __all__ = [
     "ComputeRate",
     "CostGraph",
     "DDPSync",
+    "Device",
     "EliminationStats",
     "Estimate",
     "GradSync",
     "Hardware",
     "HookedAccumulation",
+    "Host",
     "Layer",
     "LayerInfo",
+    "LayerModule",
     "LayerProfile",
     "LayerRunner",
     "LayerStep",
+    "LayerTiming",
     "LoaderOptions",
     "LocalSync",
     "Measurement",
@@ -147,6 +153,7 @@ __all__ = [
     "graph_units",
     "intra_op_threads",
     "is_out_of_memory",
+    "layer_modules",
     "layer_output",
     "measure_layer",
     "output_member",

@@ -35,6 +35,9 @@ class PluginProblem(Event):
     package: str
     status: str
     error: str
+    """One line (with where in the plugin it raised, when it raised)."""
+    traceback: str = ""
+    """The whole traceback, when a hook raised (report.md shows it under Problems)."""
 
 
 @dataclass

@@ -67,12 +67,13 @@ from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, Wor
 from tunekit.planning import (
     ChildHooks,
     TunerDiagnosed,
+    TunerFailed,
     TunerPlanned,
     TunerStep,
     diagnose_and_plan,
     diagnose_and_plan_side_by_side,
 )
-from tunekit.plugin_loading import load_all, select, slow_imports
+from tunekit.plugin_loading import PluginRecord, load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyRow, TrialRow
 from tunekit.timings import Timings, own_cpu_s
@@ -108,6 +109,7 @@ from tunekit.trials.nodes import (
     node_summary,
 )
 from tunekit.trials.output import OutputRecord
+from tunekit.workload import prepare_arguments
 
 
 @dataclass
@@ -290,9 +292,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             await observer.start()
             records = load_all()
             tuners = select(records, s.plugins)
-        for rec in records:
-            if not rec.ok and (s.plugins is None or rec.name in s.plugins):
-                yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        not_loaded = [r for r in records if not r.ok and (s.plugins is None or r.name in s.plugins)]
+        for rec in not_loaded:
+            yield PluginProblem(rec.name, rec.package, rec.status, rec.error, rec.traceback)
         for line in slow_imports([r for r in records if r.name in tuners]):
             yield Notice(line, "warning")
         paused = False
@@ -430,6 +432,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield Observed(observation["summary"])
 
         if "plans" not in observation:  # not planned yet (a plan is written whole or not at all)
+            observation["problems"] = [_load_problem(r) for r in not_loaded]
             async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation, observer):
                 yield ev
         else:
@@ -466,6 +469,9 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             notices = _qualify(decision, trials, s, store.study(sid).observation or {})
         for notice in notices:
             yield notice
+        if run.nodes is not None and (refused := run.nodes.refusals.summary()):
+            store.log_event(sid, "node_values_refused", {"count": run.nodes.refusals.count})
+            yield Notice(refused, "warning")
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
@@ -529,8 +535,15 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
         raise ConfigError(
             "several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator"
         )
+    loop = asyncio.get_running_loop()
+
+    def say(
+        line: str,
+    ) -> None:  # from whichever thread reads the store; yielded with the next events
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(line, "warning"))
+
     run.nodes, run.token_hint = host_coordinator(
-        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir
+        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir, say
     )
     return [Notice(run.nodes.how_to_follow(run.token_hint))]
 
@@ -539,15 +552,21 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
     assert nodes is not None  # only a study across nodes waits for followers
-    joined: list[int] = []
-    await asyncio.to_thread(
-        nodes.wait_for_followers,
-        run.s.join_timeout_s,
-        run.token_hint,
-        lambda r, hello: joined.append(r),
+    loop = asyncio.get_running_loop()
+
+    def joined(r: int, _: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(describe_hello(nodes, r)))
+
+    waiting = asyncio.create_task(
+        asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint, joined)
     )
-    for r in joined:
-        yield Notice(describe_hello(nodes, r))
+    while not waiting.done():  # each node said as it joins, or fails to authenticate
+        with contextlib.suppress(TimeoutError):
+            yield await asyncio.wait_for(run.queue.get(), timeout=0.2)
+    await asyncio.sleep(0)  # the last call_soon_threadsafe
+    while not run.queue.empty():
+        yield run.queue.get_nowait()
+    waiting.result()
     store.log_event(
         sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())}
     )
@@ -745,6 +764,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         if obs.layer_profile is not None
         else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
+        "training": prepare_arguments(obs.workload),  # best_config.md's prepare(...) call
     }
 
 
@@ -771,11 +791,17 @@ class _Planning:
     pool: list[dict[str, Any]] = field(default_factory=list)
     searches: list[PlannedTrial] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    """Tuners whose diagnose or plan failed (the report lists them, with the traceback)."""
 
     def keep(self, step: TunerStep, tuner: Tuner, s: AutoSettings) -> None:
         """What the schedule and the store need of one step of :func:`diagnose_and_plan`."""
         name = step.name
-        if isinstance(step, TunerDiagnosed):
+        if isinstance(step, TunerFailed):
+            self.problems.append(step.to_dict())
+            if step.diagnosis is not None:
+                self.diagnoses[name] = asdict(step.diagnosis)
+        elif isinstance(step, TunerDiagnosed):
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
             if s.in_job_search and type(tuner).search is not Tuner.search:
@@ -825,6 +851,8 @@ async def _diagnose_and_plan(
         with run.timings.stage(within) if len(children) > 1 else contextlib.nullcontext() as whole:
             async for step in steps:
                 got.keep(step, tuners[step.name], run.s)
+                if isinstance(step, TunerFailed):
+                    store.log_event(sid, "plugin_failed", step.to_dict())
                 yield step.event()
             if whole is not None:  # the workload processes' CPU, tuner by tuner
                 parts = [t for t in run.timings.stages if t.part_of == within]
@@ -929,9 +957,21 @@ def _schedule(
         for seq, pt in enumerate(planned, start=first)
     ]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
+    observation["problems"] = observation.get("problems", []) + got.problems
     store.add_trials(
         sid, rows, observation=observation, drop_pending=True
     )  # the schedule and its reasons, at once
+
+
+def _load_problem(rec: PluginRecord) -> dict[str, Any]:
+    """A plugin that did not load, as the report lists it beside tuners whose hooks failed."""
+    return {
+        "plugin": rec.name,
+        "what": f"{rec.status} ({rec.package})",
+        "error": rec.error,
+        "where": "",
+        "traceback": rec.traceback,
+    }
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:

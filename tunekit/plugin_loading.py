@@ -10,7 +10,9 @@ Three separate steps, as flake8 and mkdocs keep them:
 A plugin that fails any step is reported with its package name and the
 error; the others still load — also when its import calls ``sys.exit``. Each
 import is timed: one that is slow costs every rank of every trial and relaunch
-as much, and is reported (:func:`slow_imports`).
+as much, and is reported (:func:`slow_imports`). The clock starts after the
+core's own imports (:data:`CORE_MODULES`: torch and what ``tunekit.api``
+brings), so a plugin is charged only for what it adds.
 
 Discovery never looks in the working directory that ``python -m`` and ``-c``
 put first on the import path: ranks are started that way, and a ``*.dist-info``
@@ -23,10 +25,12 @@ plugins installed on its configured path, the same ones.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
 
@@ -59,7 +63,10 @@ class PluginRecord:
     error: str = ""
     tuner: Tuner | None = None
     import_s: float = 0.0
-    """How long importing it took in this process (the first time)."""
+    """How long importing it took in this process (the first time), after the core's own
+    imports (torch): what the plugin itself adds."""
+    traceback: str = ""
+    """The traceback, when importing or instantiating it raised."""
 
     @property
     def ok(self) -> bool:
@@ -113,16 +120,28 @@ def load(ep: EntryPoint) -> PluginRecord:
     """Import and instantiate one plugin; never raises (Ctrl-C aside)."""
     rec = PluginRecord(ep.name, _package(ep), ep.value, status=FAILED)
     module = ep.value.split(":")[0]
+    _import_core()
     started = time.perf_counter()
     try:
         cls = ep.load()
     except (Exception, SystemExit) as exc:  # a plugin's exit must not end tunekit
         rec.error = f"import failed: {_failure(exc)}"
+        rec.traceback = "".join(traceback.format_exception(exc))
         return rec
     finally:
         _import_s.setdefault(module, time.perf_counter() - started)
         rec.import_s = _import_s[module]
     return classify(rec, cls)
+
+
+CORE_MODULES = ("tunekit.api",)
+"""What plugins import from the core (torch above all): imported before a plugin's import
+is timed, so that the first plugin loaded is not blamed for seconds that are the core's."""
+
+
+def _import_core() -> None:
+    for name in CORE_MODULES:
+        importlib.import_module(name)
 
 
 def slow_imports(records: list[PluginRecord]) -> list[str]:
@@ -168,6 +187,7 @@ def classify(rec: PluginRecord, cls: object) -> PluginRecord:
         knobs = list(tuner.knobs())
     except (Exception, SystemExit) as exc:
         rec.status, rec.error = FAILED, _failure(exc)
+        rec.traceback = "".join(traceback.format_exception(exc))
         return rec
     names = [k.name for k in knobs]
     if len(set(names)) != len(names):

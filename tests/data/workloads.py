@@ -27,6 +27,19 @@ def tiny() -> Workload:
     )
 
 
+def column_targets() -> Workload:
+    """Targets of shape (n, 1): cross_entropy cannot train on them (a common slip)."""
+    w = tiny()
+    make_batch = w.make_batch
+
+    def batch(n, gen):
+        x, y = make_batch(n, gen)
+        return x, y.unsqueeze(1)
+
+    w.make_batch = batch
+    return w
+
+
 class _Raises(nn.Module):
     def __init__(self):
         super().__init__()
@@ -35,7 +48,7 @@ class _Raises(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls > 2:
+        if self.calls > 3:  # tunekit's observation runs three: trace, first step, summary
             raise RuntimeError("workload exploded on purpose")
         return self.fc(x)
 
@@ -50,7 +63,7 @@ class _Hangs(_Raises):
 
 
 def raises() -> Workload:
-    """Builds fine, then raises in its third forward pass (inside training)."""
+    """Builds fine, then raises in its fourth forward pass (inside training)."""
     w = tiny()
     w.model = _Raises
     return w

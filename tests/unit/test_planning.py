@@ -1,6 +1,7 @@
 """The diagnose-and-plan loop the CLI and the TUI share, and the apply outcome they print."""
 
 import asyncio
+import re
 
 from tunekit.contract import Candidate, Diagnosis
 from tunekit.observe.workload_process import ObservationFailed
@@ -87,7 +88,15 @@ def test_the_steps_become_the_orchestrators_events():
         )
     )
     assert isinstance(steps[0], TunerDiagnosed)
-    assert [s.event().to_dict() for s in steps] == [
+    events = [s.event().to_dict() for s in steps]
+    # A hook that raised: its one line says where in the plugin; the traceback goes with it.
+    raised = events[-1]
+    assert re.fullmatch(
+        r"ValueError: no model \(at (unit/)?test_planning\.py:\d+ in diagnose\)", raised["error"]
+    )
+    assert raised.pop("traceback").startswith("Traceback (most recent call last)")
+    raised["error"] = "ValueError: no model"
+    assert events == [
         {
             "event": "Diagnosed",
             "plugin": "a",

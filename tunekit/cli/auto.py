@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import shlex
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,6 +18,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.text import Text
 
 from tunekit.cli.common import (
     DURATION,
@@ -28,6 +29,8 @@ from tunekit.cli.common import (
     ensure_writable,
     marked_headline,
     split_names,
+    stops_on_sigterm,
+    styled,
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig
@@ -49,7 +52,7 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
-from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.examples import DEFAULT_EXAMPLE, examples_help
 from tunekit.observe.truth import PART_LABELS
 from tunekit.runtime.rundir import RunDir
 from tunekit.timings import total
@@ -192,6 +195,7 @@ from tunekit.workload_spec import resolve_spec
     show_default=True,
     help="Steps an in-job search may use.",
 )
+@stops_on_sigterm
 def auto_cmd(
     workload,
     nproc,
@@ -309,8 +313,8 @@ def auto_cmd(
     try:
         decision = asyncio.run(_drive(settings, as_json, explain))
     except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
-        raise Interrupted(
-            f"interrupted; the study is saved: continue it with `{resume_command()}`"
+        raise Interrupted.saying(
+            f"the study is saved: continue it with `{resume_command()}`"
         ) from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)
@@ -332,6 +336,9 @@ tunekit and writing the report, the command's minute."""
 DEMO_STEPS, DEMO_WARMUP = 8, 2
 """The demo's measured and warm-up steps a trial (where a decision is unclear, more paired
 rounds measure more, within the budget)."""
+
+# `tunekit auto --help` lists the examples (docs/workloads.md sends readers there)
+auto_cmd.help = f"{inspect.cleandoc(auto_cmd.help or '')}\n\n{examples_help()}"
 
 
 def resume_command() -> str:
@@ -410,10 +417,10 @@ class _ProgressView:
         """Bodies of diagnoses, plans and the timings too (``-v``)."""
         self.diagnoses: dict[str, dict] = {}
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"),
+            TextColumn("{task.fields[last]}", markup=False),
             TimeElapsedColumn(),
             console=console,
             transient=True,
@@ -425,19 +432,23 @@ class _ProgressView:
         self.paths: dict[str, str] | None = None
         self.finished: StudyFinished | None = None
 
-    def say(self, text: str) -> None:
-        self.progress.console.print(text)
+    def say(self, *parts: str | Text) -> None:
+        self.progress.console.print(*parts)
 
     def handle(self, ev) -> None:
         if isinstance(ev, StudyStarted):
             extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
             self.say(
-                f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}"
+                styled("[bold]study {}[/]", ev.study_id),
+                f"· {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}",
             )
         elif isinstance(ev, Notice):
-            self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
+            self.say(
+                styled("[yellow]note:[/] {}", ev.message) if ev.level == "warning" else ev.message
+            )
         elif isinstance(ev, PluginProblem):
-            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
+            where = "; traceback in the report's Problems" if ev.traceback else ""
+            self.say(styled("[yellow]plugin {} {}:[/] {}{}", ev.plugin, ev.status, ev.error, where))
         elif isinstance(ev, Observed):
             s = ev.summary
             self.say(
@@ -453,10 +464,10 @@ class _ProgressView:
                 self.say(f"  where the step goes (measured): {parts}{r}")
         elif isinstance(ev, Diagnosed):
             self.diagnoses[ev.plugin] = ev.to_dict()
-            self.say(f"  {ev.plugin}: {marked_headline(headline_of(ev), ev.applies)}")
+            self.say(styled("  {}: ", ev.plugin) + marked_headline(headline_of(ev), ev.applies))
             if self.explain:
                 for point in body_points(ev.summary):
-                    self.say(f"    [dim]·[/] {escape(point)}")
+                    self.say(styled("    [dim]·[/] {}", point))
         elif isinstance(ev, Planned):
             if self.explain:
                 self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
@@ -487,15 +498,25 @@ class _ProgressView:
                 )
             else:
                 self.say(
-                    f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}"
+                    styled(
+                        "  trial {} {} {}: [red]{}[/] {}",
+                        ev.seq,
+                        ev.role,
+                        ev.description,
+                        ev.status,
+                        ev.error or "",
+                    )
                 )
         elif isinstance(ev, Reranked) and self.explain:  # after every trial: -v only
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
             if learnt:
-                self.say(f"  [dim]feedback — {learnt}[/]")
+                self.say(styled("  [dim]feedback — {}[/]", learnt))
             if ev.dropped:
                 self.say(
-                    f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]"
+                    styled(
+                        "  [dim]dropped {} candidate(s) now predicted slower than the baseline[/]",
+                        len(ev.dropped),
+                    )
                 )
         elif isinstance(ev, Decided):
             self.decision = ev.decision
@@ -516,7 +537,7 @@ class _ProgressView:
             # Where a verdict and what its trials measured differ, the line that says why.
             for o in outcomes(self.diagnoses, self.decision):
                 if o.note:
-                    console.print(f"  {o.plugin}: {escape(o.note)}")
+                    console.print(styled("  {}: {}", o.plugin, o.note))
         if self.explain and self.finished is not None and self.finished.timings:
             console.print(timings_table(self.finished.timings))
         if self.paths:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
 import click
-from rich.markup import escape
 
 from tunekit import __version__
-from tunekit.cli.common import err_console
+from tunekit.cli.common import err_console, interruption, styled
 from tunekit.errors import TunekitError
 
 COMMANDS = {
@@ -116,7 +116,26 @@ def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
 
 
+SHARED_OUTPUT = {"new-plugin"}
+"""Commands whose files are for others: a plugin scaffold is source code to share. Every other
+command creates what it writes private (see :func:`main`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    # Studies, trial folders, followers' node files, reports and logs hold configs, results and
+    # the workload's output: nobody else's business. Umask 077 makes every file and folder this
+    # process and the ones it starts (torchrun, ranks, the workload's child) create private
+    # (0600/0700), whoever created the folder above them.
+    user_umask = os.umask(0o077) if not args or args[0] not in SHARED_OUTPUT else None
+    try:
+        return _main(argv)
+    finally:
+        if user_umask is not None:
+            os.umask(user_umask)
+
+
+def _main(argv: list[str] | None) -> int:
     # Commands that profile start torch.profiler themselves, once their input is known to be good.
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
@@ -127,23 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except TunekitError as exc:
-        # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
+        # literal: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
         err_console.print(
-            f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
-            highlight=False,
+            str(exc) if exc.exit_code in (130, 143) else styled("[bold red]error:[/] {}", exc)
         )
         return exc.exit_code
     except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return 130
+        said, code = interruption()
+        err_console.print(said)
+        return code
     except OSError as exc:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise  # anything else is a bug in tunekit: keep its traceback
         where = f": {exc.filename}" if exc.filename else ""
-        err_console.print(
-            f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}",
-            highlight=False,
-        )
+        err_console.print(styled("[bold red]error:[/] {}{}", exc.strerror or exc, where))
         return 2
     return 0
 

@@ -395,6 +395,12 @@ def _resize_batch(value, batch: int):
     return value
 
 
+def model_args(inputs: Any) -> tuple:
+    """The positional arguments the model is called with: the batch's inputs as ONE argument,
+    whatever they are (a tuple of tensors is not spread), as the training step calls it."""
+    return (inputs,)
+
+
 def _batch_of(args: tuple) -> int:
     for t in _tensors(args):
         if t.dim() > 0:
@@ -780,17 +786,19 @@ def trace_model(
 ) -> ModelGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`ModelGraph`.
 
-    ``example_inputs`` is the model's input: a tensor, or a tuple of positional
-    arguments. With ``batch_size`` the inputs are resized along dim 0 (rows
-    repeated or dropped) so shapes, bytes and FLOPs are recorded at that batch.
+    ``example_inputs`` is the batch's inputs, passed to the model as ONE argument,
+    as the training ranks pass them (``model(inputs)``): a tensor, or a tuple, list
+    or dict of tensors the model unpacks itself. With ``batch_size`` the inputs are
+    resized along dim 0 (rows repeated or dropped) so shapes, bytes and FLOPs are
+    recorded at that batch.
     The model runs in training mode, as it trains (batch norms in eval: the same
     ops, statistics untouched, and a batch of 1 works), without gradients; its modes, parameters, buffers and the global RNG state are
     as they were afterwards.
     Tries ``torch.fx``, then ``torch.export``, then leaf-module hooks.
     """
-    args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     if batch_size is not None:
-        args = tuple(_resize_batch(a, batch_size) for a in args)
+        example_inputs = _resize_batch(example_inputs, batch_size)
+    args = model_args(example_inputs)
     batch = _batch_of(args)
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}

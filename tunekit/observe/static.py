@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.observe.first_step import try_first_step
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
@@ -224,10 +225,12 @@ def observe_static(
     device_type = resolve_device_type(device)
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
     model = wl.model()
-    example = wl.example_batch(wl.batch_size, seed=seed)[0]
+    batch = wl.example_batch(wl.batch_size, seed=seed)
+    example = batch[0]
     graph = trace_model(
         model, example
     )  # first: a forward pass that fails is one WorkloadError line
+    try_first_step(wl, model, batch)  # a loss that cannot train fails here, not in a trial
     summary = summarize_model(model, example)
     if graph.notice:
         notices.append(graph.notice)

@@ -54,6 +54,9 @@ class ChildRaised(Exception):
         self.message = error.get("message", "")
         self.oom = bool(error.get("oom"))
         self.tunekit_error = error.get("tunekit_error")
+        self.where = error.get("where", "")
+        """Where it was raised (``file:line in function``), in the plugin when a plugin's hook raised."""
+        self.traceback = error.get("traceback", "")
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
@@ -249,6 +252,7 @@ def workload_facts(wl: Workload) -> dict[str, Any]:
         "accumulation": wl.accumulation,
         "clip_grad_norm": wl.clip_grad_norm,
         "scheduler": wl.scheduler is not None,
+        "scheduler_name": getattr(wl.scheduler, "__name__", None) if wl.scheduler else None,
     }
 
 
@@ -260,6 +264,14 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         raise RuntimeError(f"workload {facts['name']!r} runs in its own process, not in tunekit's")
 
     batch_range = tuple(facts["batch_range"]) if facts.get("batch_range") else None
+    scheduler = None
+    if facts.get("scheduler"):
+
+        def scheduler(*_args: Any) -> Any:
+            return runs_in_its_own_process()
+
+        # named as the factory it stands for: best_config.md's snippet names it
+        scheduler.__name__ = facts.get("scheduler_name") or "scheduler"
     return Workload(
         name=facts["name"],
         model=runs_in_its_own_process,
@@ -275,7 +287,7 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         grad_scaler=facts.get("grad_scaler"),
         accumulation=facts.get("accumulation", 1),
         clip_grad_norm=facts.get("clip_grad_norm"),
-        scheduler=runs_in_its_own_process if facts.get("scheduler") else None,
+        scheduler=scheduler,
     )
 
 
