@@ -506,7 +506,7 @@ async def _probed(
     probed now by ranks of its own."""
     probed = run.probed
     if probed is None:
-        with run.timings.stage("observe: the hardware (probe)"):
+        with run.timings.stage("observe: probe the collectives (ranks of its own)"):
             return await asyncio.to_thread(
                 describe_hardware, s.launch.world_size, static.device_type, None, store, True
             )

@@ -144,7 +144,7 @@ async def observe_in_child(
             )
             stage.cpu_s = child.take_cpu_s()
         graph = ModelGraph.from_dict(seen["graph"])
-        with timings.stage("observe: the hardware (probe)"):
+        with timings.stage("observe: the hardware"):
             hw, notices = await asyncio.to_thread(
                 describe_hardware, world_size, device_type, hardware, store, probe
             )
