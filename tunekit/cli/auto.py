@@ -507,9 +507,9 @@ class _ProgressView:
                         ev.error or "",
                     )
                 )
-        elif isinstance(ev, Reranked) and self.explain:  # after every trial: -v only
+        elif isinstance(ev, Reranked):
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
-            if learnt:
+            if learnt and self.explain:  # after every trial, every tuner's: -v only
                 self.say(styled("  [dim]feedback — {}[/]", learnt))
             if ev.dropped:
                 self.say(
