@@ -6,8 +6,8 @@ Each run is the command a new user types after the install, `tunekit auto`, in a
 of its own (a fresh study store: the probe, the layer timings and every tuner's
 measurements are paid again; `--keep-store` runs them all in one folder, as a user
 running the demo twice would). Per run it prints the wall time of the whole command, the
-lines it printed, the decision and whether the study's own measurements support it
-(`still_unclear` found nothing left to measure, and a winner has a confirmation run), and
+lines it printed, the decision and whether the study's own measurements support it (a
+candidate measured, `still_unclear` found nothing left to measure, a winner confirmed), and
 where the time went, stage by stage, from report.json's `timings` (wall and CPU seconds).
 
 The promise (issue 35): at most 60 s a run on the idle 2-core machine, each ending in a
@@ -54,6 +54,8 @@ def run_once(folder: Path) -> dict:
             winner=d.get("winner"),
             speedup=d.get("speedup"),
             reason=d.get("reason", ""),
+            # A decision: some candidate measured, nothing left unclear, a winner confirmed.
+            tried=any(c.get("comparison") for c in d.get("candidates", [])),
             clear=bool(more.get("clear", True)),
             confirmed=winner is None or winner.get("runs", 0) >= 2,
             timings=report.get("timings", []),
@@ -84,7 +86,7 @@ def main() -> None:
         results.append(r)
         verdict = (
             "decided, supported by its own measurements"
-            if r.get("clear") and r.get("confirmed")
+            if r.get("tried") and r.get("clear") and r.get("confirmed")
             else "NOT supported: " + r.get("reason", r["stderr"])
         )
         print(
@@ -97,6 +99,7 @@ def main() -> None:
         r["rc"] == 0
         and r["wall_s"] <= PROMISE_S
         and r["lines"] <= PROMISE_LINES
+        and r.get("tried")
         and r.get("clear")
         and r.get("confirmed")
         for r in results
