@@ -2,7 +2,10 @@
 
 A tuner may supply ``Diagnosis.headline``; a third-party tuner that does not still gets
 one, derived here from its verdict, gain and summary, so the CLI, the report and the TUI
-print one line per tuner whatever the plugin wrote.
+print one line per tuner whatever the plugin wrote. :func:`compose_headline` writes one the
+way every built-in tuner does (``tunekit.api`` gives it to plugins). After the trials,
+:func:`outcomes` sets each verdict beside what its trials measured, with a note wherever
+the two differ, so that a report or a screen never shows a verdict its table contradicts.
 """
 
 from __future__ import annotations
