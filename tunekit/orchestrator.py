@@ -775,6 +775,7 @@ def _layer_row(obs: Observation, t) -> dict[str, Any]:
         flops = graph.layers[t.name].flops * obs.workload.batch_size / graph.batch_size
     return {
         "name": t.name,
+        "label": graph.layer_label(t.name) if graph is not None else t.name,
         "kind": t.kind,
         "forward_s": t.forward_s,
         "backward_s": t.backward_s,

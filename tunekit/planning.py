@@ -262,15 +262,20 @@ class InProcessHooks:
 
 
 def diagnose_and_plan_here(
-    tuners: Mapping[str, Tuner], obs: Observation, limit: int, plan_always: bool = False
+    tuners: Mapping[str, Tuner],
+    obs: Observation,
+    limit: int,
+    plan_always: bool = False,
+    hooks: TunerHooks | None = None,
 ) -> Iterator[TunerStep]:
     """:func:`diagnose_and_plan` with the hooks called in this process, blocking (the TUI's worker thread).
 
     No event loop runs it: the in-process hooks never wait on anything, so each step is driven
     by hand, and a tuner runs exactly as when called directly, free to start a loop of its own
-    (``asyncio.run``), which it could not inside a running one.
+    (``asyncio.run``), which it could not inside a running one. ``hooks`` (default
+    :class:`InProcessHooks`) must not wait either; a subclass may say which hook runs.
     """
-    steps = diagnose_and_plan(tuners, InProcessHooks(tuners, obs), limit, plan_always)
+    steps = diagnose_and_plan(tuners, hooks or InProcessHooks(tuners, obs), limit, plan_always)
     try:
         while True:
             try:

@@ -31,8 +31,10 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
+from typing import Protocol
 
 from tunekit import API_VERSION
 from tunekit.contract import Aspect, Tuner
@@ -215,12 +217,22 @@ def available_tuners(records: list[PluginRecord] | None = None) -> dict[str, Tun
     return {r.name: r.tuner for r in records if r.ok and r.tuner is not None}
 
 
-def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
-    """The tuners named (all working ones when ``names`` is None); unknown names are errors."""
+class Loaded(Protocol):
+    """What :func:`check_names` reads of a plugin: a :class:`PluginRecord`, or the same facts
+    as data (the TUI lists the plugins in a child process)."""
+
+    name: str
+    package: str
+    status: str
+    error: str
+
+    @property
+    def ok(self) -> bool: ...
+
+
+def check_names(records: Sequence[Loaded], names: list[str]) -> None:
+    """Every name installed and loading, or one line (PluginError) on the first that is not."""
     by_name = {r.name: r for r in records}
-    if names is None:
-        return available_tuners(records)
-    chosen: dict[str, Tuner] = {}
     for name in names:
         rec = by_name.get(name)
         if rec is None:
@@ -228,6 +240,17 @@ def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tu
             raise PluginError(f"unknown plugin {name!r} (installed: {known})")
         if not rec.ok:
             raise PluginError(f"plugin {name!r} from {rec.package} is {rec.status}: {rec.error}")
-        assert rec.tuner is not None  # ok: load() set it
-        chosen[name] = rec.tuner
+
+
+def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
+    """The tuners named (all working ones when ``names`` is None); unknown names are errors."""
+    if names is None:
+        return available_tuners(records)
+    check_names(records, names)
+    by_name = {r.name: r for r in records}
+    chosen: dict[str, Tuner] = {}
+    for name in names:
+        tuner = by_name[name].tuner
+        assert tuner is not None  # ok: load() set it
+        chosen[name] = tuner
     return chosen

@@ -22,10 +22,13 @@ GLOO = (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_message_quoting_a_log_is_printed_as_it_is():
+def test_a_message_quoting_a_log_is_printed_as_it_is(monkeypatch):
     from tunekit.cli.auto import _ProgressView
     from tunekit.events import Notice, PluginProblem, TrialFinished
 
+    # Wide enough that no line wraps inside the quoted path, whatever ran before in this
+    # process (the count below is of whole paths).
+    monkeypatch.setattr(console, "width", 400)
     view = _ProgressView()
     with console.capture() as out:
         view.handle(Notice(GLOO, "warning"))
@@ -39,6 +42,7 @@ def test_a_message_quoting_a_log_is_printed_as_it_is():
     text = out.get()
     assert text.count("pair.cc:545]") == 6, text
     assert "[bold]x[/bold] [rank0]:" in text and "p(x=[1])" in text and "p[red]" in text
+    assert "\\\\" not in text  # a quoted trailing backslash is printed once, not doubled
     with err_console.capture() as err:
         err_console.print(GLOO)
     assert err.get().strip() == GLOO

@@ -17,7 +17,6 @@ from typing import Any, TypeVar, cast
 import click
 import rich.table
 from rich.console import Console
-from rich.markup import escape
 from rich.text import Text
 
 from tunekit.errors import TunekitError
@@ -47,9 +46,27 @@ err_console = Console(
 )
 
 
+_SLOT = re.compile("\ue000(\\d+)\ue001")
+
+
 def styled(template: str, *values: object) -> Text:
-    """``template``'s rich markup with each ``{}`` filled by a value taken literally."""
-    return Text.from_markup(template.format(*(escape(str(v)) for v in values)))
+    """``template``'s rich markup with each ``{}`` filled by a value taken literally.
+
+    The values never pass through the markup parser (escaping them would still double a
+    trailing backslash): the template is parsed with a placeholder in each slot, and each
+    placeholder is replaced by its value in the style the template gave that slot."""
+    marked = Text.from_markup(template.format(*(f"\ue000{i}\ue001" for i in range(len(values)))))
+    out = Text(end=marked.end)
+    at = 0
+    for m in _SLOT.finditer(marked.plain):
+        out.append_text(marked[at : m.start()])
+        value = Text(str(values[int(m.group(1))]))
+        for span in marked[m.start() : m.end()].spans:
+            value.stylize(span.style)
+        out.append_text(value)
+        at = m.end()
+    out.append_text(marked[at:])
+    return out
 
 
 class Table(rich.table.Table):

@@ -204,6 +204,20 @@ class ModelGraph:
             notice=d.get("notice", ""),
         )
 
+    def layer_label(self, name: str) -> str:
+        """The layer as the model names it: its module's path and class (``features.3 Conv2d``,
+        ``3 Conv2d`` in a bare Sequential) for a module call, the traced op's name otherwise
+        (``add_1``). The layer's own name is the traced node's (``_3`` for ``model[3]``)."""
+        layer = self.layers.get(name)
+        anchor = self.nodes.get(layer.nodes[0]) if layer is not None and layer.nodes else None
+        if anchor is None or anchor.module_type is None:
+            return name
+        return f"{anchor.target} {anchor.module_type}" if anchor.target else anchor.module_type
+
+    def layer_labels(self) -> dict[str, str]:
+        """:meth:`layer_label` of every layer, by layer name."""
+        return {name: self.layer_label(name) for name in self.layers}
+
     def summary(self) -> dict[str, Any]:
         """A few numbers for reports: counts, parameters, FLOPs, method."""
         kinds: dict[str, int] = {}

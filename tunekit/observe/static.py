@@ -8,6 +8,7 @@ Both cache the layer profile and this machine's collective fits in the store.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -213,17 +214,23 @@ def observe_static(
     threads_per_rank: int | None = None,
     time_layers: bool = True,
     probe: bool = False,
+    on_stage: Callable[[str], None] | None = None,
 ) -> StaticObservation:
     """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
 
     Runs the workload's code in this process (the TUI); ``tunekit auto`` and ``tunekit plan``
     use :func:`observe_in_child`. Layers are timed with the thread count each rank gets,
     so that their times add up to a rank's compute; the profile is cached in the store.
+    ``on_stage`` hears what it does now, in words ("timing 11 layers standalone").
     """
+    stage = on_stage or (lambda _: None)
     spec = resolve_spec(workload)
+    stage(f"loading {spec}")
     wl = load_workload(spec)
     device_type = resolve_device_type(device)
+    stage("describing the hardware")
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
+    stage("tracing the model graph")
     model = wl.model()
     batch = wl.example_batch(wl.batch_size, seed=seed)
     example = batch[0]
@@ -239,8 +246,10 @@ def observe_static(
         key = _layer_profile_key(graph, hw, device_type)
         cached = store.cache_get(key)
         if cached:
+            stage("the layer times, from the study store's cache")
             profile = LayerProfile.from_dict(cached)
         else:
+            stage(f"timing {len(graph.layers)} layers standalone (forward and backward)")
             threads = rank_threads(world_size, threads_per_rank)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
