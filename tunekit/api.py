@@ -22,6 +22,8 @@ What there is, by the step of a tuner's life that needs it:
 * **Cost models**: FLOPs to seconds (:class:`ComputeRate`), a model calibrated
   on the measured baseline (:class:`Calibration`), the fastest store-and-forward
   path over a graph of links (:func:`fastest_path`, as :meth:`Hardware.route`).
+* **Saying it** (``diagnose``): :func:`compose_headline`, the one-line headline every
+  tuner writes the same way (verdict · expected gain with its range · the measured figure).
 * **Searching**: a MILP wrapper over HiGHS (:class:`MilpModel`) and variable
   elimination over a cost graph (:func:`solve_elimination`).
 * **The runtime hooks** (``apply``, ``search``): :class:`Session`, the gradient
@@ -33,6 +35,7 @@ What there is, by the step of a tuner's life that needs it:
 from __future__ import annotations
 
 from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
+from tunekit.diagnosis_text import compose_headline
 from tunekit.effort import effort_repeats, effort_seconds, measure_effort
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, fastest_path
 from tunekit.observe.blocks import block_units, graph_units, unit_starts
@@ -143,6 +146,7 @@ __all__ = [
     "block_units",
     "broadcast_object",
     "check_threads",
+    "compose_headline",
     "copy_timings",
     "ddp_supports_bucket_list",
     "declined_features",

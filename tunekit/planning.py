@@ -11,8 +11,10 @@ runs regardless: a broken plugin must not stop the others.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -28,6 +30,7 @@ from tunekit.observe.workload_process import (
     WorkloadProcess,
     observation_parts,
 )
+from tunekit.timings import Timings
 
 # -- what the loop yields, tuner by tuner --------------------------------------------------
 
@@ -141,12 +144,56 @@ async def diagnose_and_plan(
         yield TunerPlanned(name, diagnosis, candidates, configs)
 
 
+async def diagnose_and_plan_side_by_side(
+    tuners: Mapping[str, Tuner], hooks: Sequence[TunerHooks], limit: int
+) -> AsyncIterator[TunerStep]:
+    """:func:`diagnose_and_plan` with the tuners shared out among ``hooks`` (each its own
+    workload process): each takes the next tuner as soon as it is done with its last, and the
+    steps come out in the tuners' order. An error that stops every tuner (the workload no
+    longer loads) is raised where that tuner's steps would come."""
+    loop = asyncio.get_running_loop()
+    queue = deque(tuners)
+    steps: dict[str, asyncio.Future[list[TunerStep]]] = {n: loop.create_future() for n in tuners}
+
+    async def work(hook: TunerHooks) -> None:
+        while queue:
+            name = queue.popleft()
+            try:
+                got = [s async for s in diagnose_and_plan({name: tuners[name]}, hook, limit)]
+            except Exception as exc:  # noqa: BLE001 - raised to the caller, in order
+                steps[name].set_exception(exc)
+                return
+            steps[name].set_result(got)
+
+    workers = [asyncio.create_task(work(h)) for h in hooks]
+    try:
+        for name in tuners:
+            for step in await steps[name]:
+                yield step
+    finally:
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        for future in steps.values():  # none left unretrieved
+            if future.done() and not future.cancelled():
+                future.exception()
+
+
 class ChildHooks:
     """The hooks in the workload's process (the one that observed it; a fresh one, set up with
     the observation, after a tuner kills it), each under the process's timeout."""
 
-    def __init__(self, child: WorkloadProcess, obs: Observation):
+    def __init__(
+        self,
+        child: WorkloadProcess,
+        obs: Observation,
+        timings: Timings | None = None,
+        part_of: str = "",
+    ):
         self.child = child
+        self.timings = timings or Timings()
+        self.part_of = part_of
+        """The stage each hook's timing is part of, when it runs beside others' (see Stage)."""
         self.cache = obs.cache
         self.parts = observation_parts(obs, obs.cache.items() if obs.cache is not None else {})
         child.setup = {"op": "observation", "parts": self.parts}
@@ -158,7 +205,11 @@ class ChildHooks:
         return [Candidate(**c) for c in (await self._call("plan", name, limit=limit))["candidates"]]
 
     async def _call(self, hook: str, name: str, **args: Any) -> dict[str, Any]:
-        reply, problem = await tuner_hook(self.child, hook, name, self.parts, self.cache, **args)
+        with self.timings.stage(f"{hook} {name}", part_of=self.part_of) as stage:
+            reply, problem = await tuner_hook(
+                self.child, hook, name, self.parts, self.cache, **args
+            )
+            stage.cpu_s = self.child.take_cpu_s()
         if problem:
             raise problem
         return reply

@@ -37,6 +37,7 @@ from tunekit.api import (
     Session,
     StepTruth,
     block_units,
+    compose_headline,
 )
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
@@ -133,6 +134,24 @@ def layer_units(obs: Observation, backward_names: list[str]) -> list[str] | None
     The layers' classes come from the observed model's summary."""
     kinds = {layer.name: layer.type for layer in obs.model.layers}
     return block_units([(name, kinds.get(name, "")) for name in reversed(backward_names)])
+
+
+def _truth_figure(truth: StepTruth | None) -> str:
+    """The measured figure CGDP's verdict rests on: the communication DDP leaves exposed."""
+    if truth is None:
+        return "no measured baseline"
+    if not truth.profiled:
+        return "exposed communication not measured"
+    return truth.phrase("comm_exposed", short=True)
+
+
+VERDICT_WORDS = {"gain": "applies", "too_close": "too close to call", "no_gain": "does not apply"}
+
+
+def _headline(verdict: str, gain: float, gain_range: tuple[float, float], figure: str) -> str:
+    """``too close to call · −1% (−12…+11%) · exposed communication 19% of the step``: the
+    model's gain over DDP as it is, negative too, with its range."""
+    return compose_headline(VERDICT_WORDS[verdict], gain, gain_range, figure)
 
 
 def _verdict(gain: float, low: float, high: float) -> str:
@@ -404,7 +423,11 @@ class Cgdp(Tuner):
             },
         }
         return Diagnosis(
-            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+            verdict != "no_gain",
+            summary,
+            expected_gain=max(gain, 0.0),
+            details=details,
+            headline=_headline(verdict, gain, (low, high), _truth_figure(obs.truth)),
         )
 
     def _plan_here(self, obs: Observation) -> list[Candidate]:
@@ -581,8 +604,17 @@ class Cgdp(Tuner):
         if why := declines({"offload_optimizer": True}, obs.workload.features()):
             summary += f"; offload_optimizer {why}"
         # --
+        figure = (
+            _truth_figure(obs.truth)
+            if obs.truth is not None
+            else f"host link {host.value / GB:.1f} vs peer all-reduce {peer.value / GB:.1f} GB/s (model)"
+        )
         return Diagnosis(
-            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+            verdict != "no_gain",
+            summary,
+            expected_gain=max(gain, 0.0),
+            details=details,
+            headline=_headline(verdict, gain, (low, high), figure),
         )
 
     def _plan_profile(self, obs: Observation, limit: int) -> list[Candidate]:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunekit.api import Observation, Session
+from tunekit.api import Observation, Session, compose_headline
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError, PluginError
 from tunekit.plugins.layer_split.calibrated import (
@@ -215,11 +215,17 @@ class LayerSplit(Tuner):
         )
         details["calibrated"] = cal.describe(top_configs)
         details["calibrated"]["plan"] = top_label
+        gain_range = None
+        if (rng := cal.calibration.predicted_range(predicted, obs.baseline.spread_s)) is not None:
+            gain_range = (1.0 - rng[1] / truth.step_s, 1.0 - rng[0] / truth.step_s)
         return Diagnosis(
             applies=gain > 0.0,
             summary=summary,
             expected_gain=max(0.0, gain),
             details=details,
+            headline=compose_headline(
+                gain > 0.0, gain, gain_range, truth.phrase("comm_exposed", short=True)
+            ),
         )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:

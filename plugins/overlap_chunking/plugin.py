@@ -42,6 +42,7 @@ from tunekit.plugins.overlap_chunking.explain import (
     diagnosis_text,
     expected_gain,
     exposure_is_measured,
+    headline,
     measured_exposed,
 )
 from tunekit.plugins.overlap_chunking.layers import (
@@ -296,11 +297,13 @@ class OverlapChunking(Tuner):
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
         grad_mib = sum(c.nbytes for c in priced["costs"].layers) / MB
         gain, bound = expected_gain(fitted, best.prediction)
+        spread = obs.baseline.spread_s if obs.baseline is not None else None
         return Diagnosis(
             applies=True,
             summary=diagnosis_text(fitted, best, gain, bound, grad_mib)
             + (f"; two_chunk with f > 0 {declined[0]}" if declined else ""),
             expected_gain=gain,
+            headline=headline(fitted, best, gain, bound, spread),
             details={
                 "exposed_s": measured_exposed(fitted),
                 "exposed_source": "measured" if exposure_is_measured(fitted) else "model",

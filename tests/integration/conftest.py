@@ -6,10 +6,12 @@ puts every test that uses one in the xdist group named after it
 use a shared study read it and never change it (its working folder, its store);
 a test that needs to change a study runs its own.
 
-* :func:`demo_study` — ``tunekit auto example:cnn`` as the README's demo runs it:
-  every built-in tuner diagnoses, this machine's collectives are probed, the
-  first-ranked candidate (a trial, or a tuner's in-job search) runs between
-  baselines, a winner is confirmed, and the report is written. One candidate
+* :func:`demo_study` — ``tunekit auto example:cnn`` as a user runs it: every
+  installed tuner diagnoses (the built-in ones and the third-party
+  ``examples/tunekit-dataloader``, found on ``PYTHONPATH`` the real way), this
+  machine's collectives are probed, the first-ranked candidate (a trial, or a
+  tuner's in-job search of 8 steps) runs between baselines, a leader is
+  measured once more and confirmed, and the report is written. One candidate
   slot: the decision, the feedback and the interleaving are the same with
   more, and each slot costs two torchrun trials or more.
   Trials are short (``--steps 6 --warmup 1``): what the tests check is what the
@@ -19,6 +21,7 @@ a test that needs to change a study runs its own.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ from typing import Any
 
 import pytest
 from support import run_cli
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @dataclass
@@ -64,6 +69,26 @@ class Study:
 def demo_study(tmp_path_factory) -> Study:
     workdir = tmp_path_factory.mktemp("demo_study")
     slots = 1
-    args = ["auto", "example:cnn", "--nproc", "2", "--trials", str(slots)]
-    args += ["--steps", "6", "--warmup", "1"]
-    return Study(workdir, run_cli(*args, cwd=workdir, timeout=900), slots)
+    args = ["auto", "example:cnn", "--nproc", "2", "--trials", str(slots), "--search-steps", "8"]
+    args += ["--steps", "6", "--warmup", "1", "--measure-rounds", "1"]
+    env = dataloader_on_path(workdir)
+    return Study(workdir, run_cli(*args, cwd=workdir, env_extra=env, timeout=900), slots)
+
+
+def dataloader_on_path(root: Path) -> dict[str, str]:
+    """examples/tunekit-dataloader, a third-party tuner that writes no headline, found the real way:
+    its entry point in a ``*.dist-info`` on PYTHONPATH (trial workers inherit it)."""
+    info = root / "site" / "tunekit_dataloader-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: tunekit-dataloader\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[tunekit.plugins]\ndataloader = tunekit_dataloader.plugin:DataLoaderTuner\n"
+    )
+    path = [
+        str(root / "site"),
+        str(EXAMPLES / "tunekit-dataloader"),
+        os.environ.get("PYTHONPATH", ""),
+    ]
+    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), "COLUMNS": "300"}

@@ -218,6 +218,14 @@ STORE_OPTION = click.option(
 )
 
 
+def marked_headline(headline: str, applies: bool, muted: str = "dim") -> Text:
+    """A diagnosis's headline, its verdict coloured (green where the tuner applies, ``muted``
+    where not), the rest taken literally."""
+    verdict, sep, rest = headline.partition(" · ")
+    style = "green" if applies else muted
+    return styled(f"[{style}]{{}}[/]{{}}{{}}", verdict, sep, rest)
+
+
 def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.1f} ms"
 

@@ -44,7 +44,7 @@ COMMANDS = {
 
 SUMMARIES = {
     "apply": "Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary.",
-    "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
+    "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME).",
     "follow": "Follow the coordinator at HOST:PORT: run this node's torchrun agent for every trial it announces.",
     "hardware": "Hardware models: measure this machine or validate and print a profile.",
     "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",

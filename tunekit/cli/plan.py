@@ -9,8 +9,17 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, styled, trials_table
+from tunekit.cli.common import (
+    DURATION,
+    STORE_OPTION,
+    Table,
+    console,
+    marked_headline,
+    styled,
+    trials_table,
+)
 from tunekit.config import TuningConfig
+from tunekit.diagnosis_text import body_points, headline_of
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
 from tunekit.store import Store
@@ -58,9 +67,25 @@ from tunekit.workload_spec import resolve_spec
     help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
     "past it, a hang [default: 5m].",
 )
+@click.option(
+    "-v",
+    "--explain",
+    is_flag=True,
+    help="Print the diagnosis in full (its points, after its headline).",
+)
 @STORE_OPTION
 def plan_cmd(
-    plugin, workload, nproc, hardware, limit, out_dir, as_json, always_plan, store_dir, timeout_s
+    plugin,
+    workload,
+    nproc,
+    hardware,
+    limit,
+    out_dir,
+    as_json,
+    always_plan,
+    explain,
+    store_dir,
+    timeout_s,
 ):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
@@ -110,7 +135,9 @@ def plan_cmd(
                     "nproc": nproc,
                     "hardware": static.hardware.name,
                     "applies": diag.applies,
+                    "headline": headline_of(diag),
                     "summary": diag.summary,
+                    "points": body_points(diag.summary),
                     "expected_gain": diag.expected_gain,
                     "baseline_step_s": truth.step_s if truth is not None else None,
                     "baseline": baseline_source(study, base_row) if base_row else None,
@@ -151,12 +178,10 @@ def plan_cmd(
         )
     else:
         console.print(f"measured baseline ({baseline_source(study, base_row)}): {truth.describe()}")
-    console.print(
-        styled(
-            "[green]applies[/]: {}" if diag.applies else "[yellow]does not apply[/]: {}",
-            diag.summary,
-        )
-    )
+    console.print(marked_headline(headline_of(diag), diag.applies, muted="yellow"))
+    if explain:
+        for point in body_points(diag.summary):
+            console.print(styled("  [dim]·[/] {}", point))
     if not rows:
         return
     console.print(candidates_table(rows, calibrated=truth is not None, applies=diag.applies))

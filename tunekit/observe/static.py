@@ -29,6 +29,7 @@ from tunekit.observe.workload_process import (
     stand_in_workload,
 )
 from tunekit.store import Store, StudyCache
+from tunekit.timings import Timings
 from tunekit.trials.launcher import rank_threads
 from tunekit.workload import Workload, load_workload, resolve_spec
 
@@ -123,33 +124,41 @@ async def observe_in_child(
     timeout_s: float = 300.0,
     log_dir: Path = Path(".tunekit"),
     child: WorkloadProcess | None = None,
+    timings: Timings | None = None,
 ) -> StaticObservation:
     """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
     a workload that crashes, hangs or exits while it is built, traced or timed fails with
     :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
 
     ``child``: the caller's, left running but idle (the model dropped) for the tuners' hooks
-    later; without it, a child of its own, ended before this returns.
+    later; without it, a child of its own, ended before this returns. ``timings``: where the
+    stages (building and tracing the model, the probe, timing the layers) are recorded.
     """
+    timings = timings or Timings()
     spec = resolve_spec(workload)
     device_type = resolve_device_type(device)
     own = child is None
     child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
     try:
-        seen = await observe_call(
-            child, "observe", "building and tracing the model", workload=spec, seed=seed
-        )
+        with timings.stage("observe: build and trace the model") as stage:
+            seen = await observe_call(
+                child, "observe", "building and tracing the model", workload=spec, seed=seed
+            )
+            stage.cpu_s = child.take_cpu_s()
         graph = ModelGraph.from_dict(seen["graph"])
-        hw, notices = await asyncio.to_thread(
-            describe_hardware, world_size, device_type, hardware, store, probe
-        )
+        with timings.stage("observe: the hardware"):
+            hw, notices = await asyncio.to_thread(
+                describe_hardware, world_size, device_type, hardware, store, probe
+            )
         if graph.notice:
             notices.append(graph.notice)
         profile = None
         if time_layers and not hardware:
-            profile = await _layer_profile(
-                child, graph, hw, device_type, store, world_size, threads_per_rank, notices
-            )
+            with timings.stage("observe: time the layers") as stage:
+                profile = await _layer_profile(
+                    child, graph, hw, device_type, store, world_size, threads_per_rank, notices
+                )
+                stage.cpu_s = child.take_cpu_s()
         if not own:
             await observe_call(child, "idle", "dropping the model")
     finally:

@@ -15,8 +15,8 @@ keeps in a capped log. Requests, in the order the parent sends them:
 * ``observation``: set up what tuners read (the parts of an ``Observation``);
 * ``diagnose`` / ``plan``: run one tuner's hook on it.
 
-Replies are ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ...}``
-for an exception. JSON both ways, never pickle: a reply is plain data the
+Replies are ``{"ok": true, "result": ..., "cpu_s": ...}`` (the CPU seconds the request took,
+for the study's timings) or ``{"ok": false, "error": ...}`` for an exception. JSON both ways, never pickle: a reply is plain data the
 parent rebuilds (``ModelGraph.from_dict`` ...), and nothing the workload
 defines crosses over.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,8 +234,10 @@ def serve(requests, replies) -> None:
     state = _State()
     for line in requests:
         req = json.loads(line)
+        cpu = time.process_time()
         try:
-            reply = json.dumps({"ok": True, "result": HANDLERS[req["op"]](state, req)})
+            result = HANDLERS[req["op"]](state, req)
+            reply = json.dumps({"ok": True, "result": result, "cpu_s": time.process_time() - cpu})
         except BaseException as exc:  # noqa: BLE001 - the workload's sys.exit() too: the parent classifies
             tuner = state.tuners.get(req.get("plugin", ""))
             error = describe_error(exc, type(tuner) if tuner is not None else None)

@@ -90,6 +90,7 @@ class WorkloadProcess:
         self._log: CappedLog | None = None
         self._needs_setup = False
         self._children = 0
+        self._cpu_s = 0.0
 
     async def __aenter__(self) -> WorkloadProcess:
         return self
@@ -118,6 +119,11 @@ class WorkloadProcess:
                 exc.setup = True
                 raise
         return await self._request({"op": op, **args}, doing)
+
+    def take_cpu_s(self) -> float:
+        """CPU seconds the child spent on the requests it answered since the last take (timings)."""
+        cpu, self._cpu_s = self._cpu_s, 0.0
+        return cpu
 
     async def start(self) -> None:
         """Start a child now, unless one runs: it imports torch before it reads a request, so its
@@ -171,6 +177,7 @@ class WorkloadProcess:
             await self.close(kill=True)
             raise ObservationFailed(CRASH, f"{how} while {doing}{self._see_log()}")
         reply = json.loads(line)
+        self._cpu_s += reply.get("cpu_s") or 0.0
         if reply.get("ok"):
             return reply["result"]
         raised = ChildRaised(reply.get("error") or {})

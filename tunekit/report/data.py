@@ -9,6 +9,7 @@ from typing import Any
 
 from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Tuner
+from tunekit.diagnosis_text import body_points, outcomes
 from tunekit.store import Store
 from tunekit.trials.decide import decide
 from tunekit.trials.feedback import relative_error
@@ -73,6 +74,8 @@ def report_data(
     best_batch = decision.get("winner_global_batch") or base_batch
     base_med = decision.get("baseline_median_s")
     best_med = decision.get("winner_median_s") or base_med
+    diagnoses = obs.get("diagnoses", {})
+    verdicts = outcomes(diagnoses, decision)
     return {
         "study": {
             "id": study.id,
@@ -86,7 +89,11 @@ def report_data(
             "finished": study.finished,
         },
         "observation": summary,
-        "diagnoses": obs.get("diagnoses", {}),
+        "diagnoses": {
+            name: {**d, "headline": o.headline, "points": body_points(d.get("summary", ""))}
+            for (name, d), o in zip(diagnoses.items(), verdicts, strict=True)
+        },
+        "tuners": [o.to_dict() for o in verdicts],
         "problems": obs.get("problems", []),
         "plans": obs.get("plans", {}),
         "trials": rows,
@@ -119,6 +126,7 @@ def report_data(
             training=summary.get("training"),
         ),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
+        "timings": obs.get("timings", []),
     }
 
 

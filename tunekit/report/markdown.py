@@ -40,10 +40,24 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         "",
     ]
     if data["diagnoses"]:
-        out += ["| tuner | applies | expected gain | diagnosis |", "| --- | --- | --- | --- |"]
+        out += [
+            "Each tuner's verdict, the gain its model expects (with its range) and the measured "
+            "figure it rests on; beside it, the best its own trials measured (samples/s over the "
+            "baseline) and what came of it.",
+            "",
+            "| tuner | diagnosis | measured | outcome |",
+            "| --- | --- | --- | --- |",
+        ]
+        for t in data["tuners"]:
+            outcome = "won" if t["won"] and not t["note"] else t["note"] or "—"
+            out.append(
+                f"| {t['plugin']} | {_cell(t['headline'])} | {t['measured']} | {_cell(outcome)} |"
+            )
+        out.append("")
         for name, d in data["diagnoses"].items():
-            gain = "—" if d.get("expected_gain") is None else f"{d['expected_gain']:.0%}"
-            out.append(f"| {name} | {'yes' if d['applies'] else 'no'} | {gain} | {d['summary']} |")
+            out += [f"### {name}", ""]
+            out += [f"- {_cell(p)}" for p in d["points"]] or ["- (no text)"]
+            out.append("")
     else:
         out.append("No tuner diagnosed this job.")
     out.append("")
@@ -198,6 +212,11 @@ def _observation_section(obs: dict[str, Any]) -> list[str]:
         ]
         out.append("")
     return out
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell or list item: one line, no column breaks."""
+    return " ".join(text.split()).replace("|", "/")
 
 
 def _gflop(flops: float | None) -> str:

@@ -70,6 +70,11 @@ class TrialSpec:
     search: dict[str, Any] | None = None
     """``{"plugin": name, "max_steps": n}``: run that tuner's in-job search first."""
     device: str = "auto"
+    probe: dict[str, Any] | None = None
+    """``{"sizes": [...], "repeats": n}``: after the measured (and profiled) steps, time this
+    machine's collectives in the trial's process group (``tunekit.observe.probe.sweep_rank``),
+    into each rank's result as ``probe``: a study's first baseline does, where no probe is
+    cached, instead of starting ranks of its own for it."""
 
 
 @dataclass
