@@ -16,7 +16,9 @@ What there is, by the step of a tuner's life that needs it:
 * **Measuring here**: steps timed part by part (:func:`time_steps`), layers run
   standalone (:class:`LayerRunner`), gradient-ready times
   (:func:`time_groups`), links, collectives and host copies with intervals
-  (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`).
+  (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`); how
+  many repeats and how long a budget the user's ``$TUNEKIT_MEASURE_EFFORT``
+  allows (:func:`effort_repeats`, :func:`effort_seconds`, :func:`measure_effort`).
 * **Cost models**: FLOPs to seconds (:class:`ComputeRate`), a model calibrated
   on the measured baseline (:class:`Calibration`), the fastest store-and-forward
   path over a graph of links (:func:`fastest_path`, as :meth:`Hardware.route`).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
 from tunekit.diagnosis_text import compose_headline
+from tunekit.effort import effort_repeats, effort_seconds, measure_effort
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, fastest_path
 from tunekit.observe.blocks import block_units, graph_units, unit_starts
 from tunekit.observe.breakdown import Breakdown
@@ -148,6 +151,8 @@ __all__ = [
     "ddp_supports_bucket_list",
     "declined_features",
     "describe_local_machine",
+    "effort_repeats",
+    "effort_seconds",
     "fastest_path",
     "fit_samples",
     "graph_units",
@@ -155,6 +160,7 @@ __all__ = [
     "is_out_of_memory",
     "layer_modules",
     "layer_output",
+    "measure_effort",
     "measure_layer",
     "output_member",
     "overlap_ratio",

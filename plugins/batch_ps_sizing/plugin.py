@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from tunekit.api import Observation, Session, compose_headline
+from tunekit.api import Observation, Session, compose_headline, effort_repeats, effort_seconds
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.analysis import (
@@ -122,7 +122,11 @@ class BatchPsSizing(Tuner):
                 self.settings,
                 self.target_efficiency,
                 self.target_speedup,
-                MeasureSettings(self.measure_budget_s, self.timed_repeats, self.max_timed_repeats),
+                MeasureSettings(
+                    effort_seconds(self.measure_budget_s),
+                    effort_repeats(self.timed_repeats, 2),
+                    effort_repeats(self.max_timed_repeats, 3),
+                ),
             )
             self._last = (obs, analysis)
         return self._last[1]

@@ -33,6 +33,7 @@ from tunekit.api import (
     Observation,
     Session,
     ddp_supports_bucket_list,
+    effort_repeats,
 )
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.plugins.overlap_chunking import calibrated as calibration
@@ -201,13 +202,15 @@ class OverlapChunking(Tuner):
                 times = layer_times_from_profile(obs.layer_profile, layers, obs.graph, batch)
             if times is not None:
                 update, data = measure_update_and_batch(
-                    obs.workload, batch=batch, device=device, threads=threads
-                )
+                    obs.workload, batch=batch, device=device, threads=threads,
+                    repeats=effort_repeats(3),
+                )  # fmt: skip
                 source = "observation"
             else:
                 times, update, data = measure_layer_times(
-                    obs.workload, layers, batch=batch, device=device, threads=threads
-                )
+                    obs.workload, layers, batch=batch, device=device, threads=threads,
+                    warmup=effort_repeats(2, 1), repeats=effort_repeats(5),
+                )  # fmt: skip
                 source = "measured"
             return StepProfile(batch, world, times, update, data, source, {"threads": threads})
 

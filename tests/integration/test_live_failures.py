@@ -263,7 +263,7 @@ def test_a_full_disk_degrades_status_and_metrics_and_the_job_trains_on(tmp_path)
     try:
         res = subprocess.run(
             ["unshare", "--user", "--map-root-user", "--mount", sys.executable]
-            + [str(tests / "full_disk_job.py"), str(tmp_path / "disk"), f"{WORKLOADS}:tiny"],
+            + [str(tests / "full_disk_job.py"), str(tmp_path / "disk"), f"{WORKLOADS}:paced_tiny"],
             env=env,
             capture_output=True,
             text=True,

@@ -45,9 +45,9 @@ def _workload_processes(workdir) -> list[int]:
         ),
         (
             "hangs_building",
-            ["--timeout", "40s"],
+            ["--timeout", "8s"],
             "hang",
-            r"no result within 40 s \(the trial timeout\)",
+            r"no result within 8 s \(the trial timeout\)",
         ),
     ],
 )
@@ -165,9 +165,9 @@ def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_st
         ),
         (
             "hangs_building",
-            ["--timeout", "30s"],
+            ["--timeout", "8s"],
             "hang",
-            r"no result within 30 s \(the trial timeout\)",
+            r"no result within 8 s \(the trial timeout\)",
         ),
     ],
 )

@@ -24,7 +24,8 @@ from tunekit.testing import check_conformance, synthetic_observation, tiny_hardw
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 WIDE = {"COLUMNS": "300"}  # rich tables: one row per line
-FAST = ["--trials", "1", "--steps", "4", "--warmup", "1", "--no-probe"]
+# --min-effect 1: no leader to confirm (two more trials); these check the plugin, not decisions.
+FAST = ["--trials", "1", "--steps", "4", "--warmup", "1", "--no-probe", "--min-effect", "1"]
 
 
 def pip_install(package: Path, site: Path, work: Path) -> None:
@@ -241,6 +242,8 @@ def test_the_example_dataloader_plugin_tunes_the_slow_loader_end_to_end(cli, wor
         "--warmup",
         "2",
         "--no-probe",
+        "--min-effect",
+        "1",
         env_extra=env,
     )
     assert res.returncode == 0, res.stderr + res.stdout

@@ -3,18 +3,13 @@ and each verdict agrees with what its trials measured, or says why not."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 from tunekit.observe.truth import PART_LABELS
 
 pytestmark = pytest.mark.slow
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def quoted_shares(text: str) -> dict[str, list[int]]:
@@ -29,25 +24,6 @@ def quoted_shares(text: str) -> dict[str, list[int]]:
 def test_quoted_shares_finds_what_a_diagnosis_says():
     text = "exposed communication ~2% of the step; compute 61% · data loading 4%; idle is 13%"
     assert quoted_shares(text) == {"comm_exposed": [2], "compute": [61], "data": [4], "idle": [13]}
-
-
-def dataloader_on_path(root: Path) -> dict[str, str]:
-    """examples/tunekit-dataloader, a third-party tuner that writes no headline, found the real way:
-    its entry point in a ``*.dist-info`` on PYTHONPATH (trial workers inherit it)."""
-    info = root / "site" / "tunekit_dataloader-0.1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: tunekit-dataloader\nVersion: 0.1.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[tunekit.plugins]\ndataloader = tunekit_dataloader.plugin:DataLoaderTuner\n"
-    )
-    path = [
-        str(root / "site"),
-        str(EXAMPLES / "tunekit-dataloader"),
-        os.environ.get("PYTHONPATH", ""),
-    ]
-    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), "COLUMNS": "300"}
 
 
 def table_rows(md: str, header: str) -> dict[str, list[str]]:
@@ -65,15 +41,13 @@ def table_rows(md: str, header: str) -> dict[str, list[str]]:
 GAIN = re.compile(r" · ([+−]?\d+)%")
 
 
-def test_every_diagnosis_agrees_with_the_measured_breakdown_and_with_its_trials(cli, workdir):
-    # One search trial (the tuner of the largest expected gain) and, if it leads, its confirmation:
-    # enough for a verdict to meet what its trials measured.
-    res = cli(
-        "auto", "example:cnn", "--trials", "1", "--search-steps", "8", "--steps", "6",
-        "--warmup", "1", "--measure-rounds", "1", env_extra=dataloader_on_path(workdir),
-    )  # fmt: skip
+def test_every_diagnosis_agrees_with_the_measured_breakdown_and_with_its_trials(demo_study):
+    # The demo study (tests/integration/conftest.py): one search trial (the tuner of the largest
+    # expected gain) and, if it leads, its confirmation: enough for a verdict to meet what its
+    # trials measured; the third-party dataloader tuner installed beside the built-in ones.
+    res = demo_study.result
     assert res.returncode == 0, res.stderr + res.stdout
-    report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
+    report = demo_study.report()
     truth = report["observation"]["truth"]
     assert truth and truth["parts_s"], "the baseline was profiled"
     assert sum(truth["parts_s"].values()) == pytest.approx(truth["step_s"], rel=1e-6)
@@ -101,7 +75,7 @@ def test_every_diagnosis_agrees_with_the_measured_breakdown_and_with_its_trials(
     # The communication tuners start from the measured exposed communication.
     assert "comm_exposed" in quoted_somewhere
     # The report's own breakdown table shows the same shares, at the measured step time.
-    md = (workdir / "tunekit-out" / "report.md").read_text()
+    md = (demo_study.out / "report.md").read_text()
     for part, share in measured.items():
         assert f"| {PART_LABELS[part]} | " in md and f"| {share}% |" in md
     # The CLI's summary line says the same.

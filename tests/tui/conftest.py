@@ -652,8 +652,10 @@ def app_factory() -> Callable[..., TunekitApp]:
     return make_app
 
 
-async def until(pilot, condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Let the app run until ``condition()`` holds; fail after ``timeout`` seconds."""
+async def until(pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Let the app run until ``condition()`` holds; fail after ``timeout`` seconds: a bound
+    on a hang, not on speed (a screen of 200x60 took over 10 s to answer a key beside two
+    studies on two busy cores)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

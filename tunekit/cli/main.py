@@ -21,6 +21,7 @@ import click
 
 from tunekit import __version__
 from tunekit.cli.common import err_console, interruption, styled
+from tunekit.effort import measure_effort
 from tunekit.errors import TunekitError
 
 COMMANDS = {
@@ -114,6 +115,7 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="tunekit")
 def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
+    measure_effort()  # a bad $TUNEKIT_MEASURE_EFFORT is one line before any work
 
 
 SHARED_OUTPUT = {"new-plugin"}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tunekit.effort import effort_repeats
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.observe.first_step import try_first_step
 from tunekit.observe.graph import ModelGraph, trace_model
@@ -194,6 +195,7 @@ async def _layer_profile(
         "profile_layers",
         "timing the model's layers",
         device=device_type,
+        repeats=effort_repeats(3, 1),
         threads=rank_threads(world_size, threads_per_rank),
         hardware_fingerprint=hw.fingerprint(),
     )
@@ -260,7 +262,7 @@ def observe_static(
                     graph,
                     device=device_type,
                     warmup=1,
-                    repeats=3,
+                    repeats=effort_repeats(3, 1),
                     hardware_fingerprint=hw.fingerprint(),
                 )
             except (
