@@ -122,7 +122,9 @@ def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_st
     assert re.fullmatch(RAISED, raised["error"])
     assert 'tk_raiser.py", line' in raised["traceback"]
     assert [e["plugin"] for e in events if e["event"] == "Diagnosed"] == ["overlap_chunking"]
-    log = (workdir / ".tunekit" / "observe.log").read_text()
+    # On a machine with the cores for it the tuners share two workload processes (observe.log,
+    # observe-2.log): whichever ran raiser keeps what it said.
+    log = "".join(p.read_text() for p in sorted((workdir / ".tunekit").glob("observe*.log")))
     assert "[tunekit: a fresh process for the workload; the one before it ended]" in log
     assert "plugin raiser's diagnose raised:\nTraceback" in log and "in _used_mb" in log
     assert any(e["event"] == "StudyFinished" for e in events)
