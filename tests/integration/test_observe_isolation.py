@@ -115,7 +115,7 @@ def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_st
     assert (crashed["plugin"], crashed["status"]) == ("chaos", "diagnose failed")
     assert re.match(
         r"the workload's process died of SIGSEGV \(segmentation fault\) at tunekit_chaos\.py:\d+ in "
-        r"diagnose while running chaos's diagnose; its output is in .*observe\.log$",
+        r"diagnose while running chaos's diagnose; its output is in .*observe(-\d+)?\.log$",
         crashed["error"],
     )
     assert (raised["plugin"], raised["status"]) == ("raiser", "diagnose failed")
