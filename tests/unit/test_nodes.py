@@ -120,6 +120,13 @@ def other_client(store) -> TCPStore:
     return TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
 
 
+def plant(spy: TCPStore, key: str, value) -> None:
+    """Write as another client, then read it back on that client: a set is not answered, so
+    without the read another connection's next get may reach the server first."""
+    spy.set(key, value)
+    assert spy.get(key) == (value.encode() if isinstance(value, str) else value)
+
+
 def test_a_reader_of_the_port_lists_the_keys_but_reads_no_value(store):
     said: list[str] = []
     ours = Channel(store, "secret-1", run="run-a", refusals=Refusals(said.append))
@@ -145,21 +152,23 @@ def test_forged_moved_replayed_and_foreign_values_are_ignored_counted_and_said(s
     spy = other_client(store)
     ours.put("job/0", {"kind": "trial"})
     # Plain text where a sealed value belongs.
-    spy.set(PREFIX + "job/1", json.dumps({"kind": "trial", "spec": {"workload": "evil.py:fn"}}))
+    plant(spy, PREFIX + "job/1", json.dumps({"kind": "trial", "spec": {"workload": "evil.py:fn"}}))
     assert ours.get("job/1") is None
     # A sealed value of ours moved to another key.
-    spy.set(PREFIX + "job/2", spy.get(PREFIX + "job/0"))
+    plant(spy, PREFIX + "job/2", spy.get(PREFIX + "job/0"))
     assert ours.get("job/2") is None
     # Written with another token, or for another run of the study with ours.
     Channel(spy, "secret-2", run="run-a").put("job/3", {"kind": "end"})
+    assert spy.get(PREFIX + "job/3")  # answered: the put reached the server
     assert ours.get("job/3") is None
     Channel(spy, "secret-1", run="run-b").put("job/4", {"kind": "end"})
+    assert spy.get(PREFIX + "job/4")
     assert ours.get("job/4") is None
     # An earlier value of this very key and run, written again after a newer one was read.
     old = spy.get(PREFIX + "job/0")
     ours.put("job/0", {"kind": "end"})
     assert ours.get("job/0") == {"kind": "end"}
-    spy.set(PREFIX + "job/0", old)
+    plant(spy, PREFIX + "job/0", old)
     assert ours.get("job/0") is None
     assert refusals.count == 5 and len(said) == 5
     assert "not a tunekit value" in said[0] and "replay" in said[-1]
@@ -185,9 +194,9 @@ def test_a_heartbeat_written_again_by_another_process_does_not_keep_a_node_alive
     spy = other_client(store)
     last = spy.get(PREFIX + "node/1/beat")
     for _ in range(5):  # the node is gone; another process writes its last beat again and again
-        spy.set(PREFIX + "node/1/beat", last)
+        plant(spy, PREFIX + "node/1/beat", last)
         watch.silent_s()
-        spy.set(PREFIX + "node/1/beat", b"1")
+        plant(spy, PREFIX + "node/1/beat", b"1")
         watch.silent_s()
     assert watch.moved == moved  # it stood still since its last real beat
     beats.put("node/1/beat", {})
