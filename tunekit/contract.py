@@ -287,6 +287,20 @@ class Tuner(ABC):
         given to ``session.on_reset``.
         """
 
+    def layout(self, knobs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Optional: how ``knobs`` lay the model out, as fields of :class:`tunekit.api.Layout`
+        (``sharding``, ``reshard_after_forward``, ``cpu_offload``, ``checkpointing``,
+        ``checkpoint_every``, ``checkpoint_blocks``) to change from the workload's own.
+
+        The core applies them, not :meth:`apply`: the build fields (sharding, resharding,
+        offload) before the model and its optimizer exist (a relaunch trial builds its
+        session with them; a live job relaunches from its sharded checkpoint when they
+        change), checkpointing at the step boundary before :meth:`apply` runs. A knob that
+        changes a build field is declared ``live="relaunch"``. Return ``{}`` (the default)
+        when the knobs change no layout.
+        """
+        return {}
+
     # phase 3b (optional) -------------------------------------------------------------
 
     def search(

@@ -19,10 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from tunekit.config import TuningConfig, resolve
-from tunekit.errors import ConfigError
+from tunekit.config import TuningConfig, config_layout, resolve
+from tunekit.errors import ConfigError, WorkloadError
+from tunekit.layout import Layout
+from tunekit.observe.memory import StepPeaks
 from tunekit.runtime.data import BatchSource
-from tunekit.runtime.sync import DDPSync, GradSync, LocalSync, overlap_ratio
+from tunekit.runtime.sharding import (
+    BlockCheckpointing,
+    FSDPSync,
+    checkpointed_blocks,
+    model_blocks,
+    shard_model,
+)
+from tunekit.runtime.sync import LAYOUT_FEATURES, DDPSync, GradSync, LocalSync, overlap_ratio
 from tunekit.workload import Workload
 
 FEATURE_WHY = {
@@ -31,6 +40,8 @@ FEATURE_WHY = {
     "accumulation": "its reductions would run on every micro-batch",
     "scheduler": "it steps the optimizer more than once per step",
     "clipping": "clipping needs the whole gradient before any update",
+    "sharded": "FSDP holds the parameters and gradients in shards, reduced by FSDP itself",
+    "checkpointed": "checkpointed blocks recompute their forward inside backward",
 }
 """Why a strategy that updates in pieces cannot take a training feature as it is."""
 
@@ -68,6 +79,9 @@ class Session:
         group: dist.ProcessGroup | None = None,
         backend: str = "gloo",
         seed: int | None = None,
+        layout: Layout | None = None,
+        memory_cap_bytes: int | None = None,
+        track_memory: bool = False,
     ):
         self.workload = workload
         self.rank = rank
@@ -76,9 +90,38 @@ class Session:
         self.device = device or torch.device("cpu")
         self.group = group
         self.backend = backend
+        self.memory = StepPeaks(self.device, memory_cap_bytes)
+        """Each step's peak memory on this rank (``StepRecord.metrics["peak_bytes"]``), checked
+        against the cap; measured on CUDA always, on the CPU when asked or capped."""
+        if track_memory or memory_cap_bytes is not None or self.device.type == "cuda":
+            self.memory.start()  # before the model: it counts
+        else:
+            self.memory.stop()
+        self.layout = layout or workload.layout()
+        """How the model is laid out now. Its build part (sharding, resharding, offload) is
+        fixed for the session's life; its checkpointing changes at step boundaries."""
         # Same seed on every rank: identical initial parameters without a broadcast.
         torch.manual_seed(workload.seed if seed is None else seed)
-        self.model = workload.model().to(self.device)
+        model = workload.model()
+        self.blocks = model_blocks(model)
+        """Module paths of the model's blocks (what FSDP shards and checkpointing recomputes)."""
+        try:
+            if self.layout.sharded:  # FSDP places the shards on the device itself
+                shard_model(
+                    model,
+                    self.blocks,
+                    self.layout,
+                    precision=workload.precision,
+                    device=self.device,
+                    group=group,
+                )
+            else:
+                model = model.to(self.device)
+            self.model = model
+            self._checkpointing: BlockCheckpointing | None = None
+            self._install_checkpointing(self.layout)
+        except ConfigError as exc:
+            raise WorkloadError(f"workload {workload.name!r}: {exc}") from None
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.scheduler = (
@@ -117,15 +160,76 @@ class Session:
         return sync
 
     def default_grad_sync(self) -> GradSync:
+        if self.layout.sharded:
+            return FSDPSync()
         return DDPSync() if self.world_size > 1 else LocalSync()
 
     def features(self) -> frozenset[str]:
-        """The workload's training features in use now (see ``Workload.features``)."""
-        out = set(self.workload.features())
+        """The workload's training features in use now (see ``Workload.features``), with
+        the layout's (``sharded``, ``checkpointed``) as the session runs it."""
+        out = set(self.workload.features()) - LAYOUT_FEATURES
         out.discard("accumulation")
         if self.accumulation > 1:
             out.add("accumulation")
+        if self.layout.sharded:
+            out.add("sharded")
+        if self._checkpointing is not None and self._checkpointing.blocks:
+            out.add("checkpointed")
         return frozenset(out)
+
+    def set_layout(self, layout: Layout) -> None:
+        """Lay the model out as ``layout`` says, at a step boundary.
+
+        Its checkpointing changes now; its build part (sharding, resharding, offload) must
+        be the session's own: a session cannot re-shard itself, so a config that changes
+        it is run by a new session (a relaunch trial, or a live job relaunched from its
+        checkpoint). Refused in one line, leaving the layout as it was."""
+        if self.layout.needs_rebuild(layout):
+            changed = ", ".join(
+                f"{k}={v!r}" for k, v in layout.build_part().items() if getattr(self.layout, k) != v
+            )
+            raise ConfigError(
+                f"{changed} needs the model rebuilt: the job must be relaunched with it "
+                f"(this session runs {self.layout.describe()})"
+            )
+        if layout == self.layout:
+            return
+        previous = self.layout
+        self._install_checkpointing(layout)
+        try:
+            self.check_features(f"gradient strategy {self.grad_sync.name}", self.grad_sync.handles)
+            if self.step_fn is not None:
+                self.check_features(
+                    "the placement's training step", getattr(self.step_fn, "handles", frozenset())
+                )
+        except ConfigError:
+            self._install_checkpointing(previous)
+            raise
+
+    def set_checkpointing(
+        self, policy: str, every: int = 1, blocks: tuple[str, ...] | list[str] | None = None
+    ) -> None:
+        """Activation checkpointing at a step boundary: ``none``, ``full`` or ``selective``,
+        on every ``every``-th block or on the ``blocks`` named (see :class:`Layout`)."""
+        self.set_layout(
+            self.layout.with_changes(
+                {"checkpointing": policy, "checkpoint_every": every, "checkpoint_blocks": blocks}
+            )
+        )
+
+    def _install_checkpointing(self, layout: Layout) -> None:
+        chosen = checkpointed_blocks(self.blocks, layout)  # raises before anything changes
+        if self._checkpointing is not None:
+            self._checkpointing.remove()
+            self._checkpointing = None
+        if chosen:
+            self._checkpointing = BlockCheckpointing(self.model, chosen, layout.checkpointing)
+        self.layout = layout
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """The blocks checkpointed now."""
+        return list(self._checkpointing.blocks) if self._checkpointing is not None else []
 
     def check_features(self, who: str, handles: frozenset[str]) -> None:
         """Refuse, in one line, to run ``who`` on a job using a feature it does not honour
@@ -255,11 +359,13 @@ class Session:
     # -- configs ---------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Return to the workload's defaults, keeping parameters, optimizer state and step."""
+        """Return to the workload's defaults, keeping parameters, optimizer state and step
+        (and the layout's build part, which only a new session changes)."""
         self.grad_sync.flush()
         while self._reset_callbacks:
             self._reset_callbacks.pop()()
         self.step_fn = None
+        self._install_checkpointing(self.layout.with_changes(self.workload.layout().step_part()))
         self.dp_world_size = self.world_size
         self.accumulation = self.workload.accumulation
         if self.batch_size != self.workload.batch_size:
@@ -271,10 +377,19 @@ class Session:
     def apply_config(self, config: TuningConfig, tuners: Mapping[str, Any]) -> None:
         """Reset, then run each tuner's runtime hook in aspect order."""
         plan = resolve(config, tuners)
+        layout = config_layout(plan, self.workload.layout())
+        if self.layout.needs_rebuild(layout):  # before reset: a refused config changes nothing
+            self.set_layout(layout)
         self.reset()
+        self.set_layout(layout)
         for tuner, knobs in plan:
             tuner.apply(self, knobs)
         if self.step_fn is not None:
+            if self.layout.sharded:
+                raise ConfigError(
+                    "a placement's own training step cannot run a sharded (FSDP) model; "
+                    "the job keeps its current configuration"
+                )
             # A placement's own training step lists what it honours on the function.
             self.check_features(
                 "the placement's training step", getattr(self.step_fn, "handles", frozenset())
@@ -284,7 +399,11 @@ class Session:
     # -- the loop --------------------------------------------------------------------
 
     def train_step(self) -> StepRecord:
-        """Run one training step and time it."""
+        """Run one training step and time it (and measure its peak memory, when measuring).
+
+        Raises ``MemoryCapExceeded`` (an out-of-memory error) when the step's peak went over
+        the session's memory cap."""
+        window = self.memory.open()
         start = time.perf_counter()
         if self.step_fn is not None:
             data_s = 0.0
@@ -313,6 +432,9 @@ class Session:
         loss_value = float(loss.detach())  # also waits for the device
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {}
+        peak = self.memory.close(window, self.step)
+        if peak is not None:
+            metrics["peak_bytes"] = peak
         records = self.grad_sync.comm_records()
         if records:
             metrics["overlap_R"] = overlap_ratio(records)
@@ -332,12 +454,24 @@ class Session:
     # -- checkpoints -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (call on a flushed session)."""
+        """Everything needed to resume exactly (call on a flushed session).
+
+        Replicated (DDP): the model's and optimizer's own state dicts, whole on every rank.
+        Sharded (FSDP): this rank's shards, keyed by parameter name
+        (``torch.distributed.checkpoint.state_dict.get_state_dict``), for
+        ``torch.distributed.checkpoint`` to save (see :mod:`tunekit.runtime.checkpoint`)."""
         self.flush()
+        if self.layout.sharded:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
+            "layout": self.layout.to_dict(),
             "config": self.config.to_dict(),
             "base_group_lrs": list(self._base_group_lrs),
             "rng": torch.get_rng_state(),
@@ -346,8 +480,15 @@ class Session:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Resume from :meth:`state_dict`'s output, of this layout or of a replicated job's
+        (a sharded session takes a whole model and optimizer and keeps its shards)."""
+        if self.layout.sharded:
+            from tunekit.runtime.checkpoint import load_into_sharded
+
+            load_into_sharded(self, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         # The saved groups hold the lr of the saved config; the caller re-applies
         # that config, which rescales from these bases.
         self._base_group_lrs = list(state["base_group_lrs"])
@@ -363,6 +504,7 @@ class Session:
         self.grad_sync.flush()
         self.grad_sync.detach()
         self.data.close()
+        self.memory.stop()
 
 
 def _set_base_lr(scheduler, group: int, lr: float) -> None:

@@ -57,6 +57,12 @@ def overlap_ratio(records: list[CommRecord]) -> float | None:
 ALL_FEATURES = frozenset({"amp", "grad_scaler", "accumulation", "scheduler", "clipping"})
 """The workload's training features (``Workload.features``)."""
 
+LAYOUT_FEATURES = frozenset({"sharded", "checkpointed"})
+"""How the model is laid out (``tunekit.layout.Layout``), also in ``Workload.features``:
+``sharded`` (FSDP holds parameters, gradients and optimizer state in shards) and
+``checkpointed`` (some blocks recompute their forward in backward). A strategy lists the
+ones it works with in ``handles``, as it lists training features."""
+
 
 def declined_features(
     features: frozenset[str], handles: frozenset[str], needs: dict[str, str]
@@ -135,7 +141,7 @@ class HookedAccumulation:
 class LocalSync(GradSync):
     """One rank: nothing to synchronise."""
 
-    handles = ALL_FEATURES
+    handles = ALL_FEATURES | {"checkpointed"}
 
 
 def ddp_supports_bucket_list() -> bool:
@@ -153,7 +159,7 @@ class DDPSync(GradSync):
     """
 
     name = "ddp"
-    handles = ALL_FEATURES
+    handles = ALL_FEATURES | {"checkpointed"}
 
     def __init__(
         self,
