@@ -1,0 +1,370 @@
+"""The per-rank memory model: what fills a rank's memory under a layout, a batch and an
+accumulation, predicted from facts measured on one process and calibrated on a measured peak.
+
+Pure arithmetic on :class:`MemoryFacts` (measured by :mod:`tunekit.observe.memory_facts`
+in the workload's process: one rank, no collectives). A prediction is the larger of two
+moments of a step, each a sum of named parts, so a report can say what fills memory:
+
+* **backward peak** — the step's activations are all alive and backward starts to free
+  them while gradients appear: parameters + optimizer state (held between steps) +
+  collective buffers + the activations and backward temporaries at that moment + the
+  gradients that exist by then + a recomputed block (checkpointing) + gathered parameters
+  (FSDP);
+* **optimizer peak** — parameters + optimizer state + every gradient + the optimizer's
+  temporaries.
+
+The layout changes the parts, not the facts:
+
+* ``ddp``: every rank holds the whole model and optimizer; DDP's gradient buckets hold a
+  second copy of the gradients for the whole job (collective buffers).
+* ``fsdp``: parameters, gradients, optimizer state and the optimizer's temporaries are
+  divided by the shard count; at backward's start the root's parameters are gathered
+  (unsharded), and every block's too without ``reshard_after_forward`` (they stay gathered
+  from forward to backward). Under mixed precision the gathered copies are in the
+  compute dtype. (Measured on 2 gloo ranks: blocks gathered later in backward, and their
+  unsharded gradients waiting for the reduce-scatter, meet fewer live activations and do
+  not make the peak.)
+* CPU offload moves the sharded parameters, gradients and optimizer state (and its
+  temporaries) to the host: on a GPU they leave the device's peak for ``host_bytes``; on
+  a CPU the host is the device and they stay.
+* checkpointing: a checkpointed block keeps what it keeps under its policy (measured per
+  block and policy) instead of all its activations, and backward holds one block's
+  recomputation at a time.
+* accumulation: from the second micro-batch on, every gradient exists while activations
+  are alive.
+
+Calibration (:func:`calibrate`): the model of the configuration that was measured (the
+baseline) is compared with its measured peak; the difference (allocator slack, buffers
+the model does not name) is carried into every prediction as the part ``calibration``,
+so the baseline is reproduced and a candidate differs from it only by what the model
+says changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tunekit.layout import Layout
+
+POLICIES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Line:
+    """``intercept + per_sample * batch`` bytes (a fit over measured batches)."""
+
+    intercept: float
+    per_sample: float
+
+    def at(self, batch: float) -> float:
+        return max(0.0, self.intercept + self.per_sample * batch)
+
+    @classmethod
+    def through(cls, points: Mapping[int, float]) -> Line:
+        """Least squares through ``{batch: bytes}`` (one point: a line through the origin)."""
+        xs = sorted(points)
+        if len(xs) == 1:
+            return cls(0.0, points[xs[0]] / xs[0] if xs[0] else 0.0)
+        n = len(xs)
+        mx = sum(xs) / n
+        my = sum(points[x] for x in xs) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (points[x] - my) for x in xs) / sxx
+        return cls(my - slope * mx, slope)
+
+
+@dataclass(frozen=True)
+class BlockFacts:
+    name: str
+    param_bytes: float
+    """Bytes of the block's own parameters (one FSDP unit)."""
+    kept: Mapping[str, Line]
+    """Per checkpoint policy: bytes the block's forward leaves allocated (its activations
+    and output), by batch."""
+
+
+@dataclass(frozen=True)
+class PolicyFacts:
+    """One checkpoint policy applied to every block, measured."""
+
+    forward_end: Line
+    """Bytes allocated at the end of forward above the steady state (activations)."""
+    backward: Line
+    """Backward's peak above the steady state, gradients excluded (activations left,
+    gradient temporaries, a recomputed block)."""
+    grads_at_peak: float
+    """Bytes of gradients that existed at backward's peak (0 .. all of them)."""
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What one rank of this workload allocates, measured on one process (no collectives)."""
+
+    param_bytes: float
+    """All parameters, in their own dtype."""
+    grad_bytes: float
+    """Gradients of the trainable parameters."""
+    buffer_bytes: float
+    optimizer_bytes: float
+    """Optimizer state once it exists (Adam's two moments ...)."""
+    optimizer_temp_bytes: float
+    """The optimizer step's peak above parameters, gradients and state (foreach temporaries)."""
+    blocks: tuple[BlockFacts, ...]
+    """The model's blocks (FSDP units, checkpointing units), in order."""
+    policies: Mapping[str, PolicyFacts]
+    batches: tuple[int, ...]
+    """Per-rank batches the lines were measured at."""
+    compute_bytes_per_param: float = 4.0
+    """Bytes per parameter element of the compute dtype (2 under bf16/fp16 autocast)."""
+    param_elem_bytes: float = 4.0
+    method: str = ""
+    """How the peaks were measured (``cpu-profiler``, ``cuda-allocator``)."""
+
+    @property
+    def block_param_bytes(self) -> float:
+        return sum(b.param_bytes for b in self.blocks)
+
+    @property
+    def root_param_bytes(self) -> float:
+        """Parameters outside every block (embeddings, head, final norm): the root FSDP unit."""
+        return max(0.0, self.param_bytes - self.block_param_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MemoryFacts:
+        def line(x: Mapping[str, float]) -> Line:
+            return Line(float(x["intercept"]), float(x["per_sample"]))
+
+        return cls(
+            param_bytes=d["param_bytes"],
+            grad_bytes=d["grad_bytes"],
+            buffer_bytes=d["buffer_bytes"],
+            optimizer_bytes=d["optimizer_bytes"],
+            optimizer_temp_bytes=d["optimizer_temp_bytes"],
+            blocks=tuple(
+                BlockFacts(b["name"], b["param_bytes"], {k: line(v) for k, v in b["kept"].items()})
+                for b in d["blocks"]
+            ),
+            policies={
+                k: PolicyFacts(line(v["forward_end"]), line(v["backward"]), v["grads_at_peak"])
+                for k, v in d["policies"].items()
+            },
+            batches=tuple(d["batches"]),
+            compute_bytes_per_param=d.get("compute_bytes_per_param", 4.0),
+            param_elem_bytes=d.get("param_elem_bytes", 4.0),
+            method=d.get("method", ""),
+        )
+
+
+PART_ORDER = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "recompute",
+    "gathered_parameters",
+    "collective_buffers",
+    "optimizer_temporaries",
+    "calibration",
+)
+PART_WORDS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations and backward temporaries",
+    "recompute": "a recomputed block",
+    "gathered_parameters": "gathered parameters",
+    "collective_buffers": "collective buffers",
+    "optimizer_temporaries": "optimizer temporaries",
+    "calibration": "unexplained (calibration)",
+}
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """A rank's predicted peak, with what fills it at that moment."""
+
+    peak_bytes: float
+    parts: Mapping[str, float]
+    """Bytes per part at the peak (they sum to ``peak_bytes``); see :data:`PART_WORDS`."""
+    moment: str
+    """``backward`` or ``optimizer``: when in the step the peak falls."""
+    host_bytes: float = 0.0
+    """Bytes kept in host memory by CPU offload (not in ``peak_bytes`` on a GPU)."""
+    layout: Layout = field(default_factory=Layout)
+    batch: int = 0
+    accumulation: int = 1
+    world_size: int = 1
+
+    def describe(self, limit: int = 4) -> str:
+        """``1.2 GiB at backward: activations 0.7 GiB, optimizer state 0.3 GiB, ...``."""
+        from tunekit.observe.memory import format_bytes
+
+        top = sorted(
+            ((k, v) for k, v in self.parts.items() if abs(v) >= 0.01 * self.peak_bytes),
+            key=lambda kv: -abs(kv[1]),
+        )[:limit]
+        listed = ", ".join(f"{PART_WORDS.get(k, k)} {format_bytes(v)}" for k, v in top)
+        return f"{format_bytes(self.peak_bytes)} at the {self.moment} peak: {listed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "parts": {k: self.parts[k] for k in PART_ORDER if k in self.parts},
+            "moment": self.moment,
+            "host_bytes": self.host_bytes,
+            "layout": self.layout.to_dict(),
+            "batch": self.batch,
+            "accumulation": self.accumulation,
+            "world_size": self.world_size,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryCalibration:
+    """What the model missed on a measured configuration (added to every prediction)."""
+
+    residual_bytes: float
+    measured_bytes: float
+    modelled_bytes: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_bytes / self.modelled_bytes if self.modelled_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def predict(
+    facts: MemoryFacts,
+    layout: Layout,
+    *,
+    batch: int,
+    accumulation: int = 1,
+    world_size: int = 1,
+    device_type: str = "cpu",
+    calibration: MemoryCalibration | None = None,
+) -> MemoryPrediction:
+    """One rank's peak under ``layout`` at per-rank micro-batch ``batch`` (samples per
+    forward) and ``accumulation`` micro-batches per step, on ``world_size`` ranks."""
+    shards = world_size if layout.sharded else 1
+    offload = layout.sharded and layout.cpu_offload
+    on_host = offload and device_type != "cpu"
+
+    params = facts.param_bytes / shards + (facts.buffer_bytes)
+    optimizer = facts.optimizer_bytes / shards
+    grads_all = facts.grad_bytes / shards
+    opt_temps = facts.optimizer_temp_bytes / shards
+    host = 0.0
+    if on_host:
+        host = facts.param_bytes / shards + optimizer + grads_all + opt_temps
+        params, optimizer, opt_temps = facts.buffer_bytes, 0.0, 0.0
+
+    # Activations under the layout's checkpointing, block by block.
+    checkpointed = _checkpointed(facts.blocks, layout)
+    none = facts.policies["none"]
+    policy = layout.checkpointing if checkpointed else "none"
+    saved = sum(
+        b.kept["none"].at(batch) - b.kept[policy].at(batch)
+        for b in facts.blocks
+        if b.name in checkpointed
+    )
+    backward_act = none.backward.at(batch) - saved
+    recompute = 0.0
+    if checkpointed and policy in facts.policies:
+        every = [b for b in facts.blocks]
+        all_saved = sum(b.kept["none"].at(batch) - b.kept[policy].at(batch) for b in every)
+        measured = facts.policies[policy].backward.at(batch)
+        recompute = max(0.0, measured - (none.backward.at(batch) - all_saved))
+
+    # Gradients alive at backward's peak.
+    if accumulation > 1:
+        grads_bwd = grads_all
+    else:
+        grads_bwd = none.grads_at_peak / shards
+    if on_host:
+        grads_bwd = 0.0
+
+    collective = 0.0
+    gathered = 0.0
+    if layout.sharded:
+        # Backward's peak is at its start (the loss's and the head's gradients, every
+        # activation alive): the root's parameters are still gathered, and every block's
+        # too unless they were resharded after forward. Blocks gathered later in backward
+        # meet fewer activations.
+        compute = facts.compute_bytes_per_param / facts.param_elem_bytes
+        gathered = facts.root_param_bytes * compute
+        if not layout.reshard_after_forward:
+            gathered += facts.block_param_bytes * compute
+    elif world_size > 1:
+        collective = facts.grad_bytes  # DDP's buckets: a flat copy of every gradient
+
+    backward_parts = {
+        "parameters": params,
+        "optimizer": optimizer,
+        "gradients": grads_bwd,
+        "activations": backward_act,
+        "recompute": recompute,
+        "gathered_parameters": gathered,
+        "collective_buffers": collective,
+    }
+    optimizer_parts = {
+        "parameters": params,
+        "optimizer": optimizer,
+        "gradients": 0.0 if on_host else grads_all,
+        "optimizer_temporaries": opt_temps,
+        "collective_buffers": 0.0 if layout.sharded else collective,
+    }
+    moment, parts = max(
+        (("backward", backward_parts), ("optimizer", optimizer_parts)),
+        key=lambda mp: sum(mp[1].values()),
+    )
+    parts = dict(parts)
+    if calibration is not None:
+        parts["calibration"] = calibration.residual_bytes
+    return MemoryPrediction(
+        peak_bytes=sum(parts.values()),
+        parts=parts,
+        moment=moment,
+        host_bytes=host,
+        layout=layout,
+        batch=batch,
+        accumulation=accumulation,
+        world_size=world_size,
+    )
+
+
+def calibrate(
+    facts: MemoryFacts,
+    layout: Layout,
+    measured_peak_bytes: float,
+    *,
+    batch: int,
+    accumulation: int = 1,
+    world_size: int = 1,
+    device_type: str = "cpu",
+) -> MemoryCalibration:
+    """The model against a measured peak (the baseline trial's, max over ranks)."""
+    modelled = predict(
+        facts,
+        layout,
+        batch=batch,
+        accumulation=accumulation,
+        world_size=world_size,
+        device_type=device_type,
+    ).peak_bytes
+    return MemoryCalibration(measured_peak_bytes - modelled, measured_peak_bytes, modelled)
+
+
+def _checkpointed(blocks: Sequence[BlockFacts], layout: Layout) -> set[str]:
+    names = [b.name for b in blocks]
+    if not layout.checkpointed:
+        return set()
+    if layout.checkpoint_blocks is not None:
+        return {b for b in layout.checkpoint_blocks if b in names}
+    return set(names[:: layout.checkpoint_every])
