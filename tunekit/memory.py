@@ -277,16 +277,12 @@ def predict(
     backward_act = none.backward.at(batch) - saved
     recompute = 0.0
     if checkpointed and policy in facts.policies:
-        every = [b for b in facts.blocks]
-        all_saved = sum(b.kept["none"].at(batch) - b.kept[policy].at(batch) for b in every)
+        all_saved = sum(b.kept["none"].at(batch) - b.kept[policy].at(batch) for b in facts.blocks)
         measured = facts.policies[policy].backward.at(batch)
         recompute = max(0.0, measured - (none.backward.at(batch) - all_saved))
 
-    # Gradients alive at backward's peak.
-    if accumulation > 1:
-        grads_bwd = grads_all
-    else:
-        grads_bwd = none.grads_at_peak / shards
+    # Gradients alive at backward's peak: from the second micro-batch on, all of them.
+    grads_bwd = grads_all if accumulation > 1 else none.grads_at_peak / shards
     if on_host:
         grads_bwd = 0.0
 

@@ -115,7 +115,9 @@ def measure_memory_facts(
                 if wrap is not None:
                     wrap.remove()
     block_params = {
-        name: float(sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()))
+        name: float(
+            sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
+        )
         for name in blocks
     }
     return MemoryFacts(
