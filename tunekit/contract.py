@@ -214,6 +214,11 @@ class Candidate:
     """Samples one step of this candidate consumes over all ranks, when that is not the
     job's own (a batch size or a model-parallel degree changes it); None: unchanged.
     Candidates are ranked by predicted time per sample."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory of one rank under this candidate, in bytes, from the core
+    memory model (``obs.predict_memory``); None: not predicted (a candidate that changes
+    neither the layout nor the batch peaks as the baseline did). With ``--memory-cap``, a
+    candidate predicted over it is not tried."""
 
 
 @dataclass

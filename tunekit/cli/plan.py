@@ -9,7 +9,14 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import DURATION, STORE_OPTION, Table, console, trials_table
+from tunekit.cli.common import (
+    DURATION,
+    MEMORY_CAP_OPTION,
+    STORE_OPTION,
+    Table,
+    console,
+    trials_table,
+)
 from tunekit.config import TuningConfig
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
@@ -53,7 +60,10 @@ from tunekit.workload_spec import resolve_spec
     "past it, a hang [default: 5m].",
 )
 @STORE_OPTION
-def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s):
+@MEMORY_CAP_OPTION
+def plan_cmd(
+    plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s, memory_cap
+):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. A baseline measured by an earlier `tunekit auto` with the
@@ -73,7 +83,9 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
     store = Store.open_default(store_dir)
     try:
         static, study, obs, diag, candidates = asyncio.run(
-            _observe_and_plan(tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s)
+            _observe_and_plan(
+                tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s, memory_cap
+            )
         )
         tried = []
         truth = obs.truth
@@ -120,6 +132,11 @@ def plan_cmd(plugin, workload, nproc, hardware, limit, out_dir, as_json, store_d
         )
     else:
         console.print(f"measured baseline (study {study.id}): {truth.describe()}")
+    from tunekit.cli.auto import memory_line
+    from tunekit.orchestrator import memory_summary
+
+    if line := memory_line(memory_summary(obs)):
+        console.print(line)
     console.print(
         ("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary
     )
@@ -175,6 +192,7 @@ def ranked_candidates(tuner, candidates, base_batch: int) -> list[dict]:
                 "predicted_step_s": c.predicted_step_s,
                 "global_batch": batch,
                 "predicted_samples_per_s": rate,
+                "predicted_peak_bytes": c.predicted_peak_bytes,
                 "rationale": c.rationale,
             }
         )
@@ -215,6 +233,7 @@ async def _observe_and_plan(
     store: Store,
     store_dir: Path,
     timeout_s: float,
+    memory_cap: int | None = None,
 ):
     """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
     process of the workload's own; returns what was observed, the stored study, the diagnosis
@@ -223,7 +242,7 @@ async def _observe_and_plan(
     from tunekit.observe.observation import Measurement
     from tunekit.observe.static import observe_in_child
     from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
-    from tunekit.orchestrator import observed_baseline
+    from tunekit.orchestrator import check_memory_cap, observed_baseline, peak_of
     from tunekit.planning import ChildHooks, TunerFailed, TunerPlanned, diagnose_and_plan
 
     async with WorkloadProcess(store_dir / OBSERVE_LOG, timeout_s) as child:
@@ -242,9 +261,16 @@ async def _observe_and_plan(
             raise ObservationFailed(
                 exc.status, f"could not observe {workload} ({exc.status}): {exc}"
             ) from None
-        study, base_row = _stored_baseline(store, static, nproc, hardware)
+        check_memory_cap(memory_cap, static, nproc)
+        study, base_row = _stored_baseline(store, static, nproc, hardware, memory_cap)
         baseline = Measurement(**base_row.result["measurement"]) if base_row else None
-        obs = static.observation(nproc, baseline, store)
+        obs = static.observation(
+            nproc,
+            baseline,
+            store,
+            memory_cap_bytes=memory_cap,
+            baseline_peak_bytes=peak_of(base_row) if base_row else None,
+        )
         if base_row is not None:
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
         diag, candidates = None, []
@@ -257,13 +283,17 @@ async def _observe_and_plan(
     return static, study, obs, diag, candidates
 
 
-def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
+def _stored_baseline(
+    store: Store, static, nproc: int, hardware: str | None, memory_cap: int | None = None
+):
     """The newest study with the same model, hardware and settings, and its first successful
     baseline trial (None, None when there is none)."""
-    from tunekit.orchestrator import AutoSettings, study_key
+    from tunekit.orchestrator import AutoSettings, study_key_of
 
-    settings = AutoSettings(workload=static.spec, nproc=nproc, hardware=hardware).study_settings()
-    key = study_key(static.graph_hash, static.hardware.fingerprint(), settings)
+    settings = AutoSettings(
+        workload=static.spec, nproc=nproc, hardware=hardware, memory_cap_bytes=memory_cap
+    )
+    key = study_key_of(static, settings)
     study = store.latest_study(key)
     if study is None:
         return None, None

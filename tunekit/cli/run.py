@@ -10,7 +10,13 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tunekit.cli.common import STORE_OPTION, Interrupted, console, ensure_writable
+from tunekit.cli.common import (
+    MEMORY_CAP_OPTION,
+    STORE_OPTION,
+    Interrupted,
+    console,
+    ensure_writable,
+)
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError
@@ -89,6 +95,7 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 @TOKEN_FILE_OPTION
 @JOIN_TIMEOUT_OPTION
 @STORE_OPTION
+@MEMORY_CAP_OPTION
 def run_cmd(
     workload,
     nproc,
@@ -106,6 +113,7 @@ def run_cmd(
     token_file,
     join_timeout_s,
     store_dir,
+    memory_cap,
 ):
     """Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop."""
     from tunekit.trials.nodes import node_place
@@ -138,7 +146,10 @@ def run_cmd(
             device=device,
             name=name,
             nnodes=place.nnodes,
+            memory_cap_bytes=memory_cap,
         )
+    if resume and memory_cap is not None:  # the resumed job takes the new cap
+        rd.update_run(memory_cap_bytes=memory_cap)
     if resume and int(rd.read_run().get("nnodes") or 1) != place.nnodes:
         raise click.UsageError(
             f"run {rd.run_id} spans {rd.read_run().get('nnodes') or 1} node(s), not {place.nnodes}"
@@ -203,7 +214,9 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
             progress.update(task, completed=st.get("step", 0), info=info)
         events = rd.read_events()
         for ev in events[seen_events[0] :]:
-            if ev["kind"] not in ("started",):
+            if ev["kind"] == "memory":
+                progress.console.print(f"  {ev['line']}", markup=False)
+            elif ev["kind"] not in ("started",):
                 # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
                 # read as a closing tag and end the supervisor with a MarkupError.
                 progress.console.print(

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from tunekit.memory import format_bytes
+
 _LOCAL = threading.local()
 
 
@@ -226,52 +228,6 @@ class PeakMeter:
 
 class MemoryCapExceeded(torch.OutOfMemoryError):
     """A step's measured peak went over ``--memory-cap``: out of memory, as a device would be."""
-
-
-def parse_size(text: str | int | float) -> int:
-    """``2GiB``, ``512MiB``, ``1.5GB``, ``300M``, ``1024`` (bytes) -> bytes. ValueError otherwise."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"a size must be positive, not {text}")
-        return int(text)
-    units = {
-        "": 1,
-        "b": 1,
-        "k": 1000,
-        "kb": 1000,
-        "kib": 1024,
-        "m": 1000**2,
-        "mb": 1000**2,
-        "mib": 1024**2,
-        "g": 1000**3,
-        "gb": 1000**3,
-        "gib": 1024**3,
-        "t": 1000**4,
-        "tb": 1000**4,
-        "tib": 1024**4,
-    }
-    raw = str(text).strip()
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ").strip()
-    unit = raw[len(number) :].strip().lower()
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{raw!r} is not a size like 2GiB, 512MiB or 1.5GB") from None
-    if unit not in units:
-        raise ValueError(f"{raw!r}: unknown unit {unit!r} (use B, KiB, MiB, GiB, KB, MB, GB)")
-    if not value > 0:
-        raise ValueError(f"{raw!r} is no memory at all: give more than 0, like 2GiB")
-    return int(value * units[unit])
-
-
-def format_bytes(n: float | None) -> str:
-    """``1.4 GiB``, ``312 MiB``, ``96 KiB``: binary units, as memory tools quote them."""
-    if n is None:
-        return "—"
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:,.1f} {unit}" if abs(n) < 10 * size else f"{n / size:,.0f} {unit}"
-    return f"{n:,.0f} B"
 
 
 class StepPeaks:

@@ -226,6 +226,39 @@ class Session:
             self._checkpointing = BlockCheckpointing(self.model, chosen, layout.checkpointing)
         self.layout = layout
 
+    def memory_breakdown(self) -> dict[str, Any]:
+        """What filled this rank's memory at its measured peak: what the rank holds between
+        steps, counted (parameters or their shards, buffers, optimizer state), and the rest of
+        the peak (activations, gradients, collective buffers, temporaries)."""
+        from tunekit.memory import format_bytes
+
+        def nbytes(tensors) -> float:
+            seen: dict[int, int] = {}
+            for t in tensors:
+                local = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
+                seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            return float(sum(seen.values()))
+
+        peak = float(self.memory.max or 0)
+        held = {
+            "parameters": nbytes(self.model.parameters()) + nbytes(self.model.buffers()),
+            "optimizer": nbytes(
+                v
+                for state in self.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ),
+        }
+        parts = {**held, "step": max(0.0, peak - sum(held.values()))}
+        line = (
+            f"memory per rank ({self.layout.describe()}): {format_bytes(peak)} measured peak"
+            + (f" of a {format_bytes(self.memory.cap_bytes)} cap" if self.memory.cap_bytes else "")
+            + f"; parameters {format_bytes(held['parameters'])}, optimizer state "
+            f"{format_bytes(held['optimizer'])}, activations, gradients and buffers of a step "
+            f"{format_bytes(parts['step'])}"
+        )
+        return {"peak_bytes": peak, "parts": parts, "line": line, "method": self.memory.method}
+
     @property
     def checkpointed(self) -> list[str]:
         """The blocks checkpointed now."""

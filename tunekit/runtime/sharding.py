@@ -82,6 +82,20 @@ def checkpointed_blocks(blocks: Sequence[str], layout: Layout) -> list[str]:
     return [b for b in blocks if b in layout.checkpoint_blocks]
 
 
+def check_layout(model: nn.Module, layout: Layout) -> list[str]:
+    """The model's blocks, after checking that ``layout`` can lay this model out: FSDP needs
+    parameters to shard, checkpointing blocks the model has. ConfigError names the field."""
+    blocks = model_blocks(model)
+    if layout.sharded and not any(True for _ in model.parameters()):
+        raise ConfigError("sharding='fsdp' needs a model with parameters to shard; it has none")
+    if layout.checkpointed and not blocks:
+        raise ConfigError(
+            f"checkpointing={layout.checkpointing!r} needs blocks to checkpoint; the model has none"
+        )
+    checkpointed_blocks(blocks, layout)
+    return blocks
+
+
 # -- activation checkpointing ---------------------------------------------------------------
 
 SAVED_OPS = frozenset(
