@@ -11,9 +11,7 @@ from tunekit.workload import Workload
 
 def tiny_sharded() -> Workload:
     """The tiny GPT, sharded with FSDP2 and every block checkpointed."""
-    return replace(
-        tiny_gpt_workload(), name="tiny_sharded", sharding="fsdp", checkpointing="full"
-    )
+    return replace(tiny_gpt_workload(), name="tiny_sharded", sharding="fsdp", checkpointing="full")
 
 
 def missing_block() -> Workload:

@@ -3,7 +3,6 @@ a step boundary, refusals in one line, memory measured and capped, the memory mo
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import pytest
