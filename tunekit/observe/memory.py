@@ -250,6 +250,7 @@ class StepPeaks:
     def __init__(self, device: torch.device, cap_bytes: int | None = None):
         self.tracker: AllocationTracker | None = AllocationTracker(device)
         self.cap_bytes = cap_bytes
+        self._method = ""
         self.last: int | None = None
         """Peak of the last measured step, in bytes (absolute: what the rank held)."""
         self.max: int | None = None
@@ -257,7 +258,8 @@ class StepPeaks:
 
     @property
     def method(self) -> str:
-        return self.tracker.method if self.tracker is not None else ""
+        """How the peaks were measured (empty when nothing was)."""
+        return self._method
 
     @property
     def measuring(self) -> bool:
@@ -269,6 +271,7 @@ class StepPeaks:
             return
         try:
             self.tracker.start()
+            self._method = self.tracker.method
         except RuntimeError:  # another profiler runs in this thread: no measurement
             self.tracker = None
 

@@ -55,6 +55,9 @@ def report_data(
                 "samples_per_s": t.samples_per_s,
                 "step_s": m.get("step_s"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,
+                "peak_bytes": max(
+                    (r["peak_bytes"] for r in ranks if r.get("peak_bytes")), default=None
+                ),
                 "error": t.error,
                 "wall_s": (t.result or {}).get("wall_s"),
                 **_length_columns(t.result, t.error),
