@@ -37,24 +37,42 @@ def full_state(session: Session) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _trained(layout: Layout, accumulation: int, rank: int, world: int) -> dict[str, Any]:
+def _trained(
+    layout: Layout, accumulation: int, rank: int, world: int, install=None
+) -> dict[str, Any]:
     workload = replace(tiny_gpt_workload(), accumulation=accumulation)
     s = Session(workload, rank=rank, world_size=world, group=dist.group.WORLD, layout=layout)
+    if install is not None:
+        install(s)
     losses = [s.train_step().loss for _ in range(STEPS)]
     out = {"params": full_state(s), "losses": torch.tensor(losses), "sync": s.grad_sync.name}
     s.close()
     return out
 
 
+def _strategy(how: str):
+    """A gradient strategy of the built-in tuners that claims to honour checkpointing."""
+    if how == "two_chunk":
+        from tunekit.plugins.overlap_chunking.runtime import apply_two_chunk
+
+        return lambda s: apply_two_chunk(s, 2, 0)
+    from tunekit.plugins.cgdp.runtime import CgdpSync
+
+    return lambda s: s.set_grad_sync(CgdpSync(chunk_size=2))
+
+
 def equivalence(rank: int, world: int) -> dict[str, Any]:
-    """Every FSDP layout with checkpointing, at accumulation 1 and 2, and checkpointing alone
-    under DDP, each trained from the same start on the same batches as the DDP baseline."""
+    """Every FSDP layout with checkpointing, at accumulation 1 and 2, checkpointing alone under
+    DDP, and the tuners' reducers that claim to honour checkpointing, each trained from the same
+    start on the same batches as the DDP baseline."""
     out: dict[str, Any] = {}
     for acc in (1, 2):
         out[f"ddp/acc{acc}"] = _trained(Layout(), acc, rank, world)
         out[f"ddp+ckpt/acc{acc}"] = _trained(Layout(checkpointing="full"), acc, rank, world)
         for layout in FSDP_LAYOUTS:
             out[f"{layout.describe()}/acc{acc}"] = _trained(layout, acc, rank, world)
+    for how in ("two_chunk", "cgdp"):
+        out[f"{how}+ckpt"] = _trained(Layout(checkpointing="full"), 1, rank, world, _strategy(how))
     return out
 
 

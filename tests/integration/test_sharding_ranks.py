@@ -42,6 +42,14 @@ def test_checkpointing_alone_is_bit_exact_on_two_ranks(trained, acc):
     assert torch.equal(ckpt["losses"], base["losses"])
 
 
+@pytest.mark.parametrize("how", ["two_chunk", "cgdp"])
+def test_the_reducers_that_claim_checkpointing_train_like_ddp_with_it(trained, how):
+    for rank in (0, 1):
+        got, base = trained[rank][f"{how}+ckpt"], trained[rank]["ddp/acc1"]
+        assert got["sync"] == how
+        assert_states_close(got["params"], base["params"], f"{how} + checkpointing, rank {rank}")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dcp") / "step-00000002.dcp"
