@@ -103,6 +103,25 @@ def _nccl_group(dev: torch.device):
     return _NCCL[key]
 
 
+def _status_bytes(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise KeyError(key)
+
+
+def _every_block_its_own_mapping() -> None:
+    """glibc: every allocation of 64 KiB or more in its own mapping, returned to the system
+    when freed (whichever thread frees it), so the resident set follows live bytes."""
+    import ctypes
+
+    M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
+
+
 def measure(
     rank: int,
     world: int,
@@ -113,10 +132,13 @@ def measure(
     steps: int,
     device: str,
 ):
-    """One configuration on this rank: its per-step peak after a warm-up step (the least over
-    the steps: on the CPU a step's measured peak is an upper bound that sometimes still holds
-    a buffer gloo freed unseen, see tunekit.observe.memory), above what the (kept) rank
-    process held before."""
+    """One configuration on this rank: its peak per step after a warm-up step, and the
+    runtime tracker's. CUDA: the allocator's peak above what the kept rank held before.
+    CPU: what the session holds at the step's start (counted) plus the step's high-water mark
+    of the resident set above its start (``/proc/self/clear_refs``, every block its own
+    mapping): what the OS saw, gloo's threads included, the median over the steps; beside it
+    the least of the tracker's per-step peaks (each an upper bound: see
+    tunekit.observe.memory)."""
     import gc
 
     import torch.distributed as dist
@@ -132,6 +154,8 @@ def measure(
         gc.collect()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(dev)
+    else:
+        _every_block_its_own_mapping()
     w = job(spec, batch, accumulation, layout)
     s = Session(
         w,
@@ -142,15 +166,23 @@ def measure(
         track_memory=True,
         layout=w.layout(),
     )
-    peaks = [s.train_step().metrics["peak_bytes"] for _ in range(steps + 1)]
+    tracker, seen = [], []
+    for i in range(steps + 1):
+        if dev.type == "cpu":
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
+            start, held = _status_bytes("VmRSS"), s.resident_bytes() or 0
+        peak = s.train_step().metrics["peak_bytes"]
+        if i:
+            tracker.append(peak - before)
+            if dev.type == "cpu":
+                seen.append(held + _status_bytes("VmHWM") - start)
     s.close()
     del s
     gc.collect()  # a session and its strategy refer to each other: free them now
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-        if os.environ.get("MEMORY_MODEL_DEBUG"):
-            print("debug", before, peaks, torch.cuda.memory_allocated(dev), flush=True)
-    return min(peaks[1:]) - before
+        return min(tracker), min(tracker)
+    return statistics.median(seen), min(tracker)
 
 
 def main() -> int:
@@ -194,12 +226,13 @@ def main() -> int:
             layout, half = CONFIGS[i - 1]
         acc = 2 if half else 1
         batch = max(1, w.batch_size // acc)
-        peaks = run_ranks(
+        got = run_ranks(
             measure,
             args.nproc,
             args=(MODELS[name], batch, acc, layout, args.steps, args.device),
             timeout_s=900,
         )
+        peaks = [g[0] for g in got]
         rows.append(
             {
                 "model": name,
@@ -209,6 +242,7 @@ def main() -> int:
                 "batch": batch,
                 "accumulation": acc,
                 "measured": max(peaks),
+                "tracker": max(g[1] for g in got),
             }
         )
         print(
@@ -264,14 +298,14 @@ def main() -> int:
         json.dumps({"summary": summary, "rows": rows}, indent=2)
     )
     lines = [
-        "| model | layout | batch x acc | measured | predicted (raw) | predicted (calibrated) | error |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | layout | batch x acc | measured | tracker | predicted (raw) | predicted (calibrated) | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         mark = " (calibration)" if r["calibration"] else ""
         lines.append(
             f"| {r['model']} | {r['layout']}{mark} | {r['batch']} x {r['accumulation']} | "
-            f"{format_bytes(r['measured'])} | {format_bytes(r['raw'])} | "
+            f"{format_bytes(r['measured'])} | {format_bytes(r['tracker'])} | {format_bytes(r['raw'])} | "
             f"{format_bytes(r['predicted'])} | {r['error']:+.1%} |"
         )
     lines += [

@@ -531,6 +531,12 @@ class Session:
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self.restore_progress(state)
+
+    def restore_progress(self, state: Mapping[str, Any]) -> None:
+        """What a checkpoint holds besides the model and optimizer: the step, the learning
+        rates' bases, the scheduler's and scaler's states, the RNG (a tensor, or its bytes
+        as a list from a sharded checkpoint's JSON)."""
         # The saved groups hold the lr of the saved config; the caller re-applies
         # that config, which rescales from these bases.
         self._base_group_lrs = list(state["base_group_lrs"])
@@ -540,7 +546,10 @@ class Session:
             self.scaler.load_state_dict(state["scaler"])
         self.set_lr(self.lr)
         self.step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+        rng = state["rng"]
+        torch.set_rng_state(
+            rng if isinstance(rng, torch.Tensor) else torch.tensor(rng, dtype=torch.uint8)
+        )
 
     def close(self) -> None:
         self.grad_sync.flush()
