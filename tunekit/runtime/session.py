@@ -90,7 +90,12 @@ class Session:
         self.device = device or torch.device("cpu")
         self.group = group
         self.backend = backend
-        self.memory = StepPeaks(self.device, memory_cap_bytes, resident=self.resident_bytes)
+        # A sharded job's gathered parameters are freed in gloo's threads, unseen and (large)
+        # seldom reused: its steps are measured from a count of what the session holds.
+        sharded = (layout or workload.layout()).sharded
+        self.memory = StepPeaks(
+            self.device, memory_cap_bytes, resident=self.resident_bytes if sharded else None
+        )
         """Each step's peak memory on this rank (``StepRecord.metrics["peak_bytes"]``), checked
         against the cap; measured on CUDA always, on the CPU when asked or capped."""
         if track_memory or memory_cap_bytes is not None or self.device.type == "cuda":
@@ -234,15 +239,23 @@ class Session:
 
     def resident_bytes(self) -> int | None:
         """Bytes this rank holds between steps: parameters (its shards), buffers, gradients
-        still alive, optimizer state and the gradient strategy's buffers; None when the
-        strategy does not say what it holds."""
+        still alive, optimizer state, tensors a runtime hook keeps on the session (an
+        attribute, a list or dict of them) and the gradient strategy's buffers; None when
+        the strategy does not say what it holds."""
         sync = self._grad_sync
         held = sync.resident_bytes() if sync is not None else None
         if held is None:
             return None
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        kept: list[torch.Tensor] = []
+        for value in vars(self).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(items, list | tuple):
+                kept += [t for t in items if isinstance(t, torch.Tensor)]
+            elif isinstance(value, torch.Tensor):
+                kept.append(value)
         return int(
-            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads])
+            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads, *kept])
             + storage_bytes(self._optimizer_state())
             + held
         )
