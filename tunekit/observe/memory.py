@@ -17,9 +17,10 @@
   what it holds (parameter shards, buffers, optimizer state, gradients, tensors kept on the
   session, the gradient strategy's buffers), which is exact there (FSDP has resharded every
   block; checked on its parameter groups). What a runtime hook of such a job holds
-  elsewhere (in a closure) is not counted. A replicated session is not restarted: the
-  buffer of DDP's start-up broadcast, when gloo frees it, stays counted (its measured
-  peaks are then an upper bound by the parameters' size). Within a step a measured peak is an upper bound
+  elsewhere (in a closure) is not counted. A replicated session is not restarted (every
+  allocation a hook made stays counted); DDP's start-up broadcast, which packs every
+  parameter into one buffer gloo frees in its thread, is done in place instead
+  (``tunekit.runtime.sync.sync_replicas``). Within a step a measured peak is an upper bound
   by what gloo freed unseen since the step began (at most a block's gathered parameters or
   two, measured). Frees of tensors that existed before the tracker started are not
   subtracted (it never counted them).
