@@ -128,7 +128,9 @@ class Session:
         except ConfigError as exc:
             raise WorkloadError(f"workload {workload.name!r}: {exc}") from None
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
-        self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        # The base rates: a scheduler built before the session (tunekit.prepare's) has already
+        # moved "lr" to its first point and kept the base as "initial_lr".
+        self._base_group_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
         self.scheduler = (
             workload.scheduler(self.optimizer) if workload.scheduler is not None else None
         )
