@@ -256,9 +256,12 @@ class Workload:
 def prepare_arguments(workload: Workload) -> dict[str, Any]:
     """What ``tunekit.prepare`` needs, besides the model, optimizer and loss, to train as
     ``workload`` trains: its per-rank batch, learning rate and scaling rule, and its training
-    features; the scheduler by its factory's name (None without one). Plain JSON: a study
-    keeps it, and ``best_config.md``'s snippet is written from it."""
+    features; the scheduler by its factory's name (None without one); its layout's fields that
+    are not plain DDP's (``layout``: FSDP, checkpointing). Plain JSON: a study keeps it, and
+    ``best_config.md``'s snippet is written from it."""
     factory = workload.scheduler
+    plain = Layout().to_dict()
+    layout = {k: v for k, v in workload.layout().to_dict().items() if plain[k] != v}
     return {
         "batch_size": workload.batch_size,
         "lr": workload.lr,
@@ -267,6 +270,7 @@ def prepare_arguments(workload: Workload) -> dict[str, Any]:
         "accumulation": workload.accumulation,
         "clip_grad_norm": workload.clip_grad_norm,
         "scheduler": getattr(factory, "__name__", "scheduler") if factory is not None else None,
+        "layout": layout,
     }
 
 
