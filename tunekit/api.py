@@ -27,9 +27,16 @@ What there is, by the step of a tuner's life that needs it:
 * **Searching**: a MILP wrapper over HiGHS (:class:`MilpModel`) and variable
   elimination over a cost graph (:func:`solve_elimination`).
 * **The runtime hooks** (``apply``, ``search``): :class:`Session`, the gradient
-  synchronisers (:class:`GradSync`, :class:`DDPSync`, :class:`LocalSync`) and
-  their communication record, the batch source and its loader options, and
-  collective helpers.
+  synchronisers (:class:`GradSync`, :class:`DDPSync`, :class:`LocalSync`,
+  :class:`FSDPSync`) and their communication record, the batch source and its loader
+  options, and collective helpers.
+* **Memory and layout**: :class:`Layout` (sharding, resharding, offload, activation
+  checkpointing; a tuner's ``layout`` hook returns its fields), the model's blocks
+  (:func:`model_blocks`), the core memory model (:func:`predict_memory`,
+  :func:`calibrate_memory` on :class:`MemoryFacts`, giving a :class:`MemoryPrediction`
+  with its parts; ``Observation.predict_memory`` calibrates on the measured baseline),
+  measured peaks (:class:`PeakMeter`) and the out-of-memory a cap raises
+  (:class:`MemoryCapExceeded`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,16 @@ from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, tr
 from tunekit.diagnosis_text import compose_headline
 from tunekit.effort import effort_repeats, effort_seconds, measure_effort
 from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, fastest_path
+from tunekit.layout import Layout
+from tunekit.memory import (
+    PART_WORDS,
+    MemoryCalibration,
+    MemoryFacts,
+    MemoryPrediction,
+    format_bytes,
+)
+from tunekit.memory import calibrate as calibrate_memory
+from tunekit.memory import predict as predict_memory
 from tunekit.observe.blocks import block_units, graph_units, unit_starts
 from tunekit.observe.breakdown import Breakdown
 from tunekit.observe.grad_timing import Clock, time_groups
@@ -55,6 +72,7 @@ from tunekit.observe.layer_profile import (
     timing_clock,
 )
 from tunekit.observe.local import describe_local_machine
+from tunekit.observe.memory import MemoryCapExceeded, PeakMeter
 from tunekit.observe.observation import (
     LayerInfo,
     Measurement,
@@ -84,8 +102,10 @@ from tunekit.observe.truth import StepTruth
 from tunekit.runtime.data import BatchSource, LoaderOptions, to_device
 from tunekit.runtime.dist import broadcast_object, single_rank_group
 from tunekit.runtime.session import Session
+from tunekit.runtime.sharding import FSDPSync, model_blocks
 from tunekit.runtime.sync import (
     ALL_FEATURES,
+    LAYOUT_FEATURES,
     CommRecord,
     DDPSync,
     GradSync,
@@ -104,6 +124,8 @@ __all__ = [
     "ALL_FEATURES",
     "BACKWARD_FLOPS_RATIO",
     "GB",
+    "LAYOUT_FEATURES",
+    "PART_WORDS",
     "BatchSource",
     "Breakdown",
     "Calibration",
@@ -116,6 +138,7 @@ __all__ = [
     "Device",
     "EliminationStats",
     "Estimate",
+    "FSDPSync",
     "GradSync",
     "Hardware",
     "HookedAccumulation",
@@ -127,14 +150,20 @@ __all__ = [
     "LayerRunner",
     "LayerStep",
     "LayerTiming",
+    "Layout",
     "LoaderOptions",
     "LocalSync",
     "Measurement",
+    "MemoryCalibration",
+    "MemoryCapExceeded",
+    "MemoryFacts",
+    "MemoryPrediction",
     "MilpModel",
     "MilpSolution",
     "ModelGraph",
     "ModelSummary",
     "Observation",
+    "PeakMeter",
     "Session",
     "StepTiming",
     "StepTruth",
@@ -145,6 +174,7 @@ __all__ = [
     "bandwidth_estimate",
     "block_units",
     "broadcast_object",
+    "calibrate_memory",
     "check_threads",
     "compose_headline",
     "copy_timings",
@@ -155,6 +185,7 @@ __all__ = [
     "effort_seconds",
     "fastest_path",
     "fit_samples",
+    "format_bytes",
     "graph_units",
     "intra_op_threads",
     "is_out_of_memory",
@@ -162,8 +193,10 @@ __all__ = [
     "layer_output",
     "measure_effort",
     "measure_layer",
+    "model_blocks",
     "output_member",
     "overlap_ratio",
+    "predict_memory",
     "release_memory",
     "run_steps",
     "single_rank_group",

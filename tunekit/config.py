@@ -21,6 +21,7 @@ from tunekit.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from tunekit.contract import Tuner
+    from tunekit.layout import Layout
 
 FORMAT_VERSION = 1
 
@@ -209,3 +210,32 @@ def resolve(
                 )
     resolved.sort(key=lambda tk: ASPECT_ORDER.index(tk[0].aspect))
     return resolved
+
+
+def config_layout(plan: list[tuple[Tuner, dict[str, Any]]], base: Layout) -> Layout:
+    """The layout a resolved config runs: ``base`` (the workload's) with the changes each
+    tuner's ``layout`` hook asks for, in apply order. Two tuners asking for different values
+    of one field are refused in one line."""
+    changes: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for tuner, knobs in plan:
+        try:
+            asked = dict(tuner.layout(knobs) or {})
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"{tuner.name}: its layout hook failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        for name, value in asked.items():
+            if name in changes and changes[name] != value:
+                raise ConfigError(
+                    f"{owner[name]} and {tuner.name} ask for different {name} "
+                    f"({changes[name]!r} and {value!r}); keep one"
+                )
+            changes[name], owner[name] = value, tuner.name
+    try:
+        return base.with_changes(changes)
+    except ConfigError as exc:
+        who = ", ".join(sorted(set(owner.values())))
+        raise ConfigError(f"{who}: {exc}") from None

@@ -217,6 +217,11 @@ class Candidate:
     """Samples one step of this candidate consumes over all ranks, when that is not the
     job's own (a batch size or a model-parallel degree changes it); None: unchanged.
     Candidates are ranked by predicted time per sample."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory of one rank under this candidate, in bytes, from the core
+    memory model (``obs.predict_memory``); None: not predicted (a candidate that changes
+    neither the layout nor the batch peaks as the baseline did). With ``--memory-cap``, a
+    candidate predicted over it is not tried."""
 
 
 @dataclass
@@ -289,6 +294,20 @@ class Tuner(ABC):
         that :meth:`Session.reset` does not know about is undone by a callback
         given to ``session.on_reset``.
         """
+
+    def layout(self, knobs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Optional: how ``knobs`` lay the model out, as fields of :class:`tunekit.api.Layout`
+        (``sharding``, ``reshard_after_forward``, ``cpu_offload``, ``checkpointing``,
+        ``checkpoint_every``, ``checkpoint_blocks``) to change from the workload's own.
+
+        The core applies them, not :meth:`apply`: the build fields (sharding, resharding,
+        offload) before the model and its optimizer exist (a relaunch trial builds its
+        session with them; a live job relaunches from its sharded checkpoint when they
+        change), checkpointing at the step boundary before :meth:`apply` runs. A knob that
+        changes a build field is declared ``live="relaunch"``. Return ``{}`` (the default)
+        when the knobs change no layout.
+        """
+        return {}
 
     # phase 3b (optional) -------------------------------------------------------------
 

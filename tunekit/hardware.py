@@ -165,6 +165,21 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def with_memory_cap(self, cap_bytes: float | None) -> Hardware:
+        """This hardware with no device holding more than ``cap_bytes`` (``--memory-cap``):
+        what planners read as each device's memory. None: unchanged."""
+        if cap_bytes is None:
+            return self
+        return replace(
+            self,
+            devices=tuple(
+                replace(d, memory_bytes=min(d.memory_bytes, float(cap_bytes)))
+                if d.memory_bytes
+                else replace(d, memory_bytes=float(cap_bytes))
+                for d in self.devices
+            ),
+        )
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Hardware:
         return cls(

@@ -50,6 +50,7 @@ from tunekit.events import (
     TrialStarted,
 )
 from tunekit.hardware import Hardware
+from tunekit.layout import Layout
 from tunekit.locks import describe_holder
 from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
@@ -162,6 +163,9 @@ class AutoSettings:
     ``node-token``)."""
     join_timeout_s: float = 300.0
     """Several nodes: how long the followers have to join before the study stops."""
+    memory_cap_bytes: int | None = None
+    """``--memory-cap``: the most memory a rank may hold; a step over it fails its trial as
+    out of memory, and planners read it as each device's memory."""
     clock_from: float | None = None
     """``time.monotonic()`` at which the time budget starts counting (None: when the study
     starts). The CLI gives its own process's start, so that ``--budget`` bounds the command."""
@@ -195,7 +199,21 @@ class AutoSettings:
             "hardware": self.hardware,
             "plugins": sorted(self.plugins) if self.plugins else None,
             "seed": self.seed,
+            "memory_cap_bytes": self.memory_cap_bytes,
         }
+
+
+def job_settings(static: StaticObservation, s: AutoSettings) -> dict[str, Any]:
+    """The settings that change what a trial measures, and the workload's layout when it is
+    not plain DDP (a study keeps them; ``tunekit plan`` matches a stored baseline on them)."""
+    layout = static.workload.layout()
+    extra = {"layout": layout.to_dict()} if layout != Layout() else {}
+    return {**s.study_settings(), **extra}
+
+
+def study_key_of(static: StaticObservation, s: AutoSettings) -> str:
+    """The study key of a job: its model, the hardware and :func:`job_settings`."""
+    return study_key(static.graph_hash, static.hardware.fingerprint(), job_settings(static, s))
 
 
 def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) -> str:
@@ -345,7 +363,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             run.probe = {"sizes": list(DEFAULT_SIZES), "repeats": DEFAULT_REPEATS}
         for text in static.notices:
             yield Notice(text, "warning")
-        key = study_key(graph_hash, hardware.fingerprint(), s.study_settings())
+        check_memory_cap(s.memory_cap_bytes, static, s.launch.world_size)
+        key = study_key_of(static, s)
         lock = store.lock_study(
             key, spec
         )  # before anything is reset or planned: one runner per study
@@ -370,7 +389,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 graph_hash=graph_hash,
                 hw_fingerprint=hardware.fingerprint(),
                 nproc=s.nproc,
-                settings=s.study_settings(),
+                settings=job_settings(static, s),
             )
             store.add_trial(
                 sid,
@@ -415,7 +434,13 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             raise TunekitError(f"the baseline trial failed ({base_row.status}): {base_row.error}")
         assert base_row.result is not None  # a finished trial has its result
         baseline = Measurement(**base_row.result["measurement"])
-        obs = static.observation(s.launch.world_size, baseline, store)
+        obs = static.observation(
+            s.launch.world_size,
+            baseline,
+            store,
+            memory_cap_bytes=s.memory_cap_bytes,
+            baseline_peak_bytes=peak_of(base_row),
+        )
         with run.timings.stage("observe: analyse the baseline's profile"):
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
         observation = study.observation or {}
@@ -741,6 +766,44 @@ def _nodes_summary(
     )
 
 
+def check_memory_cap(cap: int | None, static: StaticObservation, world_size: int) -> None:
+    """Refuse, in one line, a cap below what the model's parameters alone take on a rank."""
+    if cap is None:
+        return
+    shards = world_size if static.workload.layout().sharded else 1
+    own = static.summary.param_bytes / shards
+    if cap < own:
+        from tunekit.memory import format_bytes
+
+        raise ConfigError(
+            f"--memory-cap {format_bytes(cap)} is below this job's own parameters per rank "
+            f"({format_bytes(own)}{', sharded over ' + str(shards) + ' ranks' if shards > 1 else ''}): "
+            "nothing could run; give a larger cap"
+        )
+
+
+def peak_of(row: TrialRow) -> float | None:
+    """A trial's measured peak memory per rank: the largest over its ranks (None: unmeasured)."""
+    peaks = [r.get("peak_bytes") for r in (row.result or {}).get("ranks", [])]
+    found = [float(p) for p in peaks if p]
+    return max(found) if found else None
+
+
+def memory_summary(obs: Observation) -> dict[str, Any] | None:
+    """What fills a rank's memory in the baseline: the model's parts, calibrated on the
+    measured peak, beside the measured figure."""
+    predicted = obs.predict_memory()
+    if predicted is None:
+        return None
+    return {
+        "measured_peak_bytes": obs.baseline_peak_bytes,
+        "predicted": predicted.to_dict(),
+        "cap_bytes": obs.memory_cap_bytes,
+        "layout": obs.workload.layout().describe(),
+        "line": predicted.describe(),
+    }
+
+
 def _observation_summary(obs: Observation) -> dict[str, Any]:
     return {
         "workload": obs.workload_spec,
@@ -764,6 +827,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         if obs.layer_profile is not None
         else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
+        "memory": memory_summary(obs),
         "training": prepare_arguments(obs.workload),  # best_config.md's prepare(...) call
     }
 
@@ -822,6 +886,7 @@ class _Planning:
                     "config_id": cfg.config_id,
                     "predicted_s": c.predicted_step_s,
                     "global_batch": c.global_batch,
+                    "predicted_peak_bytes": c.predicted_peak_bytes,
                 }
                 for c, cfg in zip(step.candidates, step.configs, strict=True)
             ]
@@ -887,6 +952,17 @@ def _schedule(
         got.gains,
     )
     searches.sort(key=lambda t: -gains[_tuner_of(t)])
+    cap = run.s.memory_cap_bytes
+    over = [e for e in pool if cap is not None and (e.get("predicted_peak_bytes") or 0) > cap]
+    if over:
+        from tunekit.memory import format_bytes
+
+        pool = [e for e in pool if e not in over]
+        observation["over_cap"] = over
+        yield Notice(
+            f"{len(over)} planned candidate(s) not scheduled: predicted to peak over the "
+            f"--memory-cap of {format_bytes(cap)} per rank"
+        )
     if run.s.rerank:
         # The first candidates: every tuner's best, then the best predicted (no trials yet
         # to correct the predictions); after each trial `_feedback` re-ranks what is left.
@@ -1354,6 +1430,7 @@ async def _run_pending(
             device=s.device,
             search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
+            memory_cap_bytes=s.memory_cap_bytes,
             probe=run.probe if observe else None,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
@@ -1504,6 +1581,8 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
                 "loss": r.get("loss"),
                 "data_s": r.get("data_s"),
                 "peak_memory_bytes": r.get("peak_memory_bytes"),
+                "peak_bytes": r.get("peak_bytes"),
+                "memory_method": r.get("memory_method"),
                 "batch_size": r.get("batch_size"),
                 "global_batch": r.get("global_batch"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,

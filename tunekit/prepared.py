@@ -34,6 +34,7 @@ from torch import nn
 
 from tunekit.config import TuningConfig
 from tunekit.errors import ConfigError
+from tunekit.layout import CheckpointPolicy, Sharding
 from tunekit.runtime.session import Session
 from tunekit.workload import Batch, LrScaling, Precision, Workload
 
@@ -168,9 +169,35 @@ def _config(config: str | Path | Mapping[str, Any] | TuningConfig | None) -> Tun
     return TuningConfig.load(config)
 
 
-def _join_group(device: torch.device) -> None:
-    """Join the process group torchrun describes, when the script has not already."""
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:
+def _resharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """``(params, lr) -> optimizer``: one of ``optimizer``'s class, groups and settings over the
+    model's parameters once FSDP has replaced them with shards (matched by name)."""
+    if optimizer.state:
+        raise ConfigError(
+            "prepare(sharding='fsdp') needs a fresh optimizer: call it before the first step"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [
+        ({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]])
+        for g in optimizer.param_groups
+    ]
+
+    def build(_params, _lr: float) -> torch.optim.Optimizer:
+        now = dict(model.named_parameters())
+        # Every setting travels in its group (a group's keys override the defaults).
+        return type(optimizer)(
+            [{**settings, "params": [now[n] for n in members]} for settings, members in groups],
+            lr=groups[0][0]["lr"],
+        )
+
+    return build
+
+
+def _join_group(device: torch.device, even_alone: bool = False) -> None:
+    """Join the process group torchrun describes, when the script has not already (on one
+    rank too when ``even_alone``: FSDP shards over a group, even of one)."""
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if dist.is_initialized() or world < (1 if even_alone else 2):
         return
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
@@ -189,6 +216,12 @@ def prepare(
     clip_grad_norm: float | None = None,
     example: Batch | None = None,
     device: torch.device | str | None = None,
+    sharding: Sharding = "ddp",
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    checkpointing: CheckpointPolicy = "none",
+    checkpoint_every: int = 1,
+    checkpoint_blocks: tuple[str, ...] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Prepared]:
     """Apply a tuned ``config`` (a ``best_config.json``, a dict or a TuningConfig) to your model.
 
@@ -196,10 +229,17 @@ def prepare(
     from); ``example`` a batch of yours, needed by configs whose runtime traces
     the model (layer_split). Returns the model (unwrapped: save its state_dict as
     usual), the optimizer, and ``step``. See the module docstring.
+
+    ``sharding`` ... ``checkpoint_blocks`` lay the model out as a ``Workload``'s fields of
+    those names do (FSDP2 on its blocks, activation checkpointing). Sharded, the model
+    returned is the FSDP module (its parameters are DTensor shards; save with
+    ``step.state_dict()`` and ``torch.distributed.checkpoint``), and the optimizer returned
+    is a new one of your optimizer's class and settings over the shards (yours held the
+    unsharded parameters): call ``prepare`` before the first step.
     """
     cfg = _config(config)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    _join_group(device)
+    _join_group(device, even_alone=sharding == "fsdp")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     first = optimizer.param_groups[0]
@@ -213,12 +253,17 @@ def prepare(
         reps = -(-n // _size(example[1]))
         return tuple(_map(lambda t: torch.cat([t] * reps)[:n], part) for part in example)
 
+    make_optimizer = (
+        _resharded_optimizer(model, optimizer)
+        if sharding == "fsdp"
+        else lambda params, lr: optimizer
+    )
     workload = Workload(
         name="prepared",
         model=lambda: model,
         make_batch=example_batch,
         loss=loss_fn,
-        optimizer=lambda params, lr: optimizer,
+        optimizer=make_optimizer,
         batch_size=batch_size,
         lr=lr,
         lr_scaling=lr_scaling,
@@ -227,7 +272,18 @@ def prepare(
         accumulation=accumulation,
         scheduler=(lambda opt: scheduler) if scheduler is not None else None,
         clip_grad_norm=clip_grad_norm,
+        sharding=sharding,
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
+        checkpointing=checkpointing,
+        checkpoint_every=checkpoint_every,
+        checkpoint_blocks=checkpoint_blocks,
     )
+    if scheduler is not None and sharding == "fsdp":
+        raise ConfigError(
+            "prepare(sharding='fsdp') builds a new optimizer over the shards, which your "
+            "scheduler does not drive: pass scheduler=None and build it on the returned optimizer"
+        )
     rng = torch.get_rng_state()  # a Session seeds the global generator; leave the user's alone
     try:
         session = Session(
@@ -236,7 +292,7 @@ def prepare(
             world_size=world,
             local_rank=int(os.environ.get("LOCAL_RANK", rank)),
             device=device,
-            group=dist.group.WORLD if world > 1 else None,
+            group=dist.group.WORLD if world > 1 or dist.is_initialized() else None,
             backend=dist.get_backend() if dist.is_initialized() else "gloo",
         )
     finally:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tunekit.errors import WorkloadError
+from tunekit.layout import CheckpointPolicy, Layout, Sharding, layout_problem
 from tunekit.workload_spec import EXAMPLE_PREFIX, _is_file, _split, resolve_spec  # noqa: F401 (re-exported)
 
 LrScaling = Literal["linear", "sqrt", "none"]
@@ -86,6 +87,22 @@ class Workload:
     checkpointed and carried through live applies and rollbacks."""
     clip_grad_norm: float | None = None
     """Clip the gradients to this global L2 norm before each update (None: no clipping)."""
+    sharding: Sharding = "ddp"
+    """``ddp``: every rank holds the whole model. ``fsdp``: parameters, gradients and
+    optimizer state sharded over the ranks (FSDP2 ``fully_shard`` on each transformer block,
+    or each top-level child of a model without blocks, then on the root)."""
+    reshard_after_forward: bool = True
+    """FSDP: free a block's gathered parameters after its forward (True, least memory) or keep
+    them until its backward (False, one all-gather fewer per block)."""
+    cpu_offload: bool = False
+    """FSDP: keep parameter, gradient and optimizer-state shards in host memory."""
+    checkpointing: CheckpointPolicy = "none"
+    """Activation checkpointing of blocks: ``none``, ``full`` (recompute a block's forward in
+    backward, keeping only its input) or ``selective`` (keep its matmul outputs, recompute the rest)."""
+    checkpoint_every: int = 1
+    """Checkpoint every k-th block (1: all of them)."""
+    checkpoint_blocks: tuple[str, ...] | None = None
+    """Blocks to checkpoint by name (``("blocks.0", "blocks.2")``) instead of every k-th."""
 
     def __post_init__(self) -> None:
         if (self.make_batch is None) == (self.dataset is None):
@@ -153,6 +170,27 @@ class Workload:
                 "clip_grad_norm", f"must be a positive number or None, not {self.clip_grad_norm!r}"
             )
 
+        if isinstance(self.checkpoint_blocks, list):
+            self.checkpoint_blocks = tuple(self.checkpoint_blocks)
+        found = layout_problem(
+            {
+                "sharding": self.sharding,
+                "reshard_after_forward": self.reshard_after_forward,
+                "cpu_offload": self.cpu_offload,
+                "checkpointing": self.checkpointing,
+                "checkpoint_every": self.checkpoint_every,
+                "checkpoint_blocks": self.checkpoint_blocks,
+            }
+        )
+        if found:
+            raise self._error(*found)
+        if self.sharding == "fsdp" and self.precision == "fp16":
+            raise self._error(
+                "precision",
+                "fp16 under sharding='fsdp' is not supported: each rank would check only its "
+                "own gradient shards for overflow (use precision='bf16', which needs no loss scale)",
+            )
+
     def _error(self, field_name: str, problem: str) -> WorkloadError:
         return WorkloadError(f"workload {self.name!r}: {field_name} {problem} (see {DOC})")
 
@@ -160,9 +198,21 @@ class Workload:
     def uses_scaler(self) -> bool:
         return self.precision == "fp16"
 
+    def layout(self) -> Layout:
+        """How the workload lays its model out: sharding and activation checkpointing."""
+        return Layout(
+            sharding=self.sharding,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+            checkpointing=self.checkpointing,
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_blocks=self.checkpoint_blocks,
+        )
+
     def features(self) -> frozenset[str]:
         """The training features in use: ``amp``, ``grad_scaler``, ``accumulation``,
-        ``scheduler``, ``clipping`` (what a gradient strategy or a placement must honour)."""
+        ``scheduler``, ``clipping``, and the layout's ``sharded`` and ``checkpointed``
+        (what a gradient strategy or a placement must honour)."""
         out = set()
         if self.precision != "fp32":
             out.add("amp")
@@ -174,6 +224,10 @@ class Workload:
             out.add("scheduler")
         if self.clip_grad_norm is not None:
             out.add("clipping")
+        if self.sharding == "fsdp":
+            out.add("sharded")
+        if self.checkpointing != "none":
+            out.add("checkpointed")
         return frozenset(out)
 
     def scaled_lr(self, batch_size: int) -> float:
@@ -202,9 +256,12 @@ class Workload:
 def prepare_arguments(workload: Workload) -> dict[str, Any]:
     """What ``tunekit.prepare`` needs, besides the model, optimizer and loss, to train as
     ``workload`` trains: its per-rank batch, learning rate and scaling rule, and its training
-    features; the scheduler by its factory's name (None without one). Plain JSON: a study
-    keeps it, and ``best_config.md``'s snippet is written from it."""
+    features; the scheduler by its factory's name (None without one); its layout's fields that
+    are not plain DDP's (``layout``: FSDP, checkpointing). Plain JSON: a study keeps it, and
+    ``best_config.md``'s snippet is written from it."""
     factory = workload.scheduler
+    plain = Layout().to_dict()
+    layout = {k: v for k, v in workload.layout().to_dict().items() if plain[k] != v}
     return {
         "batch_size": workload.batch_size,
         "lr": workload.lr,
@@ -213,6 +270,7 @@ def prepare_arguments(workload: Workload) -> dict[str, Any]:
         "accumulation": workload.accumulation,
         "clip_grad_norm": workload.clip_grad_norm,
         "scheduler": getattr(factory, "__name__", "scheduler") if factory is not None else None,
+        "layout": layout,
     }
 
 

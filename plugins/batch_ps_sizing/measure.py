@@ -1,13 +1,9 @@
 """Measuring in this process: a step's memory peak, saved activations, step times, OOM errors.
 
-Peaks come from the allocator that served the step:
-
-* CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before.
-* CPU: there is no allocator statistic, but ``torch.profiler`` with
-  ``profile_memory=True`` records every allocation and free the CPU
-  allocator makes; their running sum over the step gives its peak above the
-  start. (RSS deltas would hide reuse inside glibc's arenas; tracemalloc does
-  not see torch's allocator at all.)
+Peaks come from the core's :class:`~tunekit.api.PeakMeter`, which reads the allocator that
+served the step (CUDA: its own counters; CPU: the profiler's allocation events, see
+:mod:`tunekit.observe.memory`). (RSS deltas would hide reuse inside glibc's arenas;
+tracemalloc does not see torch's allocator at all.)
 
 :func:`saved_activation_bytes` counts the tensors autograd keeps for backward
 (the measured counterpart of the paper's feature-map term, Eq. 2).
@@ -23,74 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tunekit.api import StepTiming, Workload, intra_op_threads, time_steps, to_device
+from tunekit.api import PeakMeter, StepTiming, Workload, intra_op_threads, time_steps, to_device
 from tunekit.plugins.batch_ps_sizing.model import MemoryProfile
-
-
-class PeakMeter:
-    """Context manager: bytes allocated at the peak of the block, above its start.
-
-    ``peak_bytes`` is None when the device offers no way to measure (another
-    profiler already running on the CPU); ``method`` says which was used.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak_bytes: float | None = None
-        self.start_bytes = 0.0
-        """Bytes allocated when the block began (CUDA; 0 on the CPU, where it is not tracked)."""
-        self.method = ""
-        self._prof = None
-        self._start = 0
-
-    def __enter__(self) -> PeakMeter:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-            self.start_bytes = float(self._start)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.method = "cuda-allocator"
-        else:
-            prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
-            try:
-                prof.__enter__()
-            except RuntimeError:  # a profiler is already running in this thread
-                return self
-            self._prof = prof
-            self.method = "cpu-profiler"
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device) - self._start)
-            return
-        if self._prof is None:
-            return
-        self._prof.__exit__(None, None, None)
-        if exc_type is None:
-            self.peak_bytes = _profiled_cpu_peak(self._prof)
-        self._prof = None
-
-
-def _profiled_cpu_peak(prof) -> float | None:
-    """Running sum of the CPU allocator's alloc (+) and free (-) records, at its maximum."""
-    try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:  # a torch whose profiler keeps its results elsewhere
-        return None
-    records = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return float(peak)
 
 
 def saved_activation_bytes(model: nn.Module, run: Callable[[], torch.Tensor]) -> int:

@@ -21,10 +21,17 @@ def observed(tmp_path_factory):
     store.close()
 
 
-def _study(store, static, nproc=2, steps=6, warmup=1, medians=(0.9, 0.84), traces=None) -> int:
+def _study(
+    store, static, nproc=2, steps=6, warmup=1, medians=(0.9, 0.84), traces=None, **job
+) -> int:
     """A study with a baseline trial per median; ``traces``: the folder of the first one's
-    trial, profiled (its traces/ exists), as a study profiles its first baseline."""
-    settings = AutoSettings(static.spec, nproc=nproc, steps=steps, warmup=warmup).study_settings()
+    trial, profiled (its traces/ exists), as a study profiles its first baseline; ``job``:
+    more study settings (``memory_cap_bytes``, ``layout``)."""
+    cap = job.pop("memory_cap_bytes", None)
+    settings = AutoSettings(
+        static.spec, nproc=nproc, steps=steps, warmup=warmup, memory_cap_bytes=cap
+    ).study_settings()
+    settings.update(job)
     sid = store.create_study(
         key=study_key(static.graph_hash, static.hardware.fingerprint(), settings),
         workload=static.spec,
@@ -65,6 +72,16 @@ def test_plan_prefers_the_profiled_baseline_which_brings_its_breakdown(observed,
     sid = _study(store, static, steps=8, warmup=2, medians=(0.7, 0.6), traces=tmp_path / "t0")
     study, row = _stored_baseline(store, static, 2, None)
     assert study.id == sid and row.seq == 0 and row.result["trial_dir"] == str(tmp_path / "t0")
+
+
+def test_plan_takes_no_baseline_of_another_memory_cap_or_layout(observed):
+    """A study under --memory-cap, or of the workload sharded, measured another job."""
+    store, static = observed
+    plain = _study(store, static, medians=(0.8,))
+    capped = _study(store, static, medians=(0.7,), memory_cap_bytes=2**30)
+    _study(store, static, medians=(0.6,), layout={"sharding": "fsdp"})  # newest of all
+    assert _stored_baseline(store, static, 2, None)[0].id == plain
+    assert _stored_baseline(store, static, 2, None, memory_cap=2**30)[0].id == capped
 
 
 def _rendered(calibrated: bool) -> str:

@@ -116,6 +116,7 @@ def test_the_steps_become_the_orchestrators_events():
                     "details": {},
                     "predicted_range_s": None,
                     "global_batch": None,
+                    "predicted_peak_bytes": None,
                 }
             ],
         },

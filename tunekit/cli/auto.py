@@ -22,6 +22,7 @@ from rich.text import Text
 
 from tunekit.cli.common import (
     DURATION,
+    MEMORY_CAP_OPTION,
     STORE_OPTION,
     Interrupted,
     Table,
@@ -195,6 +196,7 @@ from tunekit.workload_spec import resolve_spec
     show_default=True,
     help="Steps an in-job search may use.",
 )
+@MEMORY_CAP_OPTION
 @stops_on_sigterm
 def auto_cmd(
     workload,
@@ -227,6 +229,7 @@ def auto_cmd(
     no_rerank,
     explain,
     search_steps,
+    memory_cap,
 ):
     """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME).
 
@@ -301,6 +304,7 @@ def auto_cmd(
         ),
         node_token=read_token(token_file),
         join_timeout_s=join_timeout_s,
+        memory_cap_bytes=memory_cap,
         clock_from=process_started(),
     )
     if demo and not as_json:
@@ -462,6 +466,8 @@ class _ProgressView:
                 )
                 r = f" · overlap R {t['overlap_R']:.0f}" if t.get("overlap_R") is not None else ""
                 self.say(f"  where the step goes (measured): {parts}{r}")
+            if line := memory_line(s.get("memory")):
+                self.say(f"  {line}")
         elif isinstance(ev, Diagnosed):
             self.diagnoses[ev.plugin] = ev.to_dict()
             self.say(styled("  {}: ", ev.plugin) + marked_headline(headline_of(ev), ev.applies))
@@ -544,6 +550,32 @@ class _ProgressView:
             console.print(
                 f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}"
             )
+
+
+def memory_line(memory: dict | None) -> str:
+    """``memory per rank (fsdp ...): 1.2 GiB measured peak; model: activations 0.7 GiB, ...``."""
+    if not memory:
+        return ""
+    from tunekit.memory import PART_WORDS, format_bytes
+
+    predicted = memory["predicted"]
+    total = predicted["peak_bytes"] or 1.0
+    parts = sorted(
+        ((k, v) for k, v in predicted["parts"].items() if abs(v) >= 0.01 * total),
+        key=lambda kv: -abs(kv[1]),
+    )
+    what = ", ".join(f"{PART_WORDS.get(k, k)} {format_bytes(v)}" for k, v in parts)
+    measured = memory.get("measured_peak_bytes")
+    head = (
+        f"{format_bytes(measured)} measured peak"
+        if measured
+        else f"{format_bytes(predicted['peak_bytes'])} predicted peak"
+    )
+    cap = f" of a {format_bytes(memory['cap_bytes'])} cap" if memory.get("cap_bytes") else ""
+    return (
+        f"memory per rank ({memory['layout']}): {head}{cap}; at the {predicted['moment']} "
+        f"peak: {what}"
+    )
 
 
 def _ranges(seqs: list[int]) -> str:

@@ -192,6 +192,32 @@ class Duration(click.ParamType):
 DURATION = Duration()
 
 
+class Size(click.ParamType):
+    """A memory size: 2GiB, 512MiB, 1.5GB, 300M, or bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        from tunekit.memory import parse_size
+
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+MEMORY_CAP_OPTION = click.option(
+    "--memory-cap",
+    "memory_cap",
+    type=Size(),
+    default=None,
+    help="Per-rank memory cap (2GiB, 512MiB): a step whose measured peak goes over it fails "
+    "as out of memory, and planners treat it as each device's memory.",
+)
+
+
 def split_names(values: tuple[str, ...], option: str = "--plugins") -> list[str] | None:
     """``--plugins a,b --plugins c`` -> [a, b, c]; not given -> None (every tuner).
 

@@ -11,6 +11,7 @@ import click
 
 from tunekit.cli.common import (
     DURATION,
+    MEMORY_CAP_OPTION,
     STORE_OPTION,
     Table,
     console,
@@ -74,6 +75,7 @@ from tunekit.workload_spec import resolve_spec
     help="Print the diagnosis in full (its points, after its headline).",
 )
 @STORE_OPTION
+@MEMORY_CAP_OPTION
 def plan_cmd(
     plugin,
     workload,
@@ -86,12 +88,13 @@ def plan_cmd(
     explain,
     store_dir,
     timeout_s,
+    memory_cap,
 ):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
     Runs no trials. Predictions are calibrated on the latest baseline an earlier
-    `tunekit auto` measured for this model on this machine with as many ranks,
-    whatever its --steps/--warmup (the output says which study); without one, every
+    `tunekit auto` measured for this model on this machine with as many ranks (and the
+    same --memory-cap), whatever its --steps/--warmup (the output says which study); without one, every
     figure is the tuner's model alone and is marked uncalibrated. Each candidate comes with a
     command that applies it to a live run (`tunekit apply RUN PLUGIN.knob=value …`);
     a config too long for a command line is written to --out and named by its path.
@@ -109,7 +112,16 @@ def plan_cmd(
     try:
         static, study, base_row, obs, diag, candidates = asyncio.run(
             _observe_and_plan(
-                tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s, always_plan
+                tuner,
+                workload,
+                nproc,
+                hardware,
+                limit,
+                store,
+                store_dir,
+                timeout_s,
+                always_plan,
+                memory_cap,
             )
         )
         tried = []
@@ -178,6 +190,11 @@ def plan_cmd(
         )
     else:
         console.print(f"measured baseline ({baseline_source(study, base_row)}): {truth.describe()}")
+    from tunekit.cli.auto import memory_line
+    from tunekit.orchestrator import memory_summary
+
+    if line := memory_line(memory_summary(obs)):
+        console.print(line)
     console.print(marked_headline(headline_of(diag), diag.applies, muted="yellow"))
     if explain:
         for point in body_points(diag.summary):
@@ -220,6 +237,7 @@ def ranked_candidates(tuner, candidates, base_batch: int) -> list[dict]:
                 "predicted_step_s": c.predicted_step_s,
                 "global_batch": batch,
                 "predicted_samples_per_s": rate,
+                "predicted_peak_bytes": c.predicted_peak_bytes,
                 "rationale": c.rationale,
             }
         )
@@ -261,6 +279,7 @@ async def _observe_and_plan(
     store_dir: Path,
     timeout_s: float,
     always_plan: bool = False,
+    memory_cap: int | None = None,
 ):
     """The workload observed and the tuner's diagnose (and plan, where it applies or
     ``always_plan``) run in one process of the workload's own; returns what was observed, the
@@ -270,7 +289,7 @@ async def _observe_and_plan(
     from tunekit.observe.observation import Measurement
     from tunekit.observe.static import observe_in_child
     from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
-    from tunekit.orchestrator import observed_baseline
+    from tunekit.orchestrator import check_memory_cap, observed_baseline, peak_of
     from tunekit.planning import ChildHooks, TunerFailed, TunerPlanned, diagnose_and_plan
 
     async with WorkloadProcess(store_dir / OBSERVE_LOG, timeout_s) as child:
@@ -289,9 +308,16 @@ async def _observe_and_plan(
             raise ObservationFailed(
                 exc.status, f"could not observe {workload} ({exc.status}): {exc}"
             ) from None
-        study, base_row = _stored_baseline(store, static, nproc, hardware)
+        check_memory_cap(memory_cap, static, nproc)
+        study, base_row = _stored_baseline(store, static, nproc, hardware, memory_cap)
         baseline = Measurement(**base_row.result["measurement"]) if base_row else None
-        obs = static.observation(nproc, baseline, store)
+        obs = static.observation(
+            nproc,
+            baseline,
+            store,
+            memory_cap_bytes=memory_cap,
+            baseline_peak_bytes=peak_of(base_row) if base_row else None,
+        )
         if base_row is not None:
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
         diag, candidates = None, []
@@ -306,25 +332,33 @@ async def _observe_and_plan(
     return static, study, base_row, obs, diag, candidates
 
 
-SAME_JOB = ("nproc", "world_size", "hardware")
+SAME_JOB = ("nproc", "world_size", "hardware", "memory_cap_bytes", "layout")
 """Study settings a baseline must share to be this job's (the model and the machine are in
-the graph hash and the hardware fingerprint). Steps, warm-up, seed and tuners change how a
-study measured, not what: a baseline of another ``--steps`` is still this job's step."""
+the graph hash and the hardware fingerprint; a layout other than plain DDP and a memory cap
+change the job). Steps, warm-up, seed and tuners change how a study measured, not what: a
+baseline of another ``--steps`` is still this job's step."""
 
 
-def _stored_baseline(store: Store, static, nproc: int, hardware: str | None):
-    """The newest study of this model on this hardware with as many ranks, whatever its
-    ``--steps``/``--warmup``, and its latest successful baseline trial that was profiled
-    (its step breakdown comes with it; a study profiles its first), else its latest.
-    (None, None) when there is none."""
-    from tunekit.orchestrator import AutoSettings
+def _stored_baseline(
+    store: Store, static, nproc: int, hardware: str | None, memory_cap: int | None = None
+):
+    """The newest study of this model on this hardware with as many ranks, the same layout and
+    memory cap, whatever its ``--steps``/``--warmup``, and its latest successful baseline trial
+    that was profiled (its step breakdown comes with it; a study profiles its first), else its
+    latest. (None, None) when there is none."""
+    from tunekit.orchestrator import AutoSettings, job_settings
 
-    want = AutoSettings(workload=static.spec, nproc=nproc, hardware=hardware).study_settings()
+    want = job_settings(
+        static,
+        AutoSettings(
+            workload=static.spec, nproc=nproc, hardware=hardware, memory_cap_bytes=memory_cap
+        ),
+    )
     fingerprint = static.hardware.fingerprint()
     for study in reversed(store.studies()):
         if study.graph_hash != static.graph_hash or study.hw_fingerprint != fingerprint:
             continue
-        if any(study.settings.get(k) != want[k] for k in SAME_JOB):
+        if any(study.settings.get(k) != want.get(k) for k in SAME_JOB):
             continue
         baselines = [
             t

@@ -11,6 +11,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tunekit.cli.common import (
+    MEMORY_CAP_OPTION,
     STORE_OPTION,
     Interrupted,
     console,
@@ -97,6 +98,7 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 @TOKEN_FILE_OPTION
 @JOIN_TIMEOUT_OPTION
 @STORE_OPTION
+@MEMORY_CAP_OPTION
 @stops_on_sigterm
 def run_cmd(
     workload,
@@ -115,6 +117,7 @@ def run_cmd(
     token_file,
     join_timeout_s,
     store_dir,
+    memory_cap,
 ):
     """Train WORKLOAD under torchrun until done or stopped; control it with apply/trial/rollback/stop."""
     from tunekit.trials.nodes import node_place
@@ -147,7 +150,10 @@ def run_cmd(
             device=device,
             name=name,
             nnodes=place.nnodes,
+            memory_cap_bytes=memory_cap,
         )
+    if resume and memory_cap is not None:  # the resumed job takes the new cap
+        rd.update_run(memory_cap_bytes=memory_cap)
     if resume and int(rd.read_run().get("nnodes") or 1) != place.nnodes:
         raise click.UsageError(
             f"run {rd.run_id} spans {rd.read_run().get('nnodes') or 1} node(s), not {place.nnodes}"
@@ -216,7 +222,9 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
             progress.update(task, completed=st.get("step", 0), info=info)
         events = rd.read_events()
         for ev in events[seen_events[0] :]:
-            if ev["kind"] not in ("started",):
+            if ev["kind"] == "memory":
+                progress.console.print(f"  {ev['line']}")
+            elif ev["kind"] not in ("started",):
                 progress.console.print(
                     f"  {ev['kind']}: "
                     + ", ".join(

@@ -19,6 +19,8 @@ from tunekit.observe.truth import StepTruth
 
 if TYPE_CHECKING:
     from tunekit.hardware import Hardware
+    from tunekit.layout import Layout
+    from tunekit.memory import MemoryFacts, MemoryPrediction
     from tunekit.observe.breakdown import Breakdown
     from tunekit.observe.graph import ModelGraph
     from tunekit.observe.layer_profile import LayerProfile
@@ -193,6 +195,18 @@ class Observation:
     cache: StudyCache | None = None
     """Expensive plugin measurements kept in the study store; None outside a study.
     Prefer :meth:`cached`, which also falls back to memory when there is no store."""
+    memory: MemoryFacts | None = None
+    """What the memory model needs, measured on one process of the workload
+    (:mod:`tunekit.observe.memory_facts`); None when it could not be measured."""
+    memory_cap_bytes: int | None = None
+    """``--memory-cap``: the most a rank may hold (also each device's ``memory_bytes`` in
+    ``hardware``); None without a cap."""
+    baseline_peak_bytes: float | None = None
+    """The baseline trial's measured peak per rank (the largest over ranks), in bytes."""
+    blocks: list[str] = field(default_factory=list)
+    """Module paths of the model's blocks: its transformer blocks, else each top-level child
+    with parameters (what FSDP shards and checkpointing recomputes; ``Layout.checkpoint_blocks``
+    names these)."""
     extra: dict[str, Any] = field(default_factory=dict)
     _memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -207,6 +221,47 @@ class Observation:
 
         None when no baseline was measured (``tunekit plan`` without a study)."""
         return StepTruth.of(self.baseline, self.breakdown)
+
+    def predict_memory(
+        self,
+        layout: Layout | None = None,
+        *,
+        batch: int | None = None,
+        accumulation: int | None = None,
+    ) -> MemoryPrediction | None:
+        """A rank's predicted peak memory, with its parts, under ``layout`` (default: the
+        workload's), per-rank micro-batch ``batch`` and ``accumulation`` (default: the
+        workload's), calibrated on the baseline's measured peak when there is one. None when
+        the memory facts could not be measured. See :mod:`tunekit.memory`."""
+        from tunekit.memory import calibrate, predict
+
+        facts, measured = self.memory, self.baseline_peak_bytes
+        if facts is None:
+            return None
+        base_layout = self.workload.layout()
+        calibration = None
+        if measured:
+            calibration = self.memo(
+                "tunekit:memory_calibration",
+                lambda: calibrate(
+                    facts,
+                    base_layout,
+                    measured,
+                    batch=self.workload.batch_size,
+                    accumulation=self.workload.accumulation,
+                    world_size=self.nproc,
+                    device_type=self.device_type,
+                ),
+            )
+        return predict(
+            facts,
+            layout or base_layout,
+            batch=batch or self.workload.batch_size,
+            accumulation=accumulation or self.workload.accumulation,
+            world_size=self.nproc,
+            device_type=self.device_type,
+            calibration=calibration,
+        )
 
     def memo(self, key: str, fn: Callable[[], T]) -> T:
         """``fn()``, computed once for this observation: what ``diagnose`` works out,

@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 
 from tunekit.effort import effort_repeats
+from tunekit.errors import ConfigError, WorkloadError
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
+from tunekit.memory import MemoryFacts
 from tunekit.observe.first_step import try_first_step
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
+from tunekit.observe.memory_facts import measure_memory_facts
 from tunekit.observe.observation import Measurement, ModelSummary, Observation, summarize_model
 from tunekit.observe.probe import probe_hardware
 from tunekit.observe.workload_process import (
@@ -28,6 +31,7 @@ from tunekit.observe.workload_process import (
     observe_call,
     stand_in_workload,
 )
+from tunekit.runtime.sharding import check_layout
 from tunekit.store import Store, StudyCache
 from tunekit.timings import Timings
 from tunekit.trials.launcher import rank_threads
@@ -53,21 +57,32 @@ class StaticObservation:
     hardware: Hardware
     device_type: str
     notices: list[str] = field(default_factory=list)
+    memory: MemoryFacts | None = None
+    """What the memory model needs, measured in the workload's process (cached)."""
+    blocks: list[str] = field(default_factory=list)
+    """The model's blocks (what FSDP shards and checkpointing recomputes)."""
 
     @property
     def graph_hash(self) -> str:
         return self.graph.graph_hash()
 
     def observation(
-        self, nproc: int, baseline: Measurement | None, store: Store | None
+        self,
+        nproc: int,
+        baseline: Measurement | None,
+        store: Store | None,
+        *,
+        memory_cap_bytes: int | None = None,
+        baseline_peak_bytes: float | None = None,
     ) -> Observation:
+        hardware = self.hardware.with_memory_cap(memory_cap_bytes)
         return Observation(
             workload_spec=self.spec,
             workload=self.workload,
             nproc=nproc,
             backend="nccl" if self.device_type == "cuda" else "gloo",
             device_type=self.device_type,
-            hardware=self.hardware,
+            hardware=hardware,
             model=self.summary,
             baseline=baseline,
             graph=self.graph,
@@ -75,12 +90,20 @@ class StaticObservation:
             cache=StudyCache(store, f"{self.graph_hash}:{self.hardware.fingerprint()}")
             if store
             else None,
+            memory=self.memory,
+            memory_cap_bytes=memory_cap_bytes,
+            baseline_peak_bytes=baseline_peak_bytes,
+            blocks=list(self.blocks),
         )
 
 
 def resolve_device_type(device: str) -> str:
     """``auto``/``cuda``/``cpu`` as the device the job will run on here."""
     return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def _memory_facts_key(graph: ModelGraph, spec: str, device_type: str) -> str:
+    return f"memory_facts:v1:{graph.graph_hash()}:{spec}:{device_type}"
 
 
 def _layer_profile_key(graph: ModelGraph, hw: Hardware, device_type: str) -> str:
@@ -159,6 +182,13 @@ async def observe_in_child(
                     child, graph, hw, device_type, store, world_size, threads_per_rank, notices
                 )
                 stage.cpu_s = child.take_cpu_s()
+        memory = None
+        if time_layers:
+            with timings.stage("observe: the memory model's facts") as stage:
+                memory = await _memory_facts(
+                    child, spec, graph, device_type, store, world_size, threads_per_rank, notices
+                )
+                stage.cpu_s = child.take_cpu_s()
         if not own:
             await observe_call(child, "idle", "dropping the model")
     finally:
@@ -173,7 +203,38 @@ async def observe_in_child(
         hw,
         device_type,
         notices,
+        memory,
+        list(seen.get("blocks") or []),
     )
+
+
+async def _memory_facts(
+    child: WorkloadProcess,
+    spec: str,
+    graph: ModelGraph,
+    device_type: str,
+    store: Store,
+    world_size: int,
+    threads_per_rank: int | None,
+    notices: list[str],
+) -> MemoryFacts | None:
+    """The memory model's facts: cached in the store, or measured in the workload's process."""
+    key = _memory_facts_key(graph, spec, device_type)
+    if cached := store.cache_get(key):
+        return MemoryFacts.from_dict(cached)
+    found = await observe_call(
+        child,
+        "memory_facts",
+        "measuring the model's memory",
+        workload=spec,
+        device=device_type,
+        threads=rank_threads(world_size, threads_per_rank),
+    )
+    if not found["memory"]:
+        notices.append(found["notice"])
+        return None
+    store.cache_put(key, found["memory"])
+    return MemoryFacts.from_dict(found["memory"])
 
 
 async def _layer_profile(
@@ -234,6 +295,10 @@ def observe_static(
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
     stage("tracing the model graph")
     model = wl.model()
+    try:
+        blocks = check_layout(model, wl.layout())
+    except ConfigError as exc:
+        raise WorkloadError(f"workload {wl.name!r}: {exc}") from None
     batch = wl.example_batch(wl.batch_size, seed=seed)
     example = batch[0]
     graph = trace_model(
@@ -276,4 +341,20 @@ def observe_static(
                 torch.set_num_threads(before)
             if profile is not None:
                 store.cache_put(key, profile.to_dict())
-    return StaticObservation(spec, wl, summary, graph, profile, hw, device_type, notices)
+    memory = None
+    if time_layers:
+        key = _memory_facts_key(graph, spec, device_type)
+        if cached := store.cache_get(key):
+            memory = MemoryFacts.from_dict(cached)
+        else:
+            del model  # the measurement builds its own copy
+            try:
+                memory = measure_memory_facts(wl, torch.device(device_type))
+                store.cache_put(key, memory.to_dict())
+            except Exception as exc:  # the workload's own code failed; its trials report it
+                notices.append(
+                    f"could not measure the model's memory ({type(exc).__name__}: {exc})"
+                )
+    return StaticObservation(
+        spec, wl, summary, graph, profile, hw, device_type, notices, memory, blocks
+    )

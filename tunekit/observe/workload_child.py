@@ -11,6 +11,7 @@ keeps in a capped log. Requests, in the order the parent sends them:
 * ``observe``: load the workload, build the model, trace it, try one training step's
   forward, loss and backward on the example batch, summarise it;
 * ``profile_layers``: time every layer of that model;
+* ``memory_facts``: measure what the memory model needs on a fresh copy of it;
 * ``idle``: drop that model (the process then waits out the baseline trial);
 * ``observation``: set up what tuners read (the parts of an ``Observation``);
 * ``diagnose`` / ``plan``: run one tuner's hook on it.
@@ -91,13 +92,19 @@ class _State:
 
 
 def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    from tunekit.errors import ConfigError, WorkloadError
     from tunekit.observe.first_step import try_first_step
     from tunekit.observe.graph import trace_model
     from tunekit.observe.observation import summarize_model
     from tunekit.observe.workload_process import workload_facts
+    from tunekit.runtime.sharding import check_layout
 
     wl = state.load(req["workload"])
     state.model = wl.model()
+    try:
+        blocks = check_layout(state.model, wl.layout())
+    except ConfigError as exc:
+        raise WorkloadError(f"workload {wl.name!r}: {exc}") from None
     batch = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))
     state.example = batch[0]
     # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
@@ -109,7 +116,31 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         "summary": summary.to_dict(),
         "graph": state.graph.to_dict(),
         "graph_hash": state.graph.graph_hash(),
+        "blocks": blocks,
     }
+
+
+def memory_facts(state: _State, req: dict[str, Any]) -> dict[str, Any]:
+    """What the memory model needs, measured on a fresh copy of the model (one process)."""
+    import torch
+
+    from tunekit.observe.memory_facts import measure_memory_facts
+
+    wl = state.load(req["workload"])
+    threads = req.get("threads")
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        facts = measure_memory_facts(wl, torch.device(req.get("device", "cpu")))
+    except Exception as exc:  # the baseline trial reports the workload's own failure
+        return {
+            "memory": None,
+            "notice": f"could not measure the model's memory ({type(exc).__name__}: {exc})",
+        }
+    finally:
+        torch.set_num_threads(before)
+    return {"memory": facts.to_dict(), "notice": None}
 
 
 def profile_layers(state: _State, req: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +186,7 @@ def idle(state: _State, req: dict[str, Any]) -> dict[str, Any]:
 def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     """Rebuild the ``Observation`` tuners read from its parts (``parts`` in the request)."""
     from tunekit.hardware import Hardware
+    from tunekit.memory import MemoryFacts
     from tunekit.observe.breakdown import Breakdown
     from tunekit.observe.graph import ModelGraph
     from tunekit.observe.layer_profile import LayerProfile
@@ -178,6 +210,10 @@ def observation(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         breakdown=Breakdown.from_dict(p["breakdown"]) if p.get("breakdown") else None,
         telemetry=p.get("telemetry"),
         cache=state.cache,
+        memory=MemoryFacts.from_dict(p["memory"]) if p.get("memory") else None,
+        memory_cap_bytes=p.get("memory_cap_bytes"),
+        baseline_peak_bytes=p.get("baseline_peak_bytes"),
+        blocks=list(p.get("blocks") or []),
     )
     return {}
 
@@ -207,6 +243,7 @@ def _puts(state: _State) -> dict[str, Any]:
 HANDLERS = {
     "observe": observe,
     "profile_layers": profile_layers,
+    "memory_facts": memory_facts,
     "idle": idle,
     "observation": observation,
     "diagnose": diagnose,

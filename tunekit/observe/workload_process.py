@@ -252,6 +252,7 @@ def workload_facts(wl: Workload) -> dict[str, Any]:
         "accumulation": wl.accumulation,
         "clip_grad_norm": wl.clip_grad_norm,
         "scheduler": wl.scheduler is not None,
+        "layout": wl.layout().to_dict(),
         "scheduler_name": getattr(wl.scheduler, "__name__", None) if wl.scheduler else None,
     }
 
@@ -288,6 +289,7 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         accumulation=facts.get("accumulation", 1),
         clip_grad_norm=facts.get("clip_grad_norm"),
         scheduler=scheduler,
+        **(facts.get("layout") or {}),
     )
 
 
@@ -307,4 +309,8 @@ def observation_parts(obs: Observation, cache: dict[str, Any]) -> dict[str, Any]
         "breakdown": obs.breakdown.to_dict() if obs.breakdown is not None else None,
         "telemetry": obs.telemetry,
         "cache": cache,
+        "memory": obs.memory.to_dict() if obs.memory is not None else None,
+        "memory_cap_bytes": obs.memory_cap_bytes,
+        "baseline_peak_bytes": obs.baseline_peak_bytes,
+        "blocks": obs.blocks,
     }

@@ -62,6 +62,9 @@ def report_data(
                 "rationale": candidate.get("rationale", ""),
                 "step_s": m.get("step_s"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,
+                "peak_bytes": max(
+                    (r["peak_bytes"] for r in ranks if r.get("peak_bytes")), default=None
+                ),
                 "error": t.error,
                 "wall_s": (t.result or {}).get("wall_s"),
                 **_length_columns(t.result, t.error),
@@ -290,7 +293,8 @@ def prepare_call(
     """``tunekit.prepare(...)`` with every argument that makes it train as the tuned workload:
     its batch, learning-rate rule, precision, accumulation, scheduler and clipping. Each is
     written out, the defaults too, so the call does not lean on ``prepare``'s defaults (which
-    are not the workload's: ``lr_scaling`` is linear there, sqrt for a Hugging Face workload)."""
+    are not the workload's: ``lr_scaling`` is linear there, sqrt for a Hugging Face workload);
+    a sharded or checkpointed workload's layout fields follow (plain DDP's are left out)."""
     batch = batch_size or (training or {}).get("batch_size") or "YOUR_PER_RANK_BATCH"
     if not training:  # a study stored before the workload's training facts were kept
         return [
@@ -323,7 +327,17 @@ def prepare_call(
         f'    precision="{training.get("precision", "fp32")}",',
         f"    accumulation={int(training.get('accumulation') or 1)},",
         f"    clip_grad_norm={clip!r},",
+        *(
+            f"    {name}={_literal(value)},"
+            for name, value in (training.get("layout") or {}).items()
+        ),
         f"    scheduler={sched}",
         ")",
     ]
     return lines
+
+
+def _literal(value: Any) -> str:
+    """A layout field as Python source (``checkpoint_blocks``, a list in JSON, as the tuple
+    ``prepare`` takes)."""
+    return repr(tuple(value)) if isinstance(value, list) else repr(value)

@@ -53,6 +53,18 @@ def init_from_env(prefer_device: str = "auto", timeout_s: float = 300.0) -> Dist
     return DistContext(rank, world, local_rank, device, backend, group)
 
 
+def ensure_group(ctx: DistContext) -> DistContext:
+    """``ctx`` with a process group even on one rank (FSDP shards over a group, even of one):
+    joined through the environment torchrun sets."""
+    if ctx.group is not None:
+        return ctx
+    if not dist.is_initialized():
+        dist.init_process_group(ctx.backend)
+    return DistContext(
+        ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, ctx.backend, dist.group.WORLD
+    )
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago, for a server started later.
 

@@ -44,18 +44,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunekit.config import TuningConfig, check_batch, resolve
+from tunekit.config import TuningConfig, check_batch, config_layout, resolve
 from tunekit.errors import TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder
 from tunekit.plugin_loading import load_named, select
+from tunekit.runtime.checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded,
+    read_extras,
+    save_sharded,
+)
 from tunekit.runtime.control import RESUME, ControlServer, Request
-from tunekit.runtime.dist import broadcast_bytes, init_from_env
+from tunekit.runtime.dist import broadcast_bytes, ensure_group, init_from_env
 from tunekit.runtime.rundir import CheckpointError, LossyStream, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
 from tunekit.workload import load_workload
 
 STOP, RELAUNCH, PAUSE = "stop", "relaunch", "pause"
+MEMORY_STEPS = 3
+"""Steps whose peak memory the job measures before it reports what fills a rank's memory."""
 
 
 # -- rank 0's judgement: watch an applied config, run an in-job trial ---------------------
@@ -302,6 +310,8 @@ class Controller:
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
             "launch": self.job.spec.get("launch"),
             "warnings": sorted(self.job.warned.values()),
+            "layout": s.layout.to_dict(),
+            "memory": self.job.memory,
             "batch": {
                 "size": s.batch_size,
                 "workload": s.workload.batch_size,
@@ -333,6 +343,10 @@ class Controller:
         return None
 
     def _needs_relaunch(self, config: TuningConfig) -> bool:
+        session = self.job.session
+        layout = config_layout(resolve(config, self.job.tuners), session.workload.layout())
+        if session.layout.needs_rebuild(layout):  # sharding, resharding, offload: a new model
+            return True
         current = self.job.session.config.plugins
         for name, knobs in config.plugins.items():
             tuner = self.job.tuners[name]
@@ -589,6 +603,9 @@ class LiveJob:
         self.spec = rd.read_run()
         self.warned: dict[str, str] = {}
         """What rank 0 could not write, said once each (status shows it)."""
+        self.memory_reported = False
+        self.memory: dict[str, Any] | None = None
+        """What fills a rank's memory, measured on the first steps (rank 0; status shows it)."""
         self.ctx = init_from_env(self.spec.get("device", "auto"))
         world = self.ctx.world_size
         self.lock = self._hold_run() if self.ctx.rank == 0 else None
@@ -603,6 +620,21 @@ class LiveJob:
         self.control_group = dist.new_group(backend="gloo") if world > 1 else None
         self.tuners = self._load_tuners()
         workload = load_workload(self.spec["workload"])
+        config = TuningConfig.from_dict(self.spec.get("config") or {})
+        resume = self.spec.get("resume")
+        state: dict[str, Any] | None = None
+        if resume and is_sharded_checkpoint(Path(resume)):
+            saved_config = read_extras(Path(resume))["config"]
+        elif resume:
+            state = self._resume_state(Path(resume))
+            saved_config = state["session"]["config"]
+        if resume and self.spec.get("config") is None:
+            config = TuningConfig.from_dict(saved_config)
+        # The config's layout is built in from the start: sharding precedes the optimizer.
+        layout = config_layout(resolve(config, self.tuners), workload.layout())
+        if layout.sharded:
+            self.ctx = ensure_group(self.ctx)
+        cap = self.spec.get("memory_cap_bytes")
         self.session = Session(
             workload,
             rank=self.ctx.rank,
@@ -612,14 +644,15 @@ class LiveJob:
             group=self.ctx.group,
             backend=self.ctx.backend,
             seed=self.spec.get("seed"),
+            layout=layout,
+            memory_cap_bytes=int(cap) if cap is not None else None,
+            track_memory=True,  # the first steps' peak is reported; every step's under a cap
         )
-        config = TuningConfig.from_dict(self.spec.get("config") or {})
-        resume = self.spec.get("resume")
         if resume:
-            state = self._resume_state(Path(resume))
-            self.session.load_state_dict(state["session"])
-            if self.spec.get("config") is None:
-                config = TuningConfig.from_dict(state["session"]["config"])
+            if state is None:
+                load_sharded(self.session, Path(resume))
+            else:
+                self.session.load_state_dict(state["session"])
             if self.ctx.rank == 0:
                 rd.truncate_metrics(self.session.step)
         self.session.apply_config(config, self.tuners)
@@ -871,8 +904,11 @@ class LiveJob:
         """Rank 0 saves (data-parallel replicas are identical); every rank learns whether it could.
 
         Returns the checkpoint, or None and why not. The checkpoint a watched change
-        would go back to after a crash is kept from rotation.
+        would go back to after a crash is kept from rotation. A sharded job's ranks each
+        write their shard (:meth:`checkpoint_sharded`).
         """
+        if self.session.layout.sharded:
+            return self.checkpoint_sharded()
         state = self.session.state_dict()
         path, error = None, None
         if self.controller is not None:
@@ -894,6 +930,58 @@ class LiveJob:
             self.warned.pop("checkpoints", None)
         return path or self.rd.checkpoints / f"step-{self.session.step:08d}.pt", None
 
+    def checkpoint_sharded(self) -> tuple[Path | None, str | None]:
+        """Every rank writes its shard into a staging folder; once all could, rank 0 makes it
+        the newest checkpoint. A rank that cannot write fails the checkpoint for all, and the
+        last good one stays."""
+        import shutil
+
+        final = self.rd.sharded_checkpoint_path(self.session.step)
+        staging = final.with_name(final.name + ".tmp")
+        error = None
+        if self.controller is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.anyone(False)  # the old staging folder is gone before anyone writes
+        try:
+            save_sharded(self.session, staging)
+        except (OSError, RuntimeError, TunekitError) as exc:
+            error = f"cannot write checkpoint {final}: {exc}"
+        failed = self.anyone(error is not None)
+        path = None
+        if not failed and self.controller is not None:
+            watch = self.controller.watch
+            pinned = watch.pinned_checkpoint() if watch is not None else None
+            try:
+                path = self.rd.commit_sharded(
+                    staging, final, keep=(Path(pinned),) if pinned else ()
+                )
+            except CheckpointError as exc:
+                error = str(exc)
+        if failed or self.anyone(error is not None):
+            why = error or f"rank(s) {failed} could not write their shard of checkpoint {final}"
+            if self.controller is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+                self.log_event("checkpoint_failed", step=self.session.step, error=why)
+                self.warned["checkpoints"] = why
+            return None, why
+        if self.controller is not None:
+            self.warned.pop("checkpoints", None)
+        return path or final, None
+
+    def report_memory(self) -> None:
+        """After the first steps: what fills a rank's memory, measured (rank 0 says it once);
+        then stop measuring unless a cap must hold on every step."""
+        s = self.session
+        if self.memory_reported or s.memory.max is None:
+            return
+        self.memory_reported = True
+        breakdown = s.memory_breakdown()
+        if self.controller is not None:
+            self.memory = breakdown
+            self.log_event("memory", step=s.step, **breakdown)
+        if s.memory.cap_bytes is None and s.device.type == "cpu":
+            s.memory.stop()
+
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -906,6 +994,8 @@ class LiveJob:
                     if outcome is not None:
                         break
                 rec = self.session.train_step()
+                if self.session.step >= MEMORY_STEPS:
+                    self.report_memory()
                 if self.controller is not None:
                     self.controller.after_step(rec)
                 if self.every and self.session.step % self.every == 0:

@@ -5,7 +5,8 @@
         status.json      what runs now: status, step, config (rank 0 rewrites it every step)
         metrics.jsonl    one line per step: step, loss, step_s, samples_per_s, config_id
         events.jsonl     applies, watch verdicts, rollbacks, trials, relaunches
-        checkpoints/     step-<N>.pt (rank 0's session; data-parallel replicas are identical)
+        checkpoints/     step-<N>.pt (rank 0's session; data-parallel replicas are identical),
+                         or step-<N>.dcp/ for a sharded job (every rank's shard, DCP)
         logs/            torchrun agent logs
         pids/            rank<R>: each rank's pid (telemetry samples them)
         control.sock     rank 0's control socket (mode 0600; elsewhere, see choose_socket_path)
@@ -315,20 +316,48 @@ class RunDir:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise CheckpointError(f"cannot write checkpoint {path}: {exc}") from None
-        kept = {Path(k).resolve() for k in keep}
-        for old in self.checkpoint_files()[:-KEEP_CHECKPOINTS]:
-            if old != path and old.resolve() not in kept:
-                with contextlib.suppress(OSError):
-                    old.unlink(missing_ok=True)
+        self._rotate(path, keep)
         return path
 
+    def sharded_checkpoint_path(self, step: int) -> Path:
+        """Where every rank of a sharded job writes its part of step ``step``'s checkpoint
+        (a folder, ``step-<N>.dcp``: see :mod:`tunekit.runtime.checkpoint`)."""
+        return self.checkpoints / f"step-{step:08d}.dcp"
+
+    def commit_sharded(self, written: Path, final: Path, keep: tuple[Path, ...] = ()) -> Path:
+        """A sharded checkpoint every rank has written into ``written``: made the newest
+        (``final``) at once, then the old ones rotated as :meth:`save_checkpoint` does."""
+        import shutil
+
+        try:
+            if final.exists():
+                shutil.rmtree(final)
+            written.rename(final)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from None
+        self._rotate(final, keep)
+        return final
+
+    def _rotate(self, newest: Path, keep: tuple[Path, ...]) -> None:
+        import shutil
+
+        kept = {Path(k).resolve() for k in keep}
+        for old in self.checkpoint_files()[:-KEEP_CHECKPOINTS]:
+            if old != newest and old.resolve() not in kept:
+                with contextlib.suppress(OSError):
+                    if old.is_dir():
+                        shutil.rmtree(old)
+                    else:
+                        old.unlink(missing_ok=True)
+
     def checkpoint_files(self) -> list[Path]:
-        """Every ``step-<N>.pt``, oldest first; CheckpointError when the folder cannot be read."""
+        """Every ``step-<N>.pt`` (and sharded ``step-<N>.dcp`` folder), oldest first;
+        CheckpointError when the folder cannot be read."""
         try:
             return sorted(
                 p
                 for p in self.checkpoints.iterdir()
-                if p.name.startswith("step-") and p.suffix == ".pt"
+                if p.name.startswith("step-") and (p.suffix == ".pt" or p.suffix == ".dcp")
             )
         except FileNotFoundError:
             return []

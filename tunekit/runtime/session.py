@@ -19,10 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from tunekit.config import TuningConfig, resolve
-from tunekit.errors import ConfigError
+from tunekit.config import TuningConfig, config_layout, resolve
+from tunekit.errors import ConfigError, WorkloadError
+from tunekit.layout import Layout
+from tunekit.observe.memory import StepPeaks
 from tunekit.runtime.data import BatchSource
-from tunekit.runtime.sync import DDPSync, GradSync, LocalSync, overlap_ratio
+from tunekit.runtime.sharding import (
+    BlockCheckpointing,
+    FSDPSync,
+    checkpointed_blocks,
+    model_blocks,
+    shard_model,
+)
+from tunekit.runtime.sync import LAYOUT_FEATURES, DDPSync, GradSync, LocalSync, overlap_ratio
 from tunekit.workload import Workload
 
 FEATURE_WHY = {
@@ -31,6 +40,8 @@ FEATURE_WHY = {
     "accumulation": "its reductions would run on every micro-batch",
     "scheduler": "it steps the optimizer more than once per step",
     "clipping": "clipping needs the whole gradient before any update",
+    "sharded": "FSDP holds the parameters and gradients in shards, reduced by FSDP itself",
+    "checkpointed": "checkpointed blocks recompute their forward inside backward",
 }
 """Why a strategy that updates in pieces cannot take a training feature as it is."""
 
@@ -68,6 +79,9 @@ class Session:
         group: dist.ProcessGroup | None = None,
         backend: str = "gloo",
         seed: int | None = None,
+        layout: Layout | None = None,
+        memory_cap_bytes: int | None = None,
+        track_memory: bool = False,
     ):
         self.workload = workload
         self.rank = rank
@@ -76,9 +90,43 @@ class Session:
         self.device = device or torch.device("cpu")
         self.group = group
         self.backend = backend
+        # A sharded job's gathered parameters are freed in gloo's threads, unseen and (large)
+        # seldom reused: its steps are measured from a count of what the session holds.
+        sharded = (layout or workload.layout()).sharded
+        self.memory = StepPeaks(
+            self.device, memory_cap_bytes, resident=self.resident_bytes if sharded else None
+        )
+        """Each step's peak memory on this rank (``StepRecord.metrics["peak_bytes"]``), checked
+        against the cap; measured on CUDA always, on the CPU when asked or capped."""
+        if track_memory or memory_cap_bytes is not None or self.device.type == "cuda":
+            self.memory.start()  # before the model: it counts
+        else:
+            self.memory.stop()
+        self.layout = layout or workload.layout()
+        """How the model is laid out now. Its build part (sharding, resharding, offload) is
+        fixed for the session's life; its checkpointing changes at step boundaries."""
         # Same seed on every rank: identical initial parameters without a broadcast.
         torch.manual_seed(workload.seed if seed is None else seed)
-        self.model = workload.model().to(self.device)
+        model = workload.model()
+        self.blocks = model_blocks(model)
+        """Module paths of the model's blocks (what FSDP shards and checkpointing recomputes)."""
+        try:
+            if self.layout.sharded:  # FSDP places the shards on the device itself
+                shard_model(
+                    model,
+                    self.blocks,
+                    self.layout,
+                    precision=workload.precision,
+                    device=self.device,
+                    group=group,
+                )
+            else:
+                model = model.to(self.device)
+            self.model = model
+            self._checkpointing: BlockCheckpointing | None = None
+            self._install_checkpointing(self.layout)
+        except ConfigError as exc:
+            raise WorkloadError(f"workload {workload.name!r}: {exc}") from None
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
         # The base rates: a scheduler built before the session (tunekit.prepare's) has already
         # moved "lr" to its first point and kept the base as "initial_lr".
@@ -119,15 +167,126 @@ class Session:
         return sync
 
     def default_grad_sync(self) -> GradSync:
+        if self.layout.sharded:
+            return FSDPSync()
         return DDPSync() if self.world_size > 1 else LocalSync()
 
     def features(self) -> frozenset[str]:
-        """The workload's training features in use now (see ``Workload.features``)."""
-        out = set(self.workload.features())
+        """The workload's training features in use now (see ``Workload.features``), with
+        the layout's (``sharded``, ``checkpointed``) as the session runs it."""
+        out = set(self.workload.features()) - LAYOUT_FEATURES
         out.discard("accumulation")
         if self.accumulation > 1:
             out.add("accumulation")
+        if self.layout.sharded:
+            out.add("sharded")
+        if self._checkpointing is not None and self._checkpointing.blocks:
+            out.add("checkpointed")
         return frozenset(out)
+
+    def set_layout(self, layout: Layout) -> None:
+        """Lay the model out as ``layout`` says, at a step boundary.
+
+        Its checkpointing changes now; its build part (sharding, resharding, offload) must
+        be the session's own: a session cannot re-shard itself, so a config that changes
+        it is run by a new session (a relaunch trial, or a live job relaunched from its
+        checkpoint). Refused in one line, leaving the layout as it was."""
+        if self.layout.needs_rebuild(layout):
+            changed = ", ".join(
+                f"{k}={v!r}" for k, v in layout.build_part().items() if getattr(self.layout, k) != v
+            )
+            raise ConfigError(
+                f"{changed} needs the model rebuilt: the job must be relaunched with it "
+                f"(this session runs {self.layout.describe()})"
+            )
+        if layout == self.layout:
+            return
+        previous = self.layout
+        self._install_checkpointing(layout)
+        try:
+            self.check_features(f"gradient strategy {self.grad_sync.name}", self.grad_sync.handles)
+            if self.step_fn is not None:
+                self.check_features(
+                    "the placement's training step", getattr(self.step_fn, "handles", frozenset())
+                )
+        except ConfigError:
+            self._install_checkpointing(previous)
+            raise
+
+    def set_checkpointing(
+        self, policy: str, every: int = 1, blocks: tuple[str, ...] | list[str] | None = None
+    ) -> None:
+        """Activation checkpointing at a step boundary: ``none``, ``full`` or ``selective``,
+        on every ``every``-th block or on the ``blocks`` named (see :class:`Layout`)."""
+        self.set_layout(
+            self.layout.with_changes(
+                {"checkpointing": policy, "checkpoint_every": every, "checkpoint_blocks": blocks}
+            )
+        )
+
+    def _install_checkpointing(self, layout: Layout) -> None:
+        chosen = checkpointed_blocks(self.blocks, layout)  # raises before anything changes
+        if self._checkpointing is not None:
+            self._checkpointing.remove()
+            self._checkpointing = None
+        if chosen:
+            self._checkpointing = BlockCheckpointing(self.model, chosen, layout.checkpointing)
+        self.layout = layout
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        return [
+            v for state in self.optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]  # fmt: skip
+
+    def resident_bytes(self) -> int | None:
+        """Bytes this rank holds between steps: parameters (its shards), buffers, gradients
+        still alive, optimizer state, tensors a runtime hook keeps on the session (an
+        attribute, a list or dict of them) and the gradient strategy's buffers; None when
+        the strategy does not say what it holds."""
+        sync = self._grad_sync
+        held = sync.resident_bytes() if sync is not None else None
+        if held is None:
+            return None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        kept: list[torch.Tensor] = []
+        for value in vars(self).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(items, list | tuple):
+                kept += [t for t in items if isinstance(t, torch.Tensor)]
+            elif isinstance(value, torch.Tensor):
+                kept.append(value)
+        return int(
+            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads, *kept])
+            + storage_bytes(self._optimizer_state())
+            + held
+        )
+
+    def memory_breakdown(self) -> dict[str, Any]:
+        """What filled this rank's memory at its measured peak: what the rank holds between
+        steps, counted (parameters or their shards, buffers, optimizer state), and the rest of
+        the peak (activations, gradients, collective buffers, temporaries)."""
+        from tunekit.memory import format_bytes
+
+        peak = float(self.memory.max or 0)
+        held = {
+            "parameters": storage_bytes([*self.model.parameters(), *self.model.buffers()]),
+            "optimizer": storage_bytes(self._optimizer_state()),
+        }
+        parts = {**held, "within_step": max(0.0, peak - sum(held.values()))}
+        line = (
+            f"memory per rank ({self.layout.describe()}): {format_bytes(peak)} measured peak"
+            + (f" of a {format_bytes(self.memory.cap_bytes)} cap" if self.memory.cap_bytes else "")
+            + f"; parameters {format_bytes(held['parameters'])}, optimizer state "
+            f"{format_bytes(held['optimizer'])}, activations, gradients and buffers of a step "
+            f"{format_bytes(parts['within_step'])}"
+        )
+        return {"peak_bytes": peak, "parts": parts, "line": line, "method": self.memory.method}
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """The blocks checkpointed now."""
+        return list(self._checkpointing.blocks) if self._checkpointing is not None else []
 
     def check_features(self, who: str, handles: frozenset[str]) -> None:
         """Refuse, in one line, to run ``who`` on a job using a feature it does not honour
@@ -257,11 +416,13 @@ class Session:
     # -- configs ---------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Return to the workload's defaults, keeping parameters, optimizer state and step."""
+        """Return to the workload's defaults, keeping parameters, optimizer state and step
+        (and the layout's build part, which only a new session changes)."""
         self.grad_sync.flush()
         while self._reset_callbacks:
             self._reset_callbacks.pop()()
         self.step_fn = None
+        self._install_checkpointing(self.layout.with_changes(self.workload.layout().step_part()))
         self.dp_world_size = self.world_size
         self.accumulation = self.workload.accumulation
         if self.batch_size != self.workload.batch_size:
@@ -273,10 +434,19 @@ class Session:
     def apply_config(self, config: TuningConfig, tuners: Mapping[str, Any]) -> None:
         """Reset, then run each tuner's runtime hook in aspect order."""
         plan = resolve(config, tuners)
+        layout = config_layout(plan, self.workload.layout())
+        if self.layout.needs_rebuild(layout):  # before reset: a refused config changes nothing
+            self.set_layout(layout)
         self.reset()
+        self.set_layout(layout)
         for tuner, knobs in plan:
             tuner.apply(self, knobs)
         if self.step_fn is not None:
+            if self.layout.sharded:
+                raise ConfigError(
+                    "a placement's own training step cannot run a sharded (FSDP) model; "
+                    "the job keeps its current configuration"
+                )
             # A placement's own training step lists what it honours on the function.
             self.check_features(
                 "the placement's training step", getattr(self.step_fn, "handles", frozenset())
@@ -286,7 +456,11 @@ class Session:
     # -- the loop --------------------------------------------------------------------
 
     def train_step(self) -> StepRecord:
-        """Run one training step and time it."""
+        """Run one training step and time it (and measure its peak memory, when measuring).
+
+        Raises ``MemoryCapExceeded`` (an out-of-memory error) when the step's peak went over
+        the session's memory cap."""
+        window = self.memory.open()
         start = time.perf_counter()
         if self.step_fn is not None:
             data_s = 0.0
@@ -315,6 +489,9 @@ class Session:
         loss_value = float(loss.detach())  # also waits for the device
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {}
+        peak = self.memory.close(window, self.step)
+        if peak is not None:
+            metrics["peak_bytes"] = peak
         records = self.grad_sync.comm_records()
         if records:
             metrics["overlap_R"] = overlap_ratio(records)
@@ -334,12 +511,24 @@ class Session:
     # -- checkpoints -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (call on a flushed session)."""
+        """Everything needed to resume exactly (call on a flushed session).
+
+        Replicated (DDP): the model's and optimizer's own state dicts, whole on every rank.
+        Sharded (FSDP): this rank's shards, keyed by parameter name
+        (``torch.distributed.checkpoint.state_dict.get_state_dict``), for
+        ``torch.distributed.checkpoint`` to save (see :mod:`tunekit.runtime.checkpoint`)."""
         self.flush()
+        if self.layout.sharded:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
+            "layout": self.layout.to_dict(),
             "config": self.config.to_dict(),
             "base_group_lrs": list(self._base_group_lrs),
             "rng": torch.get_rng_state(),
@@ -348,8 +537,21 @@ class Session:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Resume from :meth:`state_dict`'s output, of this layout or of a replicated job's
+        (a sharded session takes a whole model and optimizer and keeps its shards)."""
+        if self.layout.sharded:
+            from tunekit.runtime.checkpoint import load_into_sharded
+
+            load_into_sharded(self, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.restore_progress(state)
+
+    def restore_progress(self, state: Mapping[str, Any]) -> None:
+        """What a checkpoint holds besides the model and optimizer: the step, the learning
+        rates' bases, the scheduler's and scaler's states, the RNG (a tensor, or its bytes
+        as a list from a sharded checkpoint's JSON)."""
         # The saved groups hold the lr of the saved config; the caller re-applies
         # that config, which rescales from these bases.
         self._base_group_lrs = list(state["base_group_lrs"])
@@ -359,12 +561,25 @@ class Session:
             self.scaler.load_state_dict(state["scaler"])
         self.set_lr(self.lr)
         self.step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+        rng = state["rng"]
+        torch.set_rng_state(
+            rng if isinstance(rng, torch.Tensor) else torch.tensor(rng, dtype=torch.uint8)
+        )
 
     def close(self) -> None:
         self.grad_sync.flush()
         self.grad_sync.detach()
         self.data.close()
+        self.memory.stop()
+
+
+def storage_bytes(tensors) -> float:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: this rank's shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return float(sum(seen.values()))
 
 
 def _set_base_lr(scheduler, group: int, lr: float) -> None:

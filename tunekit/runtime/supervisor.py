@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.errors import ControlError, TunekitError
+from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 from tunekit.plugin_loading import available_tuners, load_all, slow_imports
 from tunekit.runtime.control import ControlClient
@@ -55,16 +55,24 @@ def create_run(
     device: str = "auto",
     name: str | None = None,
     nnodes: int = 1,
+    memory_cap_bytes: int | None = None,
 ) -> RunDir:
     """Check the inputs here, in one clear line each, then create the run directory."""
+    from tunekit.config import config_layout
     from tunekit.workload import load_workload, resolve_spec
 
     spec = resolve_spec(workload)
-    load_workload(spec)
+    wl = load_workload(spec)
     config = config or TuningConfig()
     records = load_all()
     tuners = available_tuners(records)
-    resolve(config, tuners)
+    layout = config_layout(resolve(config, tuners), wl.layout())
+    check_job(wl, layout, nproc * nnodes, memory_cap_bytes)
+    if layout.sharded and nnodes > 1:
+        raise ConfigError(
+            "a sharded (FSDP) live job checkpoints every rank's shard into the run folder, which "
+            "nodes do not share: run it on one node (trials across nodes work)"
+        )
     rd = RunDir.create(
         store_dir,
         {
@@ -80,12 +88,43 @@ def create_run(
             "resume": None,
             "plugins": sorted(tuners),  # the ranks load these and no others
             "nnodes": nnodes,  # nproc is per node; a change of world size keeps the nodes
+            "memory_cap_bytes": memory_cap_bytes,
         },
         name=name,
     )
     for line in slow_imports([r for r in records if r.ok]):
         rd.log_event("slow_plugin", reason=line)
     return rd
+
+
+def check_job(wl, layout, world_size: int, memory_cap_bytes: int | None) -> None:
+    """The layout against the model (its blocks, its parameters) and the cap against the
+    parameters' own size per rank, before any rank starts: one line naming the field.
+
+    The model is built on the meta device (no memory) where its code allows."""
+    import torch
+
+    from tunekit.errors import WorkloadError
+    from tunekit.memory import format_bytes
+    from tunekit.runtime.sharding import check_layout
+
+    try:
+        with torch.device("meta"):
+            model = wl.model()
+    except Exception:  # code that needs real tensors to build: build it for real
+        model = wl.model()
+    try:
+        check_layout(model, layout)
+    except ConfigError as exc:
+        raise WorkloadError(f"workload {wl.name!r}: {exc}") from None
+    if memory_cap_bytes is not None:
+        shards = world_size if layout.sharded else 1
+        own = sum(p.numel() * p.element_size() for p in model.parameters()) / shards
+        if memory_cap_bytes < own:
+            raise ConfigError(
+                f"--memory-cap {format_bytes(memory_cap_bytes)} is below this job's own "
+                f"parameters per rank ({format_bytes(own)}): nothing could run; give a larger cap"
+            )
 
 
 @contextlib.contextmanager

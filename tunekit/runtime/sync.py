@@ -57,6 +57,12 @@ def overlap_ratio(records: list[CommRecord]) -> float | None:
 ALL_FEATURES = frozenset({"amp", "grad_scaler", "accumulation", "scheduler", "clipping"})
 """The workload's training features (``Workload.features``)."""
 
+LAYOUT_FEATURES = frozenset({"sharded", "checkpointed"})
+"""How the model is laid out (``tunekit.layout.Layout``), also in ``Workload.features``:
+``sharded`` (FSDP holds parameters, gradients and optimizer state in shards) and
+``checkpointed`` (some blocks recompute their forward in backward). A strategy lists the
+ones it works with in ``handles``, as it lists training features."""
+
 
 def declined_features(
     features: frozenset[str], handles: frozenset[str], needs: dict[str, str]
@@ -115,6 +121,11 @@ class GradSync:
         """Communications since the last call (then forgotten)."""
         return []
 
+    def resident_bytes(self) -> float | None:
+        """Bytes this strategy holds between steps (its buffers), for the session's count of
+        what a rank holds; None (the default) when it does not say, and the count is not made."""
+        return None
+
 
 class HookedAccumulation:
     """``accumulating()`` for a strategy whose gradient hooks post communication: inside it,
@@ -135,12 +146,27 @@ class HookedAccumulation:
 class LocalSync(GradSync):
     """One rank: nothing to synchronise."""
 
-    handles = ALL_FEATURES
+    handles = ALL_FEATURES | {"checkpointed"}
+
+    def resident_bytes(self) -> float | None:
+        return 0.0
 
 
 def ddp_supports_bucket_list() -> bool:
     """Whether this torch's DDP accepts ``bucket_cap_mb_list`` (a settable first bucket)."""
     return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def sync_replicas(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank takes the group's first rank's parameters and buffers, as DDP does when it
+    wraps a model, but in place, tensor by tensor: DDP's own sync packs them into one buffer
+    that gloo may free in its own thread, where a memory tracker does not see it go."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=group)
 
 
 class DDPSync(GradSync):
@@ -153,7 +179,7 @@ class DDPSync(GradSync):
     """
 
     name = "ddp"
-    handles = ALL_FEATURES
+    handles = ALL_FEATURES | {"checkpointed"}
 
     def __init__(
         self,
@@ -189,10 +215,12 @@ class DDPSync(GradSync):
     def attach(self, session: Session) -> None:
         super().attach(session)
         device_ids = [session.device.index] if session.device.type == "cuda" else None
+        sync_replicas(session.model, session.group)
         self.ddp = DistributedDataParallel(
             session.model,
             device_ids=device_ids,
             process_group=session.group,
+            init_sync=False,  # done above, in place
             **self.ddp_kwargs(),
         )
         if self.measure:
@@ -254,6 +282,19 @@ class DDPSync(GradSync):
     def detach(self) -> None:
         # Dropping the wrapper frees its reducer, which removes its autograd hooks.
         self.ddp = None
+
+    def resident_bytes(self) -> float | None:
+        """DDP's buckets: one flat buffer the size of every gradient (the gradients are views
+        into it with ``gradient_as_bucket_view``, counted once then)."""
+        if self.ddp is None:
+            return 0.0
+        return float(
+            sum(
+                p.numel() * p.element_size()
+                for p in self.session.model.parameters()
+                if p.requires_grad
+            )
+        )
 
     def comm_records(self) -> list[CommRecord]:
         out, self._records = self._records, []

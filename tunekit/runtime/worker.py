@@ -28,15 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunekit.config import TuningConfig, resolve
+from tunekit.config import TuningConfig, config_layout, resolve
 from tunekit.plugin_loading import load_named, select
-from tunekit.runtime.dist import init_from_env
+from tunekit.runtime.dist import ensure_group, init_from_env
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.exits import enable_fault_report, is_oom
 from tunekit.workload import load_workload
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak resident memory (CPU) or the device allocator's peak (CUDA)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
@@ -94,6 +95,11 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
         config = TuningConfig.from_dict(spec.get("config") or {})
         names = sorted(config.plugins)
         tuners = select(load_named(names), names) if names else {}
+        # The config's layout is built in from the start: sharding precedes the optimizer.
+        layout = config_layout(resolve(config, tuners), workload.layout())
+        if layout.sharded:
+            ctx = ensure_group(ctx)
+        cap = spec.get("memory_cap_bytes")
         session = Session(
             workload,
             rank=ctx.rank,
@@ -103,6 +109,9 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
             group=ctx.group,
             backend=ctx.backend,
             seed=spec.get("seed"),
+            layout=layout,
+            memory_cap_bytes=int(cap) if cap is not None else None,
+            track_memory=bool(spec.get("measure_memory", True)),
         )
         session.apply_config(config, tuners)
         search = spec.get("search")
@@ -120,6 +129,9 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
     finally:
         if session is not None:
             result["peak_memory_bytes"] = peak_memory_bytes(session.device)
+            result["peak_bytes"] = session.memory.max
+            result["memory_method"] = session.memory.method or None
+            result["layout"] = session.layout.to_dict()
             result["batch_size"] = session.batch_size
             result["global_batch"] = session.global_batch
         progress.close()
@@ -171,6 +183,10 @@ def _train(
     warmup, steps = int(spec.get("warmup", 3)), int(spec.get("steps", 10))
     for i in range(warmup):
         progress.write("warmup", i + 1, warmup, session.train_step())
+    if session.memory.cap_bytes is None and session.device.type == "cpu":
+        # The warm-up showed this configuration's peak; measured steps run unwatched unless
+        # a cap must hold on every step.
+        session.memory.stop()
     for i in range(steps):
         rec = session.train_step()
         result["step_s"].append(rec.step_s)
@@ -180,6 +196,7 @@ def _train(
         progress.write("measure", i + 1, steps, rec)
     profiled = int(spec.get("profile_steps", 0))
     if profiled:
+        session.memory.stop()  # one profiler at a time
         # After the measured steps, so profiler overhead never touches the measurement.
         result["profiled"] = _profile(session, profiled, progress, trial_dir)
     session.flush()

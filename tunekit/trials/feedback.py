@@ -156,6 +156,8 @@ class PoolEntry:
     predicted_s: float | None
     global_batch: int | None
     """Samples per step of this candidate; None: the baseline's."""
+    predicted_peak_bytes: float | None = None
+    """Its predicted peak memory per rank (None: not predicted)."""
 
 
 @dataclass(frozen=True)

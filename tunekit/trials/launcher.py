@@ -70,6 +70,8 @@ class TrialSpec:
     search: dict[str, Any] | None = None
     """``{"plugin": name, "max_steps": n}``: run that tuner's in-job search first."""
     device: str = "auto"
+    memory_cap_bytes: int | None = None
+    """``--memory-cap``: a step whose peak on a rank goes over it fails the trial as ``oom``."""
     probe: dict[str, Any] | None = None
     """``{"sizes": [...], "repeats": n}``: after the measured (and profiled) steps, time this
     machine's collectives in the trial's process group (``tunekit.observe.probe.sweep_rank``),
