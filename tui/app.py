@@ -593,6 +593,7 @@ class TunekitApp(App[str]):
         self.apply_view = dataclasses.replace(
             self.apply_view, state=state, message=message, result=result
         )
+        self.poll()  # the job as it is now: what it runs, and whether there is an apply to undo
         if state == "failed":
             severity, title = "error", "rollback failed" if requested else "apply failed"
         elif state == "rolled_back" and not requested:

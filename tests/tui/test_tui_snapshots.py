@@ -174,7 +174,8 @@ def test_live_after_an_apply_and_a_rollback_at_200x60(shot, app_factory, wait_fo
         await pilot.press("5", "a")
         await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
-        await wait_for_app(pilot, lambda: app.apply_view.state == "kept")
+        # Rollback offers itself once the job says what was applied (the next poll).
+        await wait_for_app(pilot, lambda: app.apply_view.state == "kept" and app.live_view.applied)
         await pilot.press("r")
         await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")

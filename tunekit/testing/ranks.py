@@ -75,6 +75,7 @@ def _rank_main(
     if dtype is not None:
         torch.set_default_dtype(dtype)  # a pooled rank returns to float32 at its next call
     result_path = Path(out_dir) / f"rank{rank}.pt"
+    connected = False
     try:
         store = _store(rank, world, out_dir)
         # What a torchrun rank sees, for code that reads it.
@@ -88,10 +89,15 @@ def _rank_main(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=_STORE_TIMEOUT
         )
+        connected = True
         value = fn(rank, world, *args)
         torch.save({"ok": True, "value": value}, result_path)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc(), "t": time.time()}, result_path)
+        error = traceback.format_exc()
+        torch.save(
+            {"ok": False, "error": error, "t": time.time(), "connecting": not connected},
+            result_path,
+        )
         raise
     finally:
         if dist.is_initialized():
@@ -141,13 +147,11 @@ def run_ranks(
     rank's traceback. With ``TUNEKIT_REUSE_RANKS=1`` the ranks are kept for the
     next call (:mod:`tunekit.rank_pool`; tunekit's own test suite does this).
     """
-    with tempfile.TemporaryDirectory(prefix="tunekit-ranks-") as out_dir:
-        if rank_pool.enabled():
-            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, out_dir, args, dtype), timeout_s)
-        else:
-            _spawn_ranks(fn, nproc, out_dir, args, timeout_s, dtype)
-        paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]
-        found = [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
+    found = _run_once(fn, nproc, args, timeout_s, dtype)
+    if _lost_while_connecting(found):
+        # gloo's full-mesh connect on loopback now and then has a connection closed under it
+        # (pytorch/pytorch#53270, #53138): nothing of ``fn`` ran, so fresh ranks try once more.
+        found = _run_once(fn, nproc, args, timeout_s, dtype)
     failed = [
         (res["t"], rank, res["error"]) for rank, res in enumerate(found) if res and not res["ok"]
     ]
@@ -160,6 +164,27 @@ def run_ranks(
             raise RuntimeError(f"rank {rank} died without a result")
         values.append(res["value"])
     return values
+
+
+def _run_once(fn, nproc: int, args: tuple, timeout_s: float, dtype) -> list[dict | None]:
+    """Each rank's result file (None where a rank left none)."""
+    with tempfile.TemporaryDirectory(prefix="tunekit-ranks-") as out_dir:
+        if rank_pool.enabled():
+            rank_pool.run_on_pool(nproc, _rank_main, (fn, nproc, out_dir, args, dtype), timeout_s)
+        else:
+            _spawn_ranks(fn, nproc, out_dir, args, timeout_s, dtype)
+        paths = [Path(out_dir) / f"rank{rank}.pt" for rank in range(nproc)]
+        return [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
+
+
+def _lost_while_connecting(found: list[dict | None]) -> bool:
+    """A gloo connection lost while the ranks connected, before ``fn`` ran on any rank."""
+    failed = [r for r in found if r and not r["ok"]]
+    return (
+        bool(failed)
+        and all(r is None or (not r["ok"] and r.get("connecting")) for r in found)
+        and any("Gloo connectFullMesh failed" in r["error"] for r in failed)
+    )
 
 
 # == numerical equivalence ================================================================
