@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Diagnosis, Tuner
+from tunekit.contract import Candidate, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
@@ -626,6 +626,32 @@ def check_memory_cap(cap: int | None, static: StaticObservation, world_size: int
         )
 
 
+def combined_over_cap(trials: list[TrialRow], config_ids: list[str], s: AutoSettings) -> str:
+    """Why winners together would run out of ``--memory-cap`` ("" when they fit or nothing
+    says): each winner's measured rise over the baseline's peak, added up."""
+    cap = s.memory_cap_bytes
+    if cap is None:
+        return ""
+    peaks: dict[str, float] = {}
+    for t in trials:
+        peak = peak_of(t) if t.status == "ok" else None
+        if peak is not None:
+            peaks[t.config_id] = max(peak, peaks.get(t.config_id, 0.0))
+    base = peaks.get(TuningConfig().config_id)
+    rises = [peaks.get(c) for c in config_ids]
+    if base is None or any(p is None for p in rises):
+        return ""
+    combined = base + sum(p - base for p in rises if p is not None)
+    if combined <= cap:
+        return ""
+    from tunekit.memory import format_bytes
+
+    return (
+        f"their measured peaks add up to ~{format_bytes(combined)} per rank, over the "
+        f"--memory-cap of {format_bytes(cap)}"
+    )
+
+
 def peak_of(row: TrialRow) -> float | None:
     """A trial's measured peak memory per rank: the largest over its ranks (None: unmeasured)."""
     peaks = [r.get("peak_bytes") for r in (row.result or {}).get("ranks", [])]
@@ -705,15 +731,26 @@ class _Planning:
         if isinstance(step, TunerDiagnosed):
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
+            planned = list(zip(step.candidates, step.configs, strict=True))
             if s.in_job_search and type(tuner).search is not Tuner.search:
-                self.searches.append(
+                # A search from the candidates its tuner marked, else from the defaults.
+                starts: list[tuple[Candidate | None, TuningConfig]] = [
+                    (c, cfg) for c, cfg in planned if c.search
+                ]
+                planned = [(c, cfg) for c, cfg in planned if not c.search]
+                if not starts:
+                    starts = [(None, TuningConfig({name: tuner.defaults()}))]
+                self.searches += [
                     PlannedTrial(
                         SEARCH,
                         name,
-                        TuningConfig({name: tuner.defaults()}),
+                        cfg,
+                        c.predicted_step_s if c is not None else None,
                         search={"plugin": name, "max_steps": s.search_steps},
                     )
-                )
+                    for c, cfg in starts
+                    if c is None or self._fits(c, s)
+                ]
             self.plans[name] = [asdict(c) for c in step.candidates]
             self.pool += [
                 {
@@ -724,9 +761,15 @@ class _Planning:
                     "global_batch": c.global_batch,
                     "predicted_peak_bytes": c.predicted_peak_bytes,
                 }
-                for c, cfg in zip(step.candidates, step.configs, strict=True)
+                for c, cfg in planned
             ]
             self.gains[name] = step.diagnosis.expected_gain or 0.0
+
+    @staticmethod
+    def _fits(c: Candidate, s: AutoSettings) -> bool:
+        """Whether a search's starting point is predicted to fit ``--memory-cap``."""
+        cap = s.memory_cap_bytes
+        return cap is None or (c.predicted_peak_bytes or 0) <= cap
 
 
 async def _diagnose_and_plan(
@@ -925,6 +968,10 @@ async def _combine_winners(
         resolve(merged, tuners)
     except ConfigError as exc:
         yield Notice(f"winners cannot be combined: {exc}")
+        return
+    over = combined_over_cap(trials, [row["config_id"] for row in best.values()], run.s)
+    if over:
+        yield Notice(f"winners not combined: {over}")
         return
     seq = max(t.seq for t in trials) + 1
     store.add_trials(

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, 
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
 
-from tunekit.config import TuningConfig
+from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.events import Diagnosed, Planned, PluginProblem
@@ -106,8 +106,12 @@ async def diagnose_and_plan(
         if not diagnosis.applies:
             continue
         try:
-            candidates = await hooks.plan(name, limit)
-            configs = [TuningConfig({tuner.name: tuner.validate(c.knobs)}) for c in candidates]
+            candidates = [
+                c
+                for c in await hooks.plan(name, limit)
+                if all(other in tuners for other in c.combined_with)
+            ]
+            configs = [candidate_config(tuner, c, tuners) for c in candidates]
         except HookFailed as exc:
             yield TunerFailed(name, "plan", str(exc), diagnosis)
             continue
@@ -115,6 +119,22 @@ async def diagnose_and_plan(
             yield TunerFailed(name, "plan", f"{type(exc).__name__}: {exc}", diagnosis)
             continue
         yield TunerPlanned(name, diagnosis, candidates, configs)
+
+
+def candidate_config(
+    tuner: Tuner, candidate: Candidate, tuners: Mapping[str, Tuner]
+) -> TuningConfig:
+    """The config a candidate runs: its tuner's knobs, and those of the tuners it was planned
+    with (``Candidate.combined_with``), each validated, the whole checked as a combination."""
+    config = TuningConfig(
+        {
+            tuner.name: tuner.validate(candidate.knobs),
+            **{n: tuners[n].validate(k) for n, k in candidate.combined_with.items()},
+        }
+    )
+    if candidate.combined_with:
+        resolve(config, tuners)
+    return config
 
 
 class ChildHooks:

@@ -1,0 +1,61 @@
+"""Workloads for the sharding tuner's tests and benchmark: a small GPT (the example's model
+at a size that trains in well under a second per step on a CPU) whose activations, not its
+parameters, fill most of a rank's memory, as in the jobs the tuner is for.
+
+By name: ``tunekit.plugins.sharding.tests.workloads_sharding:gpt_ddp`` (replicated, no
+checkpointing) and ``...:gpt_sharded`` (FSDP2, resharded after forward, every block
+checkpointed: how a job is written when replication does not fit).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tunekit.examples.transformers import GPTModel, _adamw, _lm_loss
+from tunekit.workload import Workload
+
+SMALL = {"vocab": 2048, "width": 128, "heads": 4, "blocks": 4, "seq": 64}
+"""About 1 M parameters; at 16 sequences a rank, activations are most of the peak."""
+
+
+def _batch(n: int, generator: torch.Generator):
+    # The example's learnable language: each token the previous plus a stride, with noise.
+    vocab, seq = SMALL["vocab"], SMALL["seq"]
+    start = torch.randint(vocab, (n, 1), generator=generator)
+    stride = torch.randint(1, 8, (n, 1), generator=generator)
+    noise = (torch.rand(n, seq + 1, generator=generator) < 0.05).long()
+    text = (start + stride * torch.arange(seq + 1) + noise) % vocab
+    return text[:, :-1], text[:, 1:]
+
+
+def _workload(name: str, batch_size: int = 16, **layout) -> Workload:
+    return Workload(
+        name=name,
+        model=functools.partial(GPTModel, **SMALL),
+        make_batch=_batch,
+        loss=_lm_loss,
+        optimizer=_adamw,
+        batch_size=batch_size,
+        lr=6e-4,
+        lr_scaling="sqrt",
+        clip_grad_norm=1.0,
+        description=f"small GPT ({SMALL}), {batch_size} sequences per rank",
+        **layout,
+    )
+
+
+def gpt_ddp() -> Workload:
+    return _workload("gpt-small")
+
+
+def gpt_sharded() -> Workload:
+    return _workload(
+        "gpt-small-sharded", sharding="fsdp", reshard_after_forward=True, checkpointing="full"
+    )
+
+
+def gpt_tiny() -> Workload:
+    """Two sequences a rank: for tests that only need the model to train."""
+    return _workload("gpt-tiny", batch_size=4)
