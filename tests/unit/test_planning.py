@@ -87,6 +87,7 @@ def test_the_steps_become_the_orchestrators_events():
             "applies": True,
             "summary": "a summary",
             "expected_gain": 0.1,
+            "headline": "applies · +10% · a summary",
         },
         {
             "event": "Planned",
@@ -99,6 +100,9 @@ def test_the_steps_become_the_orchestrators_events():
                     "details": {},
                     "predicted_range_s": None,
                     "global_batch": None,
+                    "predicted_peak_bytes": None,
+                    "combined_with": {},
+                    "search": False,
                 }
             ],
         },
