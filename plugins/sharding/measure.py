@@ -74,7 +74,7 @@ def pass_line(obs: Observation, samples: int) -> PassLine | None:
     sizes = micro_batch_sizes(samples)
     device = torch.device("cuda" if obs.device_type == "cuda" else "cpu")
     threads = rank_threads(obs)
-    key = f"sharding:passes:v1:{obs.workload_spec}:{device.type}:{sizes}:{threads}t"
+    key = pass_line_key(obs, samples)
 
     def measure() -> dict:
         with intra_op_threads(threads):
@@ -95,6 +95,14 @@ def pass_line(obs: Observation, samples: int) -> PassLine | None:
 
     found = obs.cached(key, measure)
     return PassLine.from_dict(found) if found else None
+
+
+def pass_line_key(obs: Observation, samples: int) -> str:
+    """Where the study keeps the pass line of ``obs``'s job split from ``samples``."""
+    return (
+        f"sharding:passes:v1:{obs.workload_spec}:{obs.device_type}:"
+        f"{micro_batch_sizes(samples)}:{rank_threads(obs)}t"
+    )
 
 
 def fit_line(compute: dict[int, float], optimizer_s: float, threads: int) -> PassLine:

@@ -279,6 +279,8 @@ def _agreed_max(session: Session, values: list[float]) -> list[float]:
 
 
 def _decide(session: Session, chosen: Variant | None) -> Variant | None:
-    if session.world_size <= 1 or not dist.is_initialized():
-        return chosen
-    return broadcast_object(chosen, src=0, group=session.group)
+    """Rank 0's choice on every rank (as plain text: ranks exchange JSON only)."""
+    text = chosen.text() if chosen is not None else ""
+    if session.world_size > 1 and dist.is_initialized():
+        text = broadcast_object(text, src=0, group=session.group)
+    return parse_variants(text)[0] if text else None
