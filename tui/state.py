@@ -537,6 +537,10 @@ class TrialView:
     """``predicted_s`` corrected by the trials before this one."""
     samples_per_s: float | None = None
     """Measured throughput at the trial's own global batch: what the decision compares."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory per rank (the core memory model), when the tuner gave one."""
+    peak_bytes: float | None = None
+    """Measured peak memory per rank (the largest rank's)."""
 
     @property
     def prediction_error(self) -> float | None:
@@ -686,6 +690,8 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             config if config is not None else (old.config if old else None),
             ev.corrected_s,
             getattr(ev, "samples_per_s", None),
+            getattr(ev, "predicted_peak_bytes", None),
+            getattr(ev, "peak_bytes", None),
         )
         current = None if study.current == ev.trial_id else study.current
         return r(

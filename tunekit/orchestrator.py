@@ -75,7 +75,15 @@ from tunekit.trials.decide import (
     leader_to_confirm,
     schedule,
 )
-from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
+from tunekit.trials.feedback import (
+    Corrector,
+    PoolEntry,
+    choose_next,
+    measured_peak,
+    outcomes_of,
+    predicted_peaks,
+    rank_pool,
+)
 from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
 from tunekit.trials.length import trial_length
 from tunekit.trials.nodes import (
@@ -654,9 +662,7 @@ def combined_over_cap(trials: list[TrialRow], config_ids: list[str], s: AutoSett
 
 def peak_of(row: TrialRow) -> float | None:
     """A trial's measured peak memory per rank: the largest over its ranks (None: unmeasured)."""
-    peaks = [r.get("peak_bytes") for r in (row.result or {}).get("ranks", [])]
-    found = [float(p) for p in peaks if p]
-    return max(found) if found else None
+    return measured_peak(row.result)
 
 
 def memory_summary(obs: Observation) -> dict[str, Any] | None:
@@ -1219,6 +1225,7 @@ async def _run_pending(
         )
         if outcome.search and outcome.ok:
             _record_search_config(store, row.id, result["config_found"])
+        peaks = predicted_peaks(store.study(sid).observation or {})
         yield TrialFinished(
             row.id,
             row.seq,
@@ -1232,6 +1239,9 @@ async def _run_pending(
             outcome.error or None,
             row.corrected_s,
             samples_per_s=m.samples_per_s if m else None,
+            predicted_peak_bytes=peaks.get(row.config_id)
+            or (peaks.get(f"search:{row.plugin}") if row.role == SEARCH else None),
+            peak_bytes=measured_peak(result),
         )
         if row.role != BASELINE:
             reranked = _feedback(store, sid, s.min_effect, s.rerank)

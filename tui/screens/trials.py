@@ -9,7 +9,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import DataTable, Label, ProgressBar, Static
 
-from tunekit.tui.formatting import ms, number, pct, speedup
+from tunekit.tui.formatting import ms, number, pct, size, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import StudyView, TrialView
 from tunekit.tui.widgets import PredictedVsMeasured
@@ -61,6 +61,7 @@ class TrialTable(DataTable):
             "measured step",
             "samples/s",
             "error",
+            "peak/rank",
             "status",
             "note",
         ):
@@ -80,6 +81,7 @@ class TrialTable(DataTable):
                 measured,
                 number(t.samples_per_s),
                 prediction_errors(t),
+                peaks(t),
                 Text(t.status, style=STATUS_STYLE.get(t.status, "red")),
                 (t.error or "")[:60],
                 key=str(t.trial_id),
@@ -105,6 +107,13 @@ def prediction_errors(t: TrialView) -> str:
         return "—"
     text = pct(t.prediction_error)
     return text if t.corrected_error is None else f"{text} → {pct(t.corrected_error)}"
+
+
+def peaks(t: TrialView) -> str:
+    """``38.0 MiB → 40.1 MiB``: predicted, then measured peak memory per rank."""
+    if t.predicted_peak_bytes is None and t.peak_bytes is None:
+        return "—"
+    return f"{size(t.predicted_peak_bytes)} → {size(t.peak_bytes)}"
 
 
 def study_line(study: StudyView) -> Text:

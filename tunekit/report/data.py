@@ -11,7 +11,7 @@ from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Tuner
 from tunekit.store import Store
 from tunekit.trials.decide import decide
-from tunekit.trials.feedback import relative_error
+from tunekit.trials.feedback import measured_peak, predicted_peaks, relative_error
 from tunekit.trials.launcher import LaunchOptions
 
 
@@ -32,6 +32,7 @@ def report_data(
 
     decision = study.decision or decide(trials, study.settings.get("min_effect", 0.01), describe)
     obs = study.observation or {}
+    peaks = predicted_peaks(obs)
     rows = []
     for t in trials:
         m = (t.result or {}).get("measurement") or {}
@@ -57,6 +58,9 @@ def report_data(
                 "overlap_R": sum(rs) / len(rs) if rs else None,
                 "error": t.error,
                 "wall_s": (t.result or {}).get("wall_s"),
+                "predicted_peak_bytes": peaks.get(t.config_id)
+                or (peaks.get(f"search:{t.plugin}") if t.role == "search" else None),
+                "peak_bytes": measured_peak(t.result),
                 **_length_columns(t.result, t.error),
             }
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunekit.memory import format_bytes
 from tunekit.observe.truth import PART_LABELS
 from tunekit.trials.nodes import describe_slowest
 
@@ -51,10 +52,11 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         "",
         "Per step. *Predicted*: the tuner's cost model, calibrated on the measured baseline; "
         "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
-        "|prediction − measured| / measured, raw → corrected.",
+        "|prediction − measured| / measured, raw → corrected. *Peak/rank*: memory per rank, "
+        "predicted (core memory model) → measured (the largest rank's).",
         "",
-        "| # | role | config | status | steps | predicted | corrected | measured (median ± IQR) | error | R | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| # | role | config | status | steps | predicted | corrected | measured (median ± IQR) | error | peak/rank | R | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in data["trials"]:
         measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
@@ -63,7 +65,7 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         out.append(
             f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
             f"{_ms(t['predicted_s'])} | "
-            f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {r} | {note} |"
+            f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {_peaks(t)} | {r} | {note} |"
         )
     out += _prediction_section(data)
     out += [
@@ -205,3 +207,11 @@ def _speedup(head: dict[str, Any]) -> str:
         return "—"
     ci = head.get("speedup_ci")
     return f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+
+
+def _peaks(t: dict[str, Any]) -> str:
+    """``38 MiB → 40 MiB``: the predicted and the measured peak per rank."""
+    predicted, measured = t.get("predicted_peak_bytes"), t.get("peak_bytes")
+    if predicted is None and measured is None:
+        return "—"
+    return f"{format_bytes(predicted)} → {format_bytes(measured)}"

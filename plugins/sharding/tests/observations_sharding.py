@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tunekit.api import (
-    MemoryFacts,
     Measurement,
+    MemoryFacts,
     Observation,
     model_blocks,
     summarize_model,
@@ -96,7 +96,9 @@ def observation(
         device_type="cpu",
         hardware=hardware.with_memory_cap(cap),
         model=summary,
-        baseline=Measurement([step_s] * 8, step_s, 0.02 * step_s, workload.batch_size * nproc / step_s),
+        baseline=Measurement(
+            [step_s] * 8, step_s, 0.02 * step_s, workload.batch_size * nproc / step_s
+        ),
         graph=graph,
         layer_profile=layer_profile(graph, workload.batch_size),
         breakdown=synthetic_breakdown(

@@ -130,9 +130,7 @@ def test_without_memory_facts_nothing_is_proposed():
 
 def test_fsdp_takes_over_gradient_synchronisation_ddp_still_combines():
     with pytest.raises(ConfigError, match="FSDP, which reduces its own gradients"):
-        resolve(
-            TuningConfig({"sharding": {"sharding": "fsdp"}, "overlap_chunking": {}}), TUNERS
-        )
+        resolve(TuningConfig({"sharding": {"sharding": "fsdp"}, "overlap_chunking": {}}), TUNERS)
     plan = resolve(
         TuningConfig({"sharding": {"checkpointing": "full"}, "overlap_chunking": {}}), TUNERS
     )

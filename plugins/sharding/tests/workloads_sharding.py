@@ -59,3 +59,12 @@ def gpt_sharded() -> Workload:
 def gpt_tiny() -> Workload:
     """Two sequences a rank: for tests that only need the model to train."""
     return _workload("gpt-tiny", batch_size=4)
+
+
+def gpt_float64() -> Workload:
+    """The tiny GPT in float64: a live job relaunched from DDP to FSDP is compared with one
+    that stays replicated, step by step, at float64 precision."""
+    w = _workload("gpt-tiny-float64", batch_size=4)
+    build = w.model
+    w.model = lambda: build().double()
+    return w

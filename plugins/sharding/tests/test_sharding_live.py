@@ -1,0 +1,76 @@
+"""A live apply from DDP to FSDP, for real: `tunekit run` on 2 gloo ranks, relaunched from its
+checkpoint with the model sharded, beside a job that stays replicated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import run_cli
+
+from tunekit.errors import ControlError
+from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.supervisor import wait_for
+
+pytestmark = pytest.mark.slow
+
+SPEC = "tunekit.plugins.sharding.tests.workloads_sharding:gpt_float64"
+TO_FSDP = {"plugins": {"sharding": {"sharding": "fsdp", "reshard_after_forward": False}}}
+
+
+def start_run(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tunekit", "run", *args],
+        cwd=cwd,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def rundir(cwd: Path, name: str) -> RunDir:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            return RunDir.find(name, cwd / ".tunekit")
+        except ControlError:
+            time.sleep(0.2)
+    raise TimeoutError(name)
+
+
+@pytest.mark.equivalence
+def test_a_relaunch_from_ddp_to_fsdp_keeps_the_step_and_the_loss_curve(tmp_path):
+    steps = 16
+    # Both jobs at once, in float64: the sharded job must train as the replicated one does.
+    # --min-effect 1: the relaunch is watched, and may not be rolled back whatever it measures.
+    plain = start_run(tmp_path, SPEC, "--steps", str(steps), "--name", "plain")
+    sharded = start_run(
+        tmp_path, SPEC, "--steps", str(steps), "--name", "sharded", "--min-effect", "1"
+    )
+    rd = rundir(tmp_path, "sharded")
+    wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= 4, 300)
+    res = run_cli("apply", "sharded", json.dumps(TO_FSDP), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "relaunch" in res.stdout
+    assert sharded.wait(timeout=600) == 0, sharded.stdout.read()
+    assert plain.wait(timeout=600) == 0, plain.stdout.read()
+
+    metrics = rd.read_metrics()
+    assert [m["step"] for m in metrics] == list(range(steps))  # nothing lost or repeated
+    relaunch = [e for e in rd.read_events() if e["kind"] == "relaunch"]
+    assert len(relaunch) == 1
+    at = relaunch[0]["step"]
+    assert 4 <= at < steps
+    configs = [m["config_id"] for m in metrics]
+    assert len(set(configs[:at])) == 1 and len(set(configs[at:])) == 1
+    assert configs[at] != configs[0]  # the steps from the relaunch on ran sharded
+    reference = RunDir.find("plain", tmp_path / ".tunekit").read_metrics()
+    for mine, theirs in zip(metrics, reference, strict=True):  # the same loss curve
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-9), mine["step"]
+    assert rd.latest_checkpoint().is_dir()  # the sharded job's checkpoints: one shard per rank
