@@ -168,6 +168,7 @@ class LiveBackend(Backend):
         self.run_id = rd.run_id
         self.workload = spec["workload"]
         self.nproc = int(spec.get("nproc") or 1)
+        self.memory_cap_bytes: int | None = spec.get("memory_cap_bytes")
         self.out_dir = self.store_dir / "tui" / self.run_id
         self._tail = MetricsTail(rd.metrics_file, HISTORY)
         self._sampler = TelemetrySampler(
@@ -216,7 +217,9 @@ class LiveBackend(Backend):
             static = observe_static(self.workload, self.nproc, self.device, None, store)
             metrics = self._tail.read()
             baseline = live_baseline(metrics, self.nproc)
-            obs = static.observation(self.nproc, baseline, store)
+            obs = static.observation(
+                self.nproc, baseline, store, memory_cap_bytes=self.memory_cap_bytes
+            )
             against = BaselineView(
                 obs.global_batch,
                 baseline.median_s if baseline else None,
@@ -290,6 +293,7 @@ class LiveBackend(Backend):
             store_dir=self.store_dir,
             device=self.device,
             pause_run=self.rd if request.pause_job and self._job_running() else None,
+            memory_cap_bytes=self.memory_cap_bytes,
         )
         return run_auto(settings)
 

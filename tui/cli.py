@@ -14,7 +14,14 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import STORE_OPTION, console, ensure_writable, err_console, split_names
+from tunekit.cli.common import (
+    MEMORY_CAP_OPTION,
+    STORE_OPTION,
+    console,
+    ensure_writable,
+    err_console,
+    split_names,
+)
 from tunekit.plugin_loading import load_all, select
 from tunekit.runtime.job_process import JobProcess
 from tunekit.tui.backend import LiveBackend, TuneRequest, attach
@@ -83,6 +90,7 @@ from tunekit.workload_spec import resolve_spec
     "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
 )
 @STORE_OPTION
+@MEMORY_CAP_OPTION
 def tui_cmd(
     workload,
     attach_run,
@@ -95,6 +103,7 @@ def tui_cmd(
     min_effect,
     device,
     store_dir,
+    memory_cap,
 ):
     """Watch WORKLOAD train, tune it and apply the winner, interactively (default: example:cnn).
 
@@ -132,6 +141,7 @@ def tui_cmd(
             watch_window=watch_window,
             min_effect=min_effect,
             device=device,
+            memory_cap_bytes=memory_cap,
         )
         backend = LiveBackend(job.rd, store_dir, job=job, device=device)
         err_console.print(keeps_running(backend.run_id))

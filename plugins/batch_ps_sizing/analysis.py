@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import torch
 
-from tunekit.api import Breakdown, Observation, StepTruth
+from tunekit.api import LAYOUT_FEATURES, Breakdown, Observation, StepTruth
 from tunekit.errors import HardwareError, WorkloadError
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.measure import LocalMeasurement, measure_locally
@@ -48,7 +48,7 @@ class Analysis:
     device_memory_bytes: float
     local: LocalMeasurement
     largest_fitting: int
-    """Largest per-rank batch the measured memory line fits into the smallest device."""
+    """Largest per-rank batch the memory line fits into the smallest device."""
     steps: BatchStepModel
     """Step time against the batch, calibrated on the measured baseline."""
     truth_measured: bool
@@ -70,6 +70,10 @@ class Analysis:
     eq5: dict[str, Any] | None = None
     lemma31: dict[str, Any] = field(default_factory=dict)
     lemma32: dict[str, Any] = field(default_factory=dict)
+    memory: zou.MemoryProfile | None = None
+    """The memory line per rank: measured here (``local.memory``), or for a sharded or
+    checkpointed job the core memory model's (see :func:`job_memory_line`)."""
+    memory_source: str = "measured here on the bare model"
 
     def predicted_step_s(self, batch: int) -> float:
         return self.steps.step_s(batch)
@@ -161,7 +165,8 @@ def analyse_job(
     device_mem = min(d.memory_bytes for d in devices)
     ladder = batch_ladder(b0, w.batch_range) if w.batch_range is not None else [b0]
     local = _measure(obs, ladder, _rank_threads(obs), measuring)
-    largest = local.memory.largest_batch(device_mem, settings.memory_margin)
+    memory, memory_source = job_memory_line(obs, local)
+    largest = memory.largest_batch(device_mem, settings.memory_margin)
     truth = obs.truth
     measured = truth is not None
     if truth is None:
@@ -181,6 +186,8 @@ def analyse_job(
         compute,
         ratio,
         source,
+        memory=memory,
+        memory_source=memory_source,
     )
 
     batches = [b0]
@@ -201,18 +208,38 @@ def analyse_job(
             "samples_per_s": global_batch_at(obs, b) / step,
             "parts_s": steps.parts_s(b),
             "extrapolation": steps.extrapolation(b),
-            "peak_bytes": local.memory.peak_bytes(b),
+            "peak_bytes": memory.peak_bytes(b),
             "fits": float(b <= largest),
         }
     fitting = [
         (b, p["samples_per_s"]) for b, p in analysis.predictions.items() if p["fits"] or b == b0
     ]
     analysis.knee = choose_knee(fitting, settings.knee_tolerance)
-    analysis.trades = _accumulation_trades(obs, steps, largest, local)
+    analysis.trades = _accumulation_trades(obs, steps, largest, memory)
     analysis.eq5 = _eq5(obs, device_mem, settings.memory_margin, batches)
     analysis.lemma31 = _lemma31(ratio, target_eff, target_speedup)
     analysis.lemma32 = _lemma32(obs, compute)
     return analysis
+
+
+def job_memory_line(obs: Observation, local: LocalMeasurement) -> tuple[zou.MemoryProfile, str]:
+    """The job's memory per rank as a line in the batch, and where it comes from.
+
+    The line measured here trains the bare model: no FSDP shards, no checkpointed block. For
+    a sharded or checkpointed job that over-states what a rank holds, so the core memory
+    model's line is taken instead (its layout, calibrated on the measured baseline), through
+    its predictions at the job's batch and half of it."""
+    if not (obs.workload.features() & LAYOUT_FEATURES) or obs.memory is None:
+        return local.memory, "measured here on the bare model"
+    b0 = obs.workload.batch_size
+    b1 = max(1, b0 // 2) if b0 > 1 else 2
+    p0, p1 = obs.predict_memory(batch=b0), obs.predict_memory(batch=b1)
+    assert p0 is not None and p1 is not None  # obs.memory is there
+    slope = max((p0.peak_bytes - p1.peak_bytes) / (b0 - b1), 1.0)
+    static = p0.parts.get("parameters", 0.0) + p0.parts.get("optimizer", 0.0)
+    transient = max(0.0, p0.peak_bytes - static - slope * b0)
+    profile = zou.MemoryProfile(static, transient, slope, "core memory model")
+    return profile, f"the core memory model ({obs.workload.layout().describe()})"
 
 
 def global_batch_at(obs: Observation, batch: int) -> int:
@@ -387,7 +414,8 @@ def analysis_details(a: Analysis) -> dict[str, Any]:
         "batch": a.batch,
         "batch_range": list(a.batch_range) if a.batch_range else None,
         "device_memory_bytes": a.device_memory_bytes,
-        "memory_profile": a.local.memory.to_dict(),
+        "memory_profile": (a.memory or a.local.memory).to_dict(),
+        "memory_source": a.memory_source,
         "largest_fitting_batch": a.largest_fitting,
         "step_s_measured_here": {str(b): t for b, t in a.local.step_s.items()},
         "step_model": a.steps.to_dict(),
@@ -420,7 +448,7 @@ def worth_trying(a: Analysis, tolerance: float) -> list[int]:
 
 
 def _accumulation_trades(
-    obs: Observation, steps: BatchStepModel, largest: int, local: LocalMeasurement
+    obs: Observation, steps: BatchStepModel, largest: int, memory: zou.MemoryProfile
 ) -> dict[int, dict[str, Any]]:
     """A job that accumulates A micro-batches of b0 per optimizer step can run A' < A
     micro-batches of b0·A/A' instead: the same samples per step, so the same update,
@@ -446,7 +474,7 @@ def _accumulation_trades(
             "samples_per_s": obs.global_batch / step,
             "parts_s": steps.parts_s(b, acc),
             "extrapolation": steps.extrapolation(b),
-            "peak_bytes": local.memory.peak_bytes(b),
+            "peak_bytes": memory.peak_bytes(b),
         }
     return out
 

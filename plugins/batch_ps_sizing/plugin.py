@@ -178,8 +178,9 @@ class BatchPsSizing(Tuner):
             verdict += f"; {_unpredicted_line(a)}"
         summary = (
             f"{head}; {verdict}; batch {a.batch}/rank peaks at "
-            f"~{a.local.memory.peak_bytes(a.batch) / MiB:,.0f} MiB of "
-            f"{a.device_memory_bytes / MiB:,.0f} MiB ({fit}, {self.settings.memory_margin:.0%} margin); "
+            f"~{(a.memory or a.local.memory).peak_bytes(a.batch) / MiB:,.0f} MiB of "
+            f"{a.device_memory_bytes / MiB:,.0f} MiB ({fit}, {self.settings.memory_margin:.0%} margin"
+            f"{'; memory from ' + a.memory_source if a.memory is not a.local.memory else ''}); "
             f"{scaling}"
         )
         return Diagnosis(gain > 0, summary, expected_gain=gain, details=details)
@@ -206,6 +207,7 @@ class BatchPsSizing(Tuner):
                     predicted_step_s=p["step_s"],
                     predicted_range_s=(low, high),
                     global_batch=global_batch_at(obs, b),
+                    predicted_peak_bytes=_core_peak(obs, b, obs.workload.accumulation),
                     rationale=(
                         f"batch {b}/rank ({global_batch_at(obs, b)} global{knee}): "
                         f"{p['samples_per_s'] / base - 1:+.0%} samples/s over the {_baseline_word(a)} "
@@ -264,7 +266,7 @@ class BatchPsSizing(Tuner):
             tries = max(1, tries // 2)
         candidates = batch_ladder(session.batch_size, rng, limit=tries)
         outcome = coordinated_sweep(
-            session, candidates, settings, budget, probe_batch, device_memory_bytes(session.device)
+            session, candidates, settings, budget, probe_batch, device_memory_bytes(session)
         )
         for p in outcome.points:
             entry = p.to_dict()
@@ -325,6 +327,13 @@ def _trade_phrase(obs: Observation, a: Analysis, t: dict[str, Any]) -> str:
     )
 
 
+def _core_peak(obs: Observation, batch: int, accumulation: int) -> float | None:
+    """A rank's peak at ``batch`` x ``accumulation`` from the core memory model (None without
+    its facts): what ``--memory-cap`` is held against."""
+    predicted = obs.predict_memory(batch=batch, accumulation=accumulation)
+    return predicted.peak_bytes if predicted is not None else None
+
+
 def _trade_candidate(obs: Observation, a: Analysis, t: dict[str, Any]) -> Candidate:
     low, high = t["range_s"]
     return Candidate(
@@ -332,6 +341,7 @@ def _trade_candidate(obs: Observation, a: Analysis, t: dict[str, Any]) -> Candid
         predicted_step_s=t["step_s"],
         predicted_range_s=(low, high),
         global_batch=obs.global_batch,
+        predicted_peak_bytes=_core_peak(obs, t["batch"], t["accumulation"]),
         rationale=(
             f"{_trade_phrase(obs, a, t)}; {_ms(low)}-{_ms(high)}"
             f"{'; extrapolated' if t['extrapolation'] > 1 else ''}; the learning rate stays"

@@ -36,11 +36,19 @@ def apply_batch_knobs(session: Session, knobs: Mapping[str, Any]) -> None:
         session.on_reset(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
 
 
-def device_memory_bytes(device: torch.device) -> float | None:
-    """Total memory of a GPU; None on the CPU, where the sweep relies on real allocation failures."""
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    return None
+def device_memory_bytes(session: Session) -> float | None:
+    """What a rank may hold: a GPU's total memory, or the session's memory cap
+    (``--memory-cap``) when it is smaller or on the CPU; None on an uncapped CPU, where the
+    sweep relies on real allocation failures."""
+    device, cap = session.device, session.memory.cap_bytes
+    total = (
+        float(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cuda"
+        else None
+    )
+    if cap is not None:
+        return float(cap) if total is None else min(total, float(cap))
+    return total
 
 
 @dataclass

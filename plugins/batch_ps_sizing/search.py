@@ -255,7 +255,7 @@ def coordinated_sweep(
         [False, True] if on_gpu and settings.compare_cudnn_benchmark else [None]
     )
     limit = math.inf
-    if on_gpu and device_memory_bytes:
+    if device_memory_bytes:  # a GPU's memory, or the memory cap (the CPU's too)
         limit = device_memory_bytes * (1 - settings.memory_margin)
     start_batch = session.batch_size
     points: list[SweepPoint] = []

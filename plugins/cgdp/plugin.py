@@ -284,6 +284,10 @@ class Cgdp(Tuner):
                 "one rank: no gradient reduction to move to the host "
                 "(offload_optimizer still saves device memory)",
             )
+        if "sharded" in obs.workload.features():
+            from tunekit.plugins.cgdp.runtime import SHARDED_WHY
+
+            return Diagnosis(False, SHARDED_WHY)
         try:
             if obs.hardware.source in MEASURED_SOURCES:
                 return self._diagnose_here(obs)
@@ -292,7 +296,7 @@ class Cgdp(Tuner):
             return Diagnosis(False, f"cannot model this hardware: {exc}")
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
-        if obs.nproc < 2:
+        if obs.nproc < 2 or "sharded" in obs.workload.features():
             return []
         try:
             if obs.hardware.source in MEASURED_SOURCES:

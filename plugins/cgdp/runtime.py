@@ -303,7 +303,11 @@ class CgdpSync(HookedAccumulation, GradSync):
         # Every chunk is reduced before the one update (Session.optimizer_step: unscale,
         # clip by the global norm, step, schedule). With offload the update runs on the
         # host's copy, where fp16's GradScaler (tied to the device optimizer) cannot see it.
-        self.handles = ALL_FEATURES - {"grad_scaler"} if offload_optimizer else ALL_FEATURES
+        # Checkpointing (tested against DDP): a recomputed block's gradients reach the chunk
+        # hooks as any other's.
+        self.handles = (ALL_FEATURES - {"grad_scaler"} if offload_optimizer else ALL_FEATURES) | {
+            "checkpointed"
+        }
         self._accumulating = False
         self._records: list[CommRecord] = []
         self._handles: list[Any] = []
@@ -723,6 +727,13 @@ class CgdpSync(HookedAccumulation, GradSync):
         if self.cuda:
             report["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+
+SHARDED_WHY = (
+    "does not apply: the job is sharded (FSDP), whose parameters and gradients are DTensor "
+    "shards reduce-scattered by FSDP per block; CGDP's chunked all-reduce and host optimizer "
+    "need every rank to hold whole gradients (a config of this tuner is refused on a sharded job)"
+)
 
 
 def declines(knobs: dict[str, Any], features: frozenset[str]) -> str | None:

@@ -400,7 +400,12 @@ class HybridSync(GradSync):
 HYBRID_HANDLES = ALL_FEATURES
 """Training features the hybrid honours: all (fp16's inf check is agreed over the model
 group, clipping's norm summed over it)."""
-HYBRID_NEEDS: dict[str, str] = {}
+HYBRID_NEEDS: dict[str, str] = {
+    "sharded": "whole parameters on the devices of its placement; FSDP holds them as shards "
+    "gathered only inside the model's own forward",
+    "checkpointed": "the blocks' checkpointed forward; its executor runs the placed layers one "
+    "by one, outside the blocks, and would keep every activation",
+}
 """Why each feature the hybrid does not honour does not apply (its diagnosis says so)."""
 HybridSync.handles = HYBRID_HANDLES
 HybridSync.train_step.handles = HYBRID_HANDLES

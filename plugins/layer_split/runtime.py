@@ -520,5 +520,9 @@ LAYER_SPLIT_DECLINES = {
     "the model's dtype",
     "grad_scaler": "a scaled loss through the executor's layer-by-layer backward; it "
     "backpropagates the unscaled loss",
+    "sharded": "whole parameters on every rank to slice; FSDP holds them as shards, gathered "
+    "per block only inside the model's own forward",
+    "checkpointed": "the blocks' checkpointed forward; its executor runs the layers one by one, "
+    "outside the blocks, and would keep every activation",
 }
 """Why each feature it does not honour does not apply (its diagnosis says so)."""

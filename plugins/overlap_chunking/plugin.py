@@ -280,6 +280,10 @@ class OverlapChunking(Tuner):
     def diagnose(self, obs: Observation) -> Diagnosis:
         if obs.nproc < 2:
             return Diagnosis(False, "one rank: there is no gradient communication to overlap")
+        if "sharded" in obs.workload.features():
+            from tunekit.plugins.overlap_chunking.runtime import SHARDED_WHY
+
+            return Diagnosis(False, SHARDED_WHY)
         priced = self._priced(obs)
         fitted: calibration.Fit = priced["fit"]
         # -- training features (issue 17): configs that cannot honour them are left out --
@@ -316,7 +320,7 @@ class OverlapChunking(Tuner):
         )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
-        if obs.nproc < 2:
+        if obs.nproc < 2 or "sharded" in obs.workload.features():
             return []
         priced = self._priced(obs)
         # The baseline trial already measures PyTorch's defaults.

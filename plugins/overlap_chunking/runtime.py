@@ -85,9 +85,18 @@ TWO_CHUNK_NEEDS = {
     "after the scheduler has stepped)",
     "clipping": "the whole gradient's norm before any update (f > 0 updates replicated layers "
     "from gathered data at their next forward)",
+    "checkpointed": "a replicated layer's forward to run once per step (f > 0 gathers its "
+    "activations in a forward hook, which a checkpointed block's recomputation runs again)",
 }
 """What two_chunk with replicated layers (f > 0) would need to honour each feature;
 f = 0 and the ddp_buckets mode honour them all."""
+
+
+SHARDED_WHY = (
+    "does not apply: the job is sharded (FSDP), which reduce-scatters each block's gradients "
+    "itself; DDP's buckets and the two-chunk reducer have no gradients of their own to chunk "
+    "there (a config of this tuner is refused on a sharded job)"
+)
 
 
 def declines(knobs: Mapping[str, Any], features: frozenset[str]) -> str | None:

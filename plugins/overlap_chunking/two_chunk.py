@@ -159,7 +159,9 @@ class TwoChunkSync(HookedAccumulation, GradSync):
         # training feature holds (see step()). A replicated layer's update is deferred to
         # its next forward, from one micro-batch's gathered data: it would miss the other
         # micro-batches, the global norm, the loss scale's inf check and this step's lr.
-        self.handles = ALL_FEATURES if not self.replicated_names else frozenset()
+        # Checkpointing (tested against DDP): the chunks' hooks fire once per gradient, recomputed
+        # or not; a replicated layer's forward hook would fire again in a recomputation.
+        self.handles = ALL_FEATURES | {"checkpointed"} if not self.replicated_names else frozenset()
 
     # -- install -------------------------------------------------------------------------
 

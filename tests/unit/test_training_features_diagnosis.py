@@ -74,3 +74,43 @@ def test_overlap_chunking_plans_no_replicated_layers_under_a_feature(variant):
     plain = tuner.plan(obs("plain"), 50)
     if any(c.knobs.get("mode") == "two_chunk" and c.knobs.get("f") for c in plain):
         assert "two_chunk with f > 0 does not apply:" in d.summary
+
+
+# -- issue 30: sharded and checkpointed jobs ---------------------------------------------------
+
+LAYOUTS = Path(__file__).parents[1] / "data" / "sharded_workloads.py"
+
+
+def sharded_obs(checkpointed_only: bool = False):
+    from dataclasses import replace
+
+    w = load_workload(f"{LAYOUTS}:tiny_sharded")
+    if checkpointed_only:
+        w = replace(w, sharding="ddp")
+    return synthetic_observation(w)
+
+
+@pytest.mark.parametrize("tuner", [OverlapChunking, Cgdp])
+def test_gradient_reducers_say_a_sharded_job_reduces_its_own_and_plan_nothing(tuner):
+    o = sharded_obs()
+    d = tuner().diagnose(o)
+    assert not d.applies and "the job is sharded (FSDP)" in d.summary
+    assert tuner().plan(o, 20) == []
+
+
+@pytest.mark.parametrize("tuner", [LayerSplit, HybridMp])
+def test_placements_decline_sharded_and_checkpointed_jobs_with_why(tuner):
+    d = tuner().diagnose(sharded_obs())
+    assert not d.applies and "sharded needs whole parameters" in d.summary
+    assert "checkpointed needs the blocks' checkpointed forward" in d.summary
+    only = tuner().diagnose(sharded_obs(checkpointed_only=True))
+    assert "sharded needs" not in only.summary and "checkpointed needs" in only.summary
+
+
+def test_overlap_chunking_applies_to_a_checkpointed_ddp_job_without_replicated_layers():
+    o = sharded_obs(checkpointed_only=True)
+    tuner = OverlapChunking()
+    assert tuner.diagnose(o).applies
+    assert all(
+        not (c.knobs.get("mode") == "two_chunk" and c.knobs.get("f")) for c in tuner.plan(o, 50)
+    )

@@ -92,6 +92,7 @@ def test_every_listed_example_is_registered():
         "resnet152",
         "lstm",
         "gpt",
+        "gpt-sharded",
         "vit",
         "hf-gpt2",
     }

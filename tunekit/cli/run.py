@@ -163,9 +163,10 @@ def run_cmd(
         with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
             code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()
-    console.print(
+    console.print(  # markup=False: an error quotes gloo's "[/.../pair.cc:561]"
         f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
-        + (f": {st['error']}" if st.get("error") else "")
+        + (f": {st['error']}" if st.get("error") else ""),
+        markup=False,
     )
     raise SystemExit(code)
 

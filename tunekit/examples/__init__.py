@@ -28,6 +28,11 @@ EXAMPLES: dict[str, tuple[str, str, str]] = {
     "resnet152": ("tunekit.examples.vision", "resnet152", "torchvision ResNet-152, 224x224"),
     "lstm": ("tunekit.examples.lstm", "workload", "BigLSTM-shaped language model, small"),
     "gpt": ("tunekit.examples.transformers", "gpt", "decoder-only transformer LM, ~14M parameters"),
+    "gpt-sharded": (
+        "tunekit.examples.transformers",
+        "gpt_sharded",
+        "GPT with FSDP2 sharding and full activation checkpointing, ~7M parameters",
+    ),
     "vit": ("tunekit.examples.transformers", "vit", "vision transformer encoder, 32x32 images"),
     "hf-gpt2": (
         "tunekit.examples.hf",

@@ -92,9 +92,8 @@ class GPTModel(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
-def _text(n: int, generator: torch.Generator):
+def _text(n: int, generator: torch.Generator, vocab: int = GPT["vocab"], seq: int = GPT["seq"]):
     # A learnable language: each token is the previous plus a per-sequence stride, with noise.
-    vocab, seq = GPT["vocab"], GPT["seq"]
     start = torch.randint(vocab, (n, 1), generator=generator)
     stride = torch.randint(1, 8, (n, 1), generator=generator)
     noise = (torch.rand(n, seq + 1, generator=generator) < 0.05).long()
@@ -144,6 +143,44 @@ def gpt() -> Workload:
         description=(
             f"decoder-only LM, {GPT['blocks']} blocks x {GPT['width']} wide, {GPT['heads']} heads, "
             f"sequence {GPT['seq']}, vocabulary {GPT['vocab']}"
+        ),
+        extra={"family": "transformer"},
+    )
+
+
+# -- gpt-sharded -------------------------------------------------------------------------
+
+GPT_SHARDED = {"vocab": 8192, "width": 256, "heads": 4, "blocks": 6, "seq": 64}
+"""About 6.8 M parameters (4.7 M in six blocks); 512 tokens per rank and step."""
+
+
+def _sharded_text(n: int, generator: torch.Generator):
+    return _text(n, generator, GPT_SHARDED["vocab"], GPT_SHARDED["seq"])
+
+
+def gpt_sharded() -> Workload:
+    """A GPT trained as large models are: FSDP2 over the ranks (each block, then the root;
+    parameters resharded after forward) and every block's activations checkpointed."""
+    return Workload(
+        name="gpt-sharded",
+        model=lambda: GPTModel(**GPT_SHARDED),
+        make_batch=_sharded_text,
+        loss=_lm_loss,
+        optimizer=_adamw,
+        batch_size=8,
+        lr=6e-4,
+        lr_scaling="sqrt",
+        batch_range=(1, 64),
+        precision=_precision(),
+        scheduler=warmup_cosine,
+        clip_grad_norm=1.0,
+        sharding="fsdp",
+        reshard_after_forward=True,
+        checkpointing="full",
+        description=(
+            f"decoder-only LM sharded with FSDP2 and checkpointed: {GPT_SHARDED['blocks']} blocks x "
+            f"{GPT_SHARDED['width']} wide, sequence {GPT_SHARDED['seq']}, vocabulary "
+            f"{GPT_SHARDED['vocab']}"
         ),
         extra={"family": "transformer"},
     )

@@ -157,6 +157,38 @@ def _observation_section(obs: dict[str, Any]) -> list[str]:
             "Layers timed alone, at one rank's batch (the step breakdown above is the measured whole).",
         ]
         out.append("")
+    out += _memory_section(obs.get("memory"))
+    return out
+
+
+def _memory_section(memory: dict[str, Any] | None) -> list[str]:
+    """What fills a rank's memory in the baseline: the memory model's parts, calibrated on the
+    measured peak."""
+    if not memory:
+        return []
+    from tunekit.memory import PART_ORDER, PART_WORDS, format_bytes
+
+    predicted = memory["predicted"]
+    measured = memory.get("measured_peak_bytes")
+    cap = memory.get("cap_bytes")
+    out = [
+        "## Memory per rank",
+        "",
+        f"Layout: {memory['layout']}. Measured peak: {format_bytes(measured)}"
+        + (f" of a {format_bytes(cap)} cap (--memory-cap)" if cap else "")
+        + f"; at the {predicted['moment']} peak the memory model (calibrated on it) finds:",
+        "",
+        "| part | bytes | share |",
+        "| --- | --- | --- |",
+    ]
+    total = predicted["peak_bytes"] or 1.0
+    for part in PART_ORDER:
+        value = predicted["parts"].get(part)
+        if value:
+            out.append(f"| {PART_WORDS[part]} | {format_bytes(value)} | {value / total:.0%} |")
+    if predicted.get("host_bytes"):
+        out.append(f"| (in host memory: CPU offload) | {format_bytes(predicted['host_bytes'])} | |")
+    out.append("")
     return out
 
 

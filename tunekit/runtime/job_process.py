@@ -44,6 +44,7 @@ class JobProcess:
         device: str = "auto",
         name: str | None = None,
         timeout_s: float = 120.0,
+        memory_cap_bytes: int | None = None,
     ) -> JobProcess:
         """Start the job and return once its run directory exists; a bad workload raises one line."""
         from tunekit.workload import load_workload, resolve_spec
@@ -73,6 +74,8 @@ class JobProcess:
             "--device",
             device,
         ]
+        if memory_cap_bytes is not None:
+            cmd += ["--memory-cap", str(memory_cap_bytes)]
         with open(log_path, "ab") as log:
             # A session of its own: the terminal's Ctrl+C (Textual's to handle) never reaches it.
             proc = subprocess.Popen(

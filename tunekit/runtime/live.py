@@ -972,7 +972,7 @@ class LiveJob:
         breakdown = s.memory_breakdown()
         if self.controller is not None:
             self.memory = breakdown
-            self.log_event("memory", step=s.step, line=breakdown["line"], **breakdown["parts"])
+            self.log_event("memory", step=s.step, **breakdown)
         if s.memory.cap_bytes is None and s.device.type == "cpu":
             s.memory.stop()
 

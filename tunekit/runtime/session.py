@@ -249,13 +249,13 @@ class Session:
                 if isinstance(v, torch.Tensor)
             ),
         }
-        parts = {**held, "step": max(0.0, peak - sum(held.values()))}
+        parts = {**held, "within_step": max(0.0, peak - sum(held.values()))}
         line = (
             f"memory per rank ({self.layout.describe()}): {format_bytes(peak)} measured peak"
             + (f" of a {format_bytes(self.memory.cap_bytes)} cap" if self.memory.cap_bytes else "")
             + f"; parameters {format_bytes(held['parameters'])}, optimizer state "
             f"{format_bytes(held['optimizer'])}, activations, gradients and buffers of a step "
-            f"{format_bytes(parts['step'])}"
+            f"{format_bytes(parts['within_step'])}"
         )
         return {"peak_bytes": peak, "parts": parts, "line": line, "method": self.memory.method}
 

@@ -179,7 +179,7 @@ def test_gpu_sweep_times_cudnn_benchmark_on_and_off():
     session = _gpu_session((64, 4096))
     settings = SweepSettings(measure_steps=3, noise_scale_batches=0, patience=5)
     outcome = coordinated_sweep(
-        session, [256, 1024, 4096], settings, 200, probe_batch, device_memory_bytes(session.device)
+        session, [256, 1024, 4096], settings, 200, probe_batch, device_memory_bytes(session)
     )
     ok = [p for p in outcome.points if p.status == "ok"]
     assert {(p.batch, p.cudnn_benchmark) for p in ok} == {

@@ -31,7 +31,7 @@ class Chaos(Tuner):
                 "choice",
                 "ok",
                 "what the trial does",
-                choices=("ok", "raise", "hang", "oom", "slow", "bad_hook"),
+                choices=("ok", "raise", "hang", "oom", "slow", "bad_hook", "hold_memory"),
             ),
             Knob(
                 "sleep_s",
@@ -40,6 +40,14 @@ class Chaos(Tuner):
                 "seconds the slow mode adds to every step",
                 low=0.0,
                 high=600.0,
+            ),
+            Knob(
+                "hold_mb",
+                "int",
+                0,
+                "hold_memory mode: MiB the runtime hook allocates and keeps (a real peak)",
+                low=0,
+                high=4096,
             ),
         ]
 
@@ -76,6 +84,10 @@ class Chaos(Tuner):
             return
         if mode == "bad_hook":
             raise RuntimeError("chaos: the runtime hook failed")
+        if mode == "hold_memory":  # memory held through every step: a real, measured peak
+            session.chaos_held = torch.ones(knobs["hold_mb"] * 2**18)
+            session.on_reset(lambda: setattr(session, "chaos_held", None))
+            return
 
         def step(session, step):
             if mode == "slow":
