@@ -17,13 +17,13 @@ from typing import Any
 from tunekit.api import Observation, Session, format_bytes
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugins.sharding.analysis import Analysis, analyse
-from tunekit.plugins.sharding.calibrated import Prediction
 from tunekit.plugins.sharding.knobs import declare, knobs_of, layout_changes
 from tunekit.plugins.sharding.runtime import apply_micro_batches
 from tunekit.plugins.sharding.search import (
     MIN_GAIN,
     Proposal,
     Variant,
+    fits,
     format_variants,
     parse_variants,
     search_in_job,
@@ -245,13 +245,9 @@ def _details(a: Analysis) -> dict[str, Any]:
         "notes": a.model.notes,
         "levers": [lever.to_dict() for lever in a.levers],
         "settings": len(a.predictions),
-        "fitting": sum(1 for p in a.predictions if _fits(p, a)),
+        "fitting": sum(1 for p in a.predictions if fits(p, a.bound.bytes, a.model.base)),
         "best": a.best.to_dict() if a.best is not None else None,
     }
-
-
-def _fits(p: Prediction, a: Analysis) -> bool:
-    return p.peak_bytes is not None and p.peak_bytes <= a.bound.bytes
 
 
 def _variant_words(v: Variant) -> str:

@@ -1,7 +1,8 @@
 """Functions run on spawned gloo ranks (``tunekit.testing.run_ranks``) by the tests and the
-benchmark: settings of a workload measured one after another in one process group, each
-in a fresh session (a layout is built in from the start), its steps timed (the slowest
-rank's) and its peak per rank measured as a trial measures it (warm-up steps tracked)."""
+benchmark: configs of a workload measured one after another in one process group, each in
+a fresh session built as a trial builds it (the config's layout from the start, then its
+hooks), its steps timed (the slowest rank's) and its peak per rank measured as a trial
+measures it (the warm-up steps tracked; every step under a cap)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunekit.api import Layout, Session, is_out_of_memory, release_memory
+from tunekit.config import TuningConfig, config_layout, resolve
+from tunekit.observe.step_timing import is_out_of_memory
+from tunekit.plugin_loading import load_named, select
+from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 
 
@@ -22,22 +26,33 @@ def _agree_max(values: list[float]) -> list[float]:
     return [float(v) for v in t]
 
 
-def measure_settings(
+def sharding_config(layout: dict[str, Any] | None = None, micro_batches: int = 0) -> dict:
+    """The tunekit config of a setting of the sharding tuner's knobs."""
+    knobs: dict[str, Any] = dict(layout or {})
+    if micro_batches:
+        knobs["micro_batches"] = micro_batches
+    return TuningConfig({"sharding": knobs} if knobs else {}).to_dict()
+
+
+def measure_configs(
     rank: int,
     world: int,
     spec: str,
-    settings: list[dict[str, Any]],
-    warmup: int = 2,
+    configs: list[dict[str, Any]],
+    warmup: int = 3,
     steps: int = 5,
     cap_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Each setting (``{"layout": {field: value}, "micro_batches": m}``) trained for
-    ``warmup`` + ``steps`` steps: its median step (slowest rank), its peak (largest rank),
-    and ``oom`` when a step went over ``cap_bytes`` on any rank (all ranks stop it together)."""
+    """Each config trained for ``warmup`` + ``steps`` steps: its median step (the slowest
+    rank's), its peak (the largest rank's), its losses, and ``oom`` when a step went over
+    ``cap_bytes`` on any rank (every rank stops that config together)."""
     workload = load_workload(spec)
     out = []
-    for s in settings:
-        layout = workload.layout().with_changes(s.get("layout", {}))
+    for raw in configs:
+        config = TuningConfig.from_dict(raw)
+        names = sorted(config.plugins)
+        tuners = select(load_named(names), names) if names else {}
+        layout = config_layout(resolve(config, tuners), workload.layout())
         session = Session(
             workload,
             rank=rank,
@@ -46,10 +61,10 @@ def measure_settings(
             memory_cap_bytes=cap_bytes,
             track_memory=True,
         )
-        micro = int(s.get("micro_batches") or 0)
-        if micro and micro != session.accumulation:
-            session.set_micro_batches(micro)
-        times, status, losses = [], "ok", []
+        session.apply_config(config, tuners)
+        times: list[float] = []
+        losses: list[float] = []
+        status = "ok"
         for i in range(warmup + steps):
             failed = 0.0
             try:
@@ -70,16 +85,16 @@ def measure_settings(
         slowest = _agree_max(times) if status == "ok" else []
         out.append(
             {
-                **s,
+                "config": raw,
+                "layout": session.layout.describe(),
+                "micro_batches": session.accumulation,
                 "status": status,
                 "step_s": statistics.median(slowest) if slowest else None,
                 "steps_s": slowest,
                 "peak_bytes": peak if peak >= 0 else None,
                 "losses": losses,
-                "describe": Layout.from_dict(layout.to_dict()).describe(),
             }
         )
         session.close()
         del session
-        release_memory(torch.device("cpu"))
     return out

@@ -14,7 +14,7 @@ from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
 from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
 from tunekit.plugins.sharding.analysis import analyse
 from tunekit.plugins.sharding.plugin import Sharding
-from tunekit.plugins.sharding.search import MARGIN, parse_variants
+from tunekit.plugins.sharding.search import margin, parse_variants
 from tunekit.plugins.sharding.tests.observations_sharding import MiB, observation
 
 TUNERS = {"sharding": Sharding(), "overlap_chunking": OverlapChunking()}
@@ -40,14 +40,18 @@ def test_nothing_predicted_over_the_bound_is_proposed(cap_mib):
     tuner.diagnose(obs)
     candidates = tuner.plan(obs, 8)
     a = tuner.analysis(obs)
+    base = a.model.base
+    limit = {
+        p.setting.describe(): cap_mib * MiB * (1 - margin(p.setting, base)) for p in a.predictions
+    }
     for c in candidates:
         assert c.predicted_peak_bytes is not None
-        assert c.predicted_peak_bytes <= cap_mib * MiB * (1 - MARGIN)
+        assert c.predicted_peak_bytes <= limit[c.details["prediction"]["setting"]]
         assert c.predicted_step_s < a.base.step_s
     for c in candidates:  # every variant an in-job search would time fits too
         for v in c.details.get("variants", []):
-            assert v["memory"]["peak_bytes"] <= cap_mib * MiB * (1 - MARGIN)
-    over = [p for p in a.predictions if p.peak_bytes > cap_mib * MiB * (1 - MARGIN)]
+            assert v["memory"]["peak_bytes"] <= limit[v["setting"]]
+    over = [p for p in a.predictions if p.peak_bytes > limit[p.setting.describe()]]
     assert over  # the bound bites: some settings are left out
     proposed = {c.details["prediction"]["setting"] for c in candidates}
     assert not proposed & {p.setting.describe() for p in over}
@@ -58,7 +62,10 @@ def test_a_larger_bound_lets_faster_settings_in_and_the_fastest_leads():
     loose = Sharding().analysis(observation("sharded", cap_mib=200))
     assert loose.best is not None and tight.best is not None
     assert loose.best.step_s <= tight.best.step_s
-    fitting = [p for p in loose.predictions if p.peak_bytes <= 200 * MiB * (1 - MARGIN)]
+    base = loose.model.base
+    fitting = [
+        p for p in loose.predictions if p.peak_bytes <= 200 * MiB * (1 - margin(p.setting, base))
+    ]
     assert loose.best.step_s == pytest.approx(min(p.step_s for p in fitting))
 
 
