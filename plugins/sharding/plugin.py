@@ -124,7 +124,7 @@ class Sharding(Tuner):
         """Time the step-level variants the plan listed (``search`` knob), in turn, at step
         boundaries; keep the fastest."""
         variants = parse_variants(str(knobs.get("search", "")))
-        if not variants:
+        if len(variants) < 2:  # nothing to choose between: the trial measures the start
             return None
         best, tried, reason = search_in_job(session, variants, max_steps)
         found = dict(knobs)

@@ -9,7 +9,8 @@ predicted peak leaves less than its margin of the bound free (:func:`margin`) is
 proposed. The
 rest are ranked by predicted step; the plan proposes, in order, the fastest setting as an
 in-job search over its build layout's fastest step-level variants (checkpointing and
-micro-batches switch at a step boundary, so one trial measures several), then the fastest
+micro-batches switch at a step boundary, so one trial measures several; a search of that
+setting alone when no other variant fits), then the fastest
 setting of each other build layout (a relaunch trial each), then the rest.
 
 **In the job** (:func:`search_in_job`, on every rank): each variant is switched in at a
@@ -132,7 +133,9 @@ def propose(
         if build_key(p.setting.layout) == build_key(best.setting.layout)
         and p.step_s <= best.step_s * (1 + SEARCH_WITHIN)
     )[:SEARCH_VARIANTS]
-    out = [Proposal(best, variants if len(variants) > 1 else ())]
+    # The first is always a search (of one variant, when its build layout has no other
+    # that fits): the orchestrator would otherwise search from the defaults, the job as it is.
+    out = [Proposal(best, variants)]
     seen = {build_key(best.setting.layout)}
     for p in worth[1:]:  # the fastest of every other build layout
         if build_key(p.setting.layout) not in seen:

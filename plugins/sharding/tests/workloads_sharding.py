@@ -18,11 +18,13 @@ from tunekit.workload import Workload
 
 SMALL = {"vocab": 2048, "width": 128, "heads": 4, "blocks": 4, "seq": 64}
 """About 1 M parameters; at 16 sequences a rank, activations are most of the peak."""
+TINY = {"vocab": 128, "width": 32, "heads": 2, "blocks": 2, "seq": 16}
+"""For tests that only need a transformer to train (milliseconds a step)."""
 
 
-def _batch(n: int, generator: torch.Generator):
+def _batch(n: int, generator: torch.Generator, dims=SMALL):
     # The example's learnable language: each token the previous plus a stride, with noise.
-    vocab, seq = SMALL["vocab"], SMALL["seq"]
+    vocab, seq = dims["vocab"], dims["seq"]
     start = torch.randint(vocab, (n, 1), generator=generator)
     stride = torch.randint(1, 8, (n, 1), generator=generator)
     noise = (torch.rand(n, seq + 1, generator=generator) < 0.05).long()
@@ -30,18 +32,18 @@ def _batch(n: int, generator: torch.Generator):
     return text[:, :-1], text[:, 1:]
 
 
-def _workload(name: str, batch_size: int = 16, **layout) -> Workload:
+def _workload(name: str, batch_size: int = 16, dims=SMALL, **layout) -> Workload:
     return Workload(
         name=name,
-        model=functools.partial(GPTModel, **SMALL),
-        make_batch=_batch,
+        model=functools.partial(GPTModel, **dims),
+        make_batch=functools.partial(_batch, dims=dims),
         loss=_lm_loss,
         optimizer=_adamw,
         batch_size=batch_size,
         lr=6e-4,
         lr_scaling="sqrt",
         clip_grad_norm=1.0,
-        description=f"small GPT ({SMALL}), {batch_size} sequences per rank",
+        description=f"small GPT ({dims}), {batch_size} sequences per rank",
         **layout,
     )
 
@@ -57,14 +59,14 @@ def gpt_sharded() -> Workload:
 
 
 def gpt_tiny() -> Workload:
-    """Two sequences a rank: for tests that only need the model to train."""
-    return _workload("gpt-tiny", batch_size=4)
+    """A tiny GPT, four sequences a rank: for tests that only need the model to train."""
+    return _workload("gpt-tiny", batch_size=4, dims=TINY)
 
 
 def gpt_float64() -> Workload:
     """The tiny GPT in float64: a live job relaunched from DDP to FSDP is compared with one
     that stays replicated, step by step, at float64 precision."""
-    w = _workload("gpt-tiny-float64", batch_size=4)
+    w = _workload("gpt-tiny-float64", batch_size=4, dims=TINY)
     build = w.model
     w.model = lambda: build().double()
     return w
