@@ -83,6 +83,10 @@ class BlockFacts:
     kept: Mapping[str, Line]
     """Per checkpoint policy: bytes the block's forward leaves allocated (its activations
     and output), by batch."""
+    backward: Mapping[str, Line] = field(default_factory=dict)
+    """Per checkpoint policy (applied to every block): the peak of this block's backward
+    segment above the steady state, gradients excluded (the activations still alive, the
+    block's gradient temporaries, its recomputation)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,10 @@ class PolicyFacts:
     """Backward's peak above the steady state, gradients excluded (activations left,
     gradient temporaries, a recomputed block)."""
     grads_at_peak: float
-    """Bytes of gradients that existed at backward's peak (0 .. all of them)."""
+    """Bytes of gradients that existed at the peak of backward's first segment (the loss's
+    and the head's, before any block's): 0 .. all of them."""
+    head: Line | None = None
+    """The peak of backward's first segment, before any block's, gradients excluded."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +153,21 @@ class MemoryFacts:
             optimizer_bytes=d["optimizer_bytes"],
             optimizer_temp_bytes=d["optimizer_temp_bytes"],
             blocks=tuple(
-                BlockFacts(b["name"], b["param_bytes"], {k: line(v) for k, v in b["kept"].items()})
+                BlockFacts(
+                    b["name"],
+                    b["param_bytes"],
+                    {k: line(v) for k, v in b["kept"].items()},
+                    {k: line(v) for k, v in (b.get("backward") or {}).items()},
+                )
                 for b in d["blocks"]
             ),
             policies={
-                k: PolicyFacts(line(v["forward_end"]), line(v["backward"]), v["grads_at_peak"])
+                k: PolicyFacts(
+                    line(v["forward_end"]),
+                    line(v["backward"]),
+                    v["grads_at_peak"],
+                    line(v["head"]) if v.get("head") else None,
+                )
                 for k, v in d["policies"].items()
             },
             batches=tuple(d["batches"]),
@@ -251,10 +268,12 @@ def predict(
     """One rank's peak under ``layout`` at per-rank micro-batch ``batch`` (samples per
     forward) and ``accumulation`` micro-batches per step, on ``world_size`` ranks."""
     shards = world_size if layout.sharded else 1
-    offload = layout.sharded and layout.cpu_offload
-    on_host = offload and device_type != "cpu"
+    on_host = layout.sharded and layout.cpu_offload and device_type != "cpu"
+    compute = facts.compute_bytes_per_param / facts.param_elem_bytes
+    grad_ratio = facts.grad_bytes / facts.param_bytes if facts.param_bytes else 1.0
 
-    params = facts.param_bytes / shards + (facts.buffer_bytes)
+    # Held between steps (on the host under offload, on a GPU).
+    params = facts.param_bytes / shards + facts.buffer_bytes
     optimizer = facts.optimizer_bytes / shards
     grads_all = facts.grad_bytes / shards
     opt_temps = facts.optimizer_temp_bytes / shards
@@ -262,63 +281,113 @@ def predict(
     if on_host:
         host = facts.param_bytes / shards + optimizer + grads_all + opt_temps
         params, optimizer, opt_temps = facts.buffer_bytes, 0.0, 0.0
+    held_grads = 0.0 if on_host else grads_all
+    buckets = facts.grad_bytes if (not layout.sharded and world_size > 1) else 0.0
 
     # Activations under the layout's checkpointing, block by block.
-    checkpointed = _checkpointed(facts.blocks, layout)
+    ckpt = _checkpointed(facts.blocks, layout)
+    policy = layout.checkpointing if ckpt else "none"
+
+    def saved(b: BlockFacts) -> float:
+        return b.kept["none"].at(batch) - b.kept[policy].at(batch)
+
     none = facts.policies["none"]
-    policy = layout.checkpointing if checkpointed else "none"
-    saved = sum(
-        b.kept["none"].at(batch) - b.kept[policy].at(batch)
-        for b in facts.blocks
-        if b.name in checkpointed
+    # Gradients of the root's parameters (the head's, a tied embedding's) appear at
+    # backward's start; FSDP reduce-scatters them only when backward ends.
+    root_grads = none.grads_at_peak
+    moments: list[tuple[str, dict[str, float]]] = []
+
+    # Backward's first segment: the loss's and the head's gradients, every activation alive.
+    head = (none.head or none.backward).at(batch) - sum(
+        saved(b) for b in facts.blocks if b.name in ckpt
     )
-    backward_act = none.backward.at(batch) - saved
-    recompute = 0.0
-    if checkpointed and policy in facts.policies:
-        all_saved = sum(b.kept["none"].at(batch) - b.kept[policy].at(batch) for b in facts.blocks)
-        measured = facts.policies[policy].backward.at(batch)
-        recompute = max(0.0, measured - (none.backward.at(batch) - all_saved))
-
-    # Gradients alive at backward's peak: from the second micro-batch on, all of them.
-    grads_bwd = grads_all if accumulation > 1 else none.grads_at_peak / shards
-    if on_host:
-        grads_bwd = 0.0
-
-    collective = 0.0
     gathered = 0.0
     if layout.sharded:
-        # Backward's peak is at its start (the loss's and the head's gradients, every
-        # activation alive): the root's parameters are still gathered, and every block's
-        # too unless they were resharded after forward. Blocks gathered later in backward
-        # meet fewer activations.
-        compute = facts.compute_bytes_per_param / facts.param_elem_bytes
         gathered = facts.root_param_bytes * compute
         if not layout.reshard_after_forward:
             gathered += facts.block_param_bytes * compute
-    elif world_size > 1:
-        collective = facts.grad_bytes  # DDP's buckets: a flat copy of every gradient
-
-    backward_parts = {
-        "parameters": params,
-        "optimizer": optimizer,
-        "gradients": grads_bwd,
-        "activations": backward_act,
-        "recompute": recompute,
-        "gathered_parameters": gathered,
-        "collective_buffers": collective,
-    }
-    optimizer_parts = {
-        "parameters": params,
-        "optimizer": optimizer,
-        "gradients": 0.0 if on_host else grads_all,
-        "optimizer_temporaries": opt_temps,
-        "collective_buffers": 0.0 if layout.sharded else collective,
-    }
-    moment, parts = max(
-        (("backward", backward_parts), ("optimizer", optimizer_parts)),
-        key=lambda mp: sum(mp[1].values()),
+    moments.append(
+        (
+            "backward",
+            {
+                "parameters": params,
+                "optimizer": optimizer,
+                "gradients": (held_grads if accumulation > 1 else 0.0) + root_grads,
+                "activations": head,
+                "gathered_parameters": gathered,
+                "collective_buffers": buckets,
+            },
+        )
     )
-    parts = dict(parts)
+
+    # Each block's backward segment, last block first.
+    blocks = list(facts.blocks)
+    saved_before = 0.0  # by checkpointed blocks before this one (still holding less)
+    saved_all_before = 0.0  # as if every block were checkpointed (the measured policy)
+    segments = []
+    for i, b in enumerate(blocks):
+        segments.append((i, b, saved_before, saved_all_before))
+        if b.name in ckpt:
+            saved_before += saved(b)
+        if policy != "none":
+            saved_all_before += saved(b)
+    for i, b, before, all_before in reversed(segments):
+        if not b.backward:
+            continue
+        activations = b.backward["none"].at(batch) - before
+        recompute = 0.0
+        if b.name in ckpt and policy in b.backward:
+            measured = b.backward[policy].at(batch)
+            recompute = max(0.0, measured - (b.backward["none"].at(batch) - all_before))
+        # The segment's measured peak holds this block's new gradients as they are computed
+        # (accumulated into gradients allocated beforehand), so only the others' are added:
+        # those of the blocks after it (whole under DDP, shards under FSDP; from the second
+        # micro-batch on, every block's) and the root's (its head's, computed first).
+        unit = b.param_bytes
+        later = sum(x.param_bytes for x in blocks[i + 1 :]) * grad_ratio
+        if layout.sharded:
+            done = held_grads if accumulation > 1 else later / shards
+            grads = root_grads + done
+            if layout.reshard_after_forward:
+                prev = blocks[i - 1].param_bytes if i > 0 else 0.0
+                gathered = (facts.root_param_bytes + unit + prev) * compute
+            else:
+                gathered = (
+                    facts.root_param_bytes + sum(x.param_bytes for x in blocks[: i + 1])
+                ) * compute
+            collective = unit * grad_ratio  # the reduce-scatter's input, a copy of the gradient
+        else:
+            grads = held_grads if accumulation > 1 else root_grads + later
+            gathered, collective = 0.0, buckets
+        moments.append(
+            (
+                "backward",
+                {
+                    "parameters": params,
+                    "optimizer": optimizer,
+                    "gradients": 0.0 if on_host else grads,
+                    "activations": activations,
+                    "recompute": recompute,
+                    "gathered_parameters": gathered,
+                    "collective_buffers": collective,
+                },
+            )
+        )
+
+    moments.append(
+        (
+            "optimizer",
+            {
+                "parameters": params,
+                "optimizer": optimizer,
+                "gradients": held_grads,
+                "optimizer_temporaries": opt_temps,
+                "collective_buffers": buckets,
+            },
+        )
+    )
+    moment, parts = max(moments, key=lambda mp: sum(mp[1].values()))
+    parts = {k: v for k, v in parts.items() if v}
     if calibration is not None:
         parts["calibration"] = calibration.residual_bytes
     return MemoryPrediction(

@@ -276,7 +276,7 @@ def test_checkpointing_and_accumulation_change_the_activations_and_gradients():
     assert named.parts["activations"] == half.parts["activations"]
     acc = predict(f, Layout(sharding="fsdp"), batch=64, accumulation=2, world_size=2)
     one = predict(f, Layout(sharding="fsdp"), batch=64, world_size=2)
-    assert acc.parts["gradients"] == 50 * MiB and one.parts["gradients"] == 0
+    assert acc.parts["gradients"] == 50 * MiB and one.parts.get("gradients", 0) == 0
     assert acc.peak_bytes - one.peak_bytes == pytest.approx(50 * MiB)
 
 
@@ -285,7 +285,7 @@ def test_offload_moves_shards_to_the_host_on_a_gpu_and_not_on_a_cpu():
     layout = Layout(sharding="fsdp", cpu_offload=True)
     gpu = predict(f, layout, batch=8, world_size=2, device_type="cuda")
     cpu = predict(f, layout, batch=8, world_size=2, device_type="cpu")
-    assert gpu.parts["optimizer"] == 0 and gpu.host_bytes == (50 + 100 + 50 + 25) * MiB
+    assert "optimizer" not in gpu.parts and gpu.host_bytes == (50 + 100 + 50 + 25) * MiB
     assert cpu.host_bytes == 0 and cpu.peak_bytes > gpu.peak_bytes
 
 

@@ -11,10 +11,16 @@
   does not look (FSDP's gathered parameters, DDP's start-up broadcast): such a block is
   dropped from the table when its address is handed out again. The allocator reuses the
   addresses of a step's buffers in the next step (measured: FSDP's per-step peaks on 2 gloo
-  ranks stay within one block's gathered size), but it owes us nothing: a block freed
-  elsewhere whose address is never reused stays counted, so a measured peak is an upper
-  bound. Frees of tensors that existed before the tracker started are not subtracted (it
-  never counted them).
+  ranks stay within one block's gathered size), but it owes us nothing: a large block
+  freed elsewhere is seldom handed out again (glibc serves the next one from another
+  place), so a session also restarts the total at every step boundary from a count of what
+  it holds (parameters or their shards, buffers, optimizer state, gradients, the gradient
+  strategy's buffers: DDP's buckets), which is exact there (FSDP has resharded every block).
+  A plugin's strategy that does not say what it holds (``GradSync.resident_bytes``) leaves
+  the total as it is. Within a step a measured peak is an upper bound
+  by what gloo freed unseen since the step began (at most a block's gathered parameters or
+  two, measured). Frees of tensors that existed before the tracker started are not
+  subtracted (it never counted them).
 
 Cost, measured on the 2-core development machine with the steps interleaved: about 4 ms per
 step on a toy transformer (a thousand small allocations), nothing measurable on a 90 ms CNN
@@ -28,7 +34,9 @@ the session's tracker; elsewhere it runs a tracker of its own.
 
 from __future__ import annotations
 
+import atexit
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +50,15 @@ _LOCAL = threading.local()
 def active_tracker() -> AllocationTracker | None:
     """The tracker running in this thread, if any."""
     return getattr(_LOCAL, "tracker", None)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A session never closed leaves its tracker on; the profiler must not outlive Python's
+    own teardown (Kineto crashes the exiting process when it does)."""
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.stop()
 
 
 @dataclass
@@ -61,7 +78,7 @@ class Window:
         """Stop following; the absolute peak in bytes."""
         if not self.closed:
             self.tracker._drain()
-            self.tracker._windows.remove(self)
+            self.tracker._windows[:] = [w for w in self.tracker._windows if w is not self]
             self.closed = True
         return self.peak_bytes
 
@@ -78,6 +95,11 @@ class AllocationTracker:
         self._on = False
         self._blocks: dict[int, int] = {}
         """CPU: address -> size of every block seen allocated and not yet freed."""
+        self._marks: dict[int, str] = {}
+        """CPU: marker size -> label of the segment it starts (see :meth:`mark`)."""
+        self._segment: tuple[str, Window] | None = None
+        self.segments: dict[str, int] = {}
+        """Per label given to :meth:`mark`: the peak of the segment it began (absolute bytes)."""
 
     # -- life -----------------------------------------------------------------------------
 
@@ -125,6 +147,51 @@ class AllocationTracker:
         self._drain()
         return self.running
 
+    def rebase(self, resident_bytes: int) -> None:
+        """Set the total to ``resident_bytes``, counted by the caller at a step boundary:
+        blocks freed unseen by another thread stop counting from here on."""
+        self._drain()
+        self.running = int(resident_bytes)
+
+    def mark(self, label: str) -> None:
+        """End the current segment and begin one called ``label``, without stopping the
+        profiler: usable inside an operation or an autograd hook, where a drain would cut
+        the profiler's records of the operation in two. CPU: a tiny marker tensor of a size
+        no model allocates (odd, above 64 KiB) is allocated and freed at once; the drain
+        that meets it in the stream ends the segment there. CUDA: a drain at once."""
+        if self.device.type == "cuda":
+            self._on_mark(label, None)
+            return
+        size = _MARKER_BYTES + 2 * len(self._marks) + 1
+        self._marks[size] = label
+        torch.empty(size, dtype=torch.uint8)
+
+    def end_segments(self) -> dict[str, int]:
+        """Close the last segment; the peaks of all of them (then forgotten)."""
+        self.mark("")
+        self._drain()
+        self._close_segment()
+        out, self.segments, self._marks = dict(self.segments), {}, {}
+        self.segments.pop("", None)
+        out.pop("", None)
+        return out
+
+    def _on_mark(self, label: str, running: int | None) -> None:
+        if running is None:
+            self._drain()
+            running = self.running
+        self._close_segment()
+        window = Window(self, running, running)
+        self._windows.append(window)
+        self._segment = (label, window)
+
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            label, window = self._segment
+            self._windows[:] = [w for w in self._windows if w is not window]
+            self.segments[label] = max(self.segments.get(label, 0), window.peak_bytes)
+            self._segment = None
+
     def open(self) -> Window:
         """Follow the peak from now on (until :meth:`Window.close`)."""
         self._drain()
@@ -146,16 +213,36 @@ class AllocationTracker:
         events = _profiler_off()
         if restart:
             _profiler_on()
-        self.running = account(self._blocks, self.running, events, self._windows)
+        self.running = account(
+            self._blocks, self.running, events, self._windows, self._marks, self._on_mark
+        )
+
+
+_MARKER_BYTES = 65_536 + 4_093
+"""Marker tensors (:meth:`AllocationTracker.mark`) are this many bytes plus an odd number."""
 
 
 def account(
-    blocks: dict[int, int], running: int, events: list[tuple[int, int]], windows: list[Window]
+    blocks: dict[int, int],
+    running: int,
+    events: list[tuple[int, int]],
+    windows: list[Window],
+    marks: dict[int, str] | None = None,
+    on_mark: Callable[[str, int], None] | None = None,
 ) -> int:
     """Apply ``(address, +size | -size)`` events to the table of live ``blocks``; return the
     new total and raise each window's peak. An address allocated again while the table holds
-    it was freed where the profiler did not look (another thread): the old block goes."""
+    it was freed where the profiler did not look (another thread): the old block goes. A
+    marker's allocation (its size in ``marks``) is not counted: it calls ``on_mark``."""
+    marker_at: set[int] = set()
     for ptr, nbytes in events:
+        if marks and nbytes in marks and on_mark is not None:
+            marker_at.add(ptr)
+            on_mark(marks.pop(nbytes), running)
+            continue
+        if nbytes < 0 and ptr in marker_at:
+            marker_at.discard(ptr)
+            continue
         if nbytes > 0:
             running += nbytes - blocks.get(ptr, 0)
             blocks[ptr] = nbytes
@@ -247,9 +334,19 @@ class MemoryCapExceeded(torch.OutOfMemoryError):
 class StepPeaks:
     """A session's per-step peak memory, checked against a cap (``--memory-cap``)."""
 
-    def __init__(self, device: torch.device, cap_bytes: int | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        cap_bytes: int | None = None,
+        resident: Callable[[], int | None] | None = None,
+    ):
         self.tracker: AllocationTracker | None = AllocationTracker(device)
         self.cap_bytes = cap_bytes
+        self.resident = resident
+        """Counts what the session holds between steps (None: it cannot). Gloo frees some
+        buffers in its own threads (FSDP's gathered parameters, DDP's start-up broadcast);
+        when their addresses are not handed out again (large blocks seldom are), the total
+        would keep them: each step is measured from this count instead (CPU)."""
         self._method = ""
         self.last: int | None = None
         """Peak of the last measured step, in bytes (absolute: what the rank held)."""
@@ -284,6 +381,10 @@ class StepPeaks:
     def open(self) -> Window | None:
         if not self.measuring or self.tracker is None:
             return None
+        if self.resident is not None and self.tracker.device.type == "cpu":
+            held = self.resident()
+            if held is not None:
+                self.tracker.rebase(held)
         return self.tracker.open()
 
     def close(self, window: Window | None, step: int) -> int | None:

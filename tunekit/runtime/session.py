@@ -90,7 +90,7 @@ class Session:
         self.device = device or torch.device("cpu")
         self.group = group
         self.backend = backend
-        self.memory = StepPeaks(self.device, memory_cap_bytes)
+        self.memory = StepPeaks(self.device, memory_cap_bytes, resident=self.resident_bytes)
         """Each step's peak memory on this rank (``StepRecord.metrics["peak_bytes"]``), checked
         against the cap; measured on CUDA always, on the CPU when asked or capped."""
         if track_memory or memory_cap_bytes is not None or self.device.type == "cuda":
@@ -226,28 +226,37 @@ class Session:
             self._checkpointing = BlockCheckpointing(self.model, chosen, layout.checkpointing)
         self.layout = layout
 
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        return [
+            v for state in self.optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]  # fmt: skip
+
+    def resident_bytes(self) -> int | None:
+        """Bytes this rank holds between steps: parameters (its shards), buffers, gradients
+        still alive, optimizer state and the gradient strategy's buffers; None when the
+        strategy does not say what it holds."""
+        sync = self._grad_sync
+        held = sync.resident_bytes() if sync is not None else None
+        if held is None:
+            return None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return int(
+            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads])
+            + storage_bytes(self._optimizer_state())
+            + held
+        )
+
     def memory_breakdown(self) -> dict[str, Any]:
         """What filled this rank's memory at its measured peak: what the rank holds between
         steps, counted (parameters or their shards, buffers, optimizer state), and the rest of
         the peak (activations, gradients, collective buffers, temporaries)."""
         from tunekit.memory import format_bytes
 
-        def nbytes(tensors) -> float:
-            seen: dict[int, int] = {}
-            for t in tensors:
-                local = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
-                seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-            return float(sum(seen.values()))
-
         peak = float(self.memory.max or 0)
         held = {
-            "parameters": nbytes(self.model.parameters()) + nbytes(self.model.buffers()),
-            "optimizer": nbytes(
-                v
-                for state in self.optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor)
-            ),
+            "parameters": storage_bytes([*self.model.parameters(), *self.model.buffers()]),
+            "optimizer": storage_bytes(self._optimizer_state()),
         }
         parts = {**held, "within_step": max(0.0, peak - sum(held.values()))}
         line = (
@@ -557,6 +566,15 @@ class Session:
         self.grad_sync.detach()
         self.data.close()
         self.memory.stop()
+
+
+def storage_bytes(tensors) -> float:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: this rank's shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return float(sum(seen.values()))
 
 
 def _set_base_lr(scheduler, group: int, lr: float) -> None:

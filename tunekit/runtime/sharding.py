@@ -231,3 +231,6 @@ class FSDPSync(GradSync):
 
     def accumulating(self):
         return contextlib.nullcontext()
+
+    def resident_bytes(self) -> float | None:
+        return 0.0  # between steps FSDP holds only the shards (the session counts them)

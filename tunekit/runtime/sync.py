@@ -121,6 +121,11 @@ class GradSync:
         """Communications since the last call (then forgotten)."""
         return []
 
+    def resident_bytes(self) -> float | None:
+        """Bytes this strategy holds between steps (its buffers), for the session's count of
+        what a rank holds; None (the default) when it does not say, and the count is not made."""
+        return None
+
 
 class HookedAccumulation:
     """``accumulating()`` for a strategy whose gradient hooks post communication: inside it,
@@ -142,6 +147,9 @@ class LocalSync(GradSync):
     """One rank: nothing to synchronise."""
 
     handles = ALL_FEATURES | {"checkpointed"}
+
+    def resident_bytes(self) -> float | None:
+        return 0.0
 
 
 def ddp_supports_bucket_list() -> bool:
@@ -260,6 +268,19 @@ class DDPSync(GradSync):
     def detach(self) -> None:
         # Dropping the wrapper frees its reducer, which removes its autograd hooks.
         self.ddp = None
+
+    def resident_bytes(self) -> float | None:
+        """DDP's buckets: one flat buffer the size of every gradient (the gradients are views
+        into it with ``gradient_as_bucket_view``, counted once then)."""
+        if self.ddp is None:
+            return 0.0
+        return float(
+            sum(
+                p.numel() * p.element_size()
+                for p in self.session.model.parameters()
+                if p.requires_grad
+            )
+        )
 
     def comm_records(self) -> list[CommRecord]:
         out, self._records = self._records, []

@@ -1,0 +1,247 @@
+"""The core memory model against measured peaks: per rank, over a corpus and a spread of layouts.
+
+    .venv/bin/python benchmarks/memory_model.py [--models cnn,gpt,gpt-small,hf-gpt2,resnet]
+        [--steps 3] [--device cpu|cuda] [--nproc 2] [--out benchmarks/results/memory_model]
+
+For each model of the corpus (example:cnn; example:gpt at two sizes, 14 M and 6.8 M
+parameters; example:hf-gpt2, a Hugging Face GPT-2; a ResNet-18), the facts the model needs
+are measured once on one process (``tunekit.observe.memory_facts``, as a study does), and
+every configuration of a spread runs for real on 2 ranks (gloo on the CPU, NCCL on GPUs):
+DDP and FSDP (resharding after forward or not, CPU offload), checkpointing (none, full,
+every 2nd block, selective) and the micro-batch (the job's, or half of it with 2
+accumulation steps at the same samples per step). The measured peak of a configuration is
+the largest per-step peak of any rank over ``--steps`` steps after one warm-up step
+(``Session.memory``: the CPU allocator's events, or CUDA's allocator).
+
+The prediction of every configuration is calibrated on the measured peak of the workload's
+own layout (what ``tunekit auto`` measures as its baseline), as ``Observation.predict_memory``
+does. Configurations run interleaved across models (configuration i of every model, then
+i + 1). Printed: per configuration predicted (raw and calibrated) against measured, and over
+all configurations but the calibration ones the median |error| and the worst
+under-prediction. Results go to OUT/memory_model.json and OUT/memory_model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TUNEKIT_REUSE_RANKS", "1")  # one start of the ranks for every run
+
+import torch  # noqa: E402
+
+from tunekit.layout import Layout  # noqa: E402
+from tunekit.memory import calibrate, format_bytes, predict  # noqa: E402
+from tunekit.testing import run_ranks  # noqa: E402
+from tunekit.workload import Workload, load_workload  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODELS = {
+    "cnn": "example:cnn",
+    "gpt": "example:gpt",
+    "gpt-small": "example:gpt-sharded",
+    "hf-gpt2": "example:hf-gpt2",
+    "resnet": f"{HERE / 'workloads.py'}:resnet",
+}
+FSDP = {"sharding": "fsdp"}
+CONFIGS: list[tuple[dict[str, Any], bool]] = [
+    # (layout fields, half micro-batch x 2 accumulation)
+    ({}, False),
+    ({"checkpointing": "full"}, False),
+    ({}, True),
+    ({"checkpointing": "full"}, True),
+    ({"checkpointing": "selective"}, False),
+    (FSDP, False),
+    ({**FSDP, "checkpointing": "full"}, False),
+    (FSDP, True),
+    ({**FSDP, "checkpointing": "full", "checkpoint_every": 2}, False),
+    ({**FSDP, "reshard_after_forward": False}, False),
+    ({**FSDP, "reshard_after_forward": False, "checkpointing": "full"}, False),
+    ({**FSDP, "cpu_offload": True}, False),
+    ({**FSDP, "checkpointing": "full"}, True),
+]
+
+
+def job(spec: str, batch: int, accumulation: int, layout: dict[str, Any]) -> Workload:
+    w = load_workload(spec)
+    fields = {**Layout().to_dict(), **layout}
+    fields["checkpoint_blocks"] = None
+    return replace(w, batch_size=batch, accumulation=accumulation, batch_range=None, **fields)
+
+
+def measure(
+    rank: int,
+    world: int,
+    spec: str,
+    batch: int,
+    accumulation: int,
+    layout: dict,
+    steps: int,
+    device: str,
+):
+    """One configuration on this rank: its largest per-step peak after a warm-up step."""
+    import torch.distributed as dist
+
+    from tunekit.runtime.session import Session
+
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    w = job(spec, batch, accumulation, layout)
+    s = Session(
+        w,
+        rank=rank,
+        world_size=world,
+        group=dist.group.WORLD,
+        device=dev,
+        track_memory=True,
+        layout=w.layout(),
+    )
+    peaks = [s.train_step().metrics["peak_bytes"] for _ in range(steps + 1)]
+    s.close()
+    return max(peaks[1:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="ranks (with CUDA: GPUs; one GPU runs FSDP on one rank)",
+    )
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "memory_model")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    torch.set_num_threads(1)
+    started = time.time()
+
+    from tunekit.observe.memory_facts import measure_memory_facts
+
+    facts, own = {}, {}
+    for name in list(names):
+        try:
+            w = load_workload(MODELS[name])
+            facts[name] = measure_memory_facts(w, torch.device(args.device))
+        except Exception as exc:  # e.g. another transformers: say so, measure the rest
+            print(f"{name}: left out ({type(exc).__name__}: {exc})", flush=True)
+            names.remove(name)
+            continue
+        own[name] = w
+        print(f"{name}: facts measured ({len(facts[name].blocks)} blocks)", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    runs = [(i, name) for i in range(len(CONFIGS) + 1) for name in names]  # interleaved
+    for i, name in runs:
+        w = own[name]
+        if i == 0:  # the workload's own layout: the calibration point
+            layout, half = w.layout().to_dict(), False
+        else:
+            layout, half = CONFIGS[i - 1]
+        acc = 2 if half else 1
+        batch = max(1, w.batch_size // acc)
+        peaks = run_ranks(
+            measure,
+            args.nproc,
+            args=(MODELS[name], batch, acc, layout, args.steps, args.device),
+            timeout_s=900,
+        )
+        rows.append(
+            {
+                "model": name,
+                "calibration": i == 0,
+                "layout": Layout().with_changes(layout).describe(),
+                "layout_fields": layout,
+                "batch": batch,
+                "accumulation": acc,
+                "measured": max(peaks),
+            }
+        )
+        print(
+            f"{name:10s} {rows[-1]['layout']}, batch {batch} x {acc}: {format_bytes(max(peaks))}",
+            flush=True,
+        )
+
+    for name in names:
+        base = next(r for r in rows if r["model"] == name and r["calibration"])
+        w = own[name]
+        cal = calibrate(
+            facts[name],
+            w.layout(),
+            base["measured"],
+            batch=w.batch_size,
+            world_size=2,
+            device_type=args.device,
+        )
+        for r in rows:
+            if r["model"] != name:
+                continue
+            lay = Layout().with_changes(r["layout_fields"])
+            kw = dict(
+                batch=r["batch"],
+                accumulation=r["accumulation"],
+                world_size=2,
+                device_type=args.device,
+            )
+            raw = predict(facts[name], lay, **kw)
+            calibrated = predict(facts[name], lay, calibration=cal, **kw)
+            r.update(
+                raw=raw.peak_bytes,
+                predicted=calibrated.peak_bytes,
+                error=(calibrated.peak_bytes - r["measured"]) / r["measured"],
+                raw_error=(raw.peak_bytes - r["measured"]) / r["measured"],
+                moment=calibrated.moment,
+                parts=dict(calibrated.parts),
+            )
+
+    scored = [r for r in rows if not r["calibration"]]
+    summary = {
+        "configurations": len(scored),
+        "median_abs_error": statistics.median(abs(r["error"]) for r in scored),
+        "worst_under_prediction": min(r["error"] for r in scored),
+        "median_abs_error_raw": statistics.median(abs(r["raw_error"]) for r in rows),
+        "worst_under_prediction_raw": min(r["raw_error"] for r in rows),
+        "device": args.device,
+        "nproc": args.nproc,
+        "wall_s": time.time() - started,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory_model.json").write_text(
+        json.dumps({"summary": summary, "rows": rows}, indent=2)
+    )
+    lines = [
+        "| model | layout | batch x acc | measured | predicted (raw) | predicted (calibrated) | error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        mark = " (calibration)" if r["calibration"] else ""
+        lines.append(
+            f"| {r['model']} | {r['layout']}{mark} | {r['batch']} x {r['accumulation']} | "
+            f"{format_bytes(r['measured'])} | {format_bytes(r['raw'])} | "
+            f"{format_bytes(r['predicted'])} | {r['error']:+.1%} |"
+        )
+    lines += [
+        "",
+        f"{summary['configurations']} configurations besides the calibration ones: median |error| "
+        f"{summary['median_abs_error']:.1%}, worst under-prediction "
+        f"{summary['worst_under_prediction']:+.1%} (raw model, every configuration: "
+        f"{summary['median_abs_error_raw']:.1%}, {summary['worst_under_prediction_raw']:+.1%}); "
+        f"{args.nproc} rank(s) on {args.device}, {summary['wall_s']:.0f} s.",
+    ]
+    (args.out / "memory_model.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
