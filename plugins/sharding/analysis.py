@@ -10,7 +10,13 @@ from typing import Any
 from tunekit.api import Observation, format_bytes
 from tunekit.plugins.sharding.calibrated import CalibratedModel, Prediction, calibrate_job
 from tunekit.plugins.sharding.model import Setting
-from tunekit.plugins.sharding.search import Proposal, propose, space
+from tunekit.plugins.sharding.search import (
+    Proposal,
+    combined,
+    larger_batches,
+    propose,
+    space,
+)
 
 
 @dataclass(frozen=True)
@@ -99,14 +105,21 @@ def analyse(obs: Observation, limit: int = 8) -> Analysis:
     settings = space(model.base, obs.nproc, obs.device_type, bool(obs.blocks))
     predictions = [base if s == model.base else model.predict(s) for s in settings]
     bound = memory_bound(obs)
-    analysis = Analysis(
-        model,
-        base,
-        predictions,
-        bound,
-        obs.baseline_peak_bytes,
-        propose(predictions, base, bound.bytes, limit),
-    )
+    proposals = propose(predictions, base, bound.bytes, limit)
+    # Memory this tuner frees may let the batch tuner's larger batch fit: planned as one.
+    w = obs.workload
+    larger = {
+        b: [
+            model.predict(s)
+            for s in space(
+                model.base, obs.nproc, obs.device_type, bool(obs.blocks), b * w.accumulation
+            )
+        ]
+        for b in larger_batches(w.batch_size, w.batch_range)
+    }
+    together = combined(larger, proposals[0] if proposals else None, base, bound.bytes)
+    proposals = (proposals[:1] + together[:2] + proposals[1:])[:limit]
+    analysis = Analysis(model, base, predictions, bound, obs.baseline_peak_bytes, proposals)
     analysis.levers = levers(analysis, obs)
     return analysis
 

@@ -29,6 +29,10 @@ from tunekit.plugins.sharding.search import (
     search_in_job,
 )
 
+BATCH_TUNER = "batch_ps_sizing"
+"""The tuner whose larger batch a layout may let fit (named, never imported: a combined
+candidate is dropped where it is not in use)."""
+
 
 class Sharding(Tuner):
     name = "sharding"
@@ -213,9 +217,20 @@ def _candidate(a: Analysis, proposal: Proposal) -> Candidate:
         details["variants"] = [v.to_dict() for v in proposal.variants]
     memory = p.memory
     fill = memory.describe(limit=2).split(": ", 1)[-1] if memory is not None else ""
+    combined_with: dict[str, dict[str, Any]] = {}
+    global_batch = None
+    change = f"{p.step_s / a.base.step_s - 1:+.0%}"
+    if proposal.batch is not None:  # a larger batch that this layout lets fit
+        combined_with = {BATCH_TUNER: {"batch_size": proposal.batch}}
+        global_batch = p.setting.samples * a.model.model.world_size
+        change = (
+            f"{a.base.step_s / a.base.setting.samples / proposal.per_sample_s - 1:+.0%} samples/s "
+            f"at batch {proposal.batch}/rank ({BATCH_TUNER}: the learning rate follows the "
+            "workload's rule)"
+        )
     rationale = (
         f"{p.setting.describe()}: predicted {_ms(p.step_s)} per step "
-        f"({p.step_s / a.base.step_s - 1:+.0%} vs the measured {_ms(a.base.step_s)}), "
+        f"({change} vs the measured {_ms(a.base.step_s)}), "
         f"peak {format_bytes(p.peak_bytes)} per rank of {_short(a.bound.source)} "
         f"{format_bytes(a.bound.bytes)} ({fill})"
         + (
@@ -231,6 +246,8 @@ def _candidate(a: Analysis, proposal: Proposal) -> Candidate:
         details=details,
         predicted_range_s=p.range_s,
         predicted_peak_bytes=p.peak_bytes,
+        global_batch=global_batch,
+        combined_with=combined_with,
         search=search,
     )
 

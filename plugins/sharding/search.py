@@ -58,8 +58,12 @@ MOST_MICRO_BATCHES = 8
 # -- the space ------------------------------------------------------------------------------
 
 
-def space(base: Setting, world_size: int, device_type: str, has_blocks: bool) -> list[Setting]:
-    """Every setting the plan predicts, the baseline's own included."""
+def space(
+    base: Setting, world_size: int, device_type: str, has_blocks: bool, samples: int | None = None
+) -> list[Setting]:
+    """Every setting the plan predicts, the baseline's own included; with ``samples``, the
+    same layouts and splits at that many samples per rank and step (a larger batch)."""
+    samples = samples or base.samples
     from tunekit.plugins.sharding.measure import split_counts
 
     builds: list[dict[str, Any]] = [{"sharding": "ddp", "cpu_offload": False}]
@@ -81,16 +85,26 @@ def space(base: Setting, world_size: int, device_type: str, has_blocks: bool) ->
     for build in builds:
         for ckpt in checkpoints:
             layout = base.layout.with_changes({**build, **ckpt})
-            for m in split_counts(base.samples, MOST_MICRO_BATCHES):
-                out.append(Setting(layout, m, base.samples))
-    if base not in out:
+            for m in split_counts(samples, MOST_MICRO_BATCHES):
+                out.append(Setting(layout, m, samples))
+    if samples == base.samples and base not in out:
         out.append(base)
     return out
 
 
+def larger_batches(batch: int, batch_range: tuple[int, int] | None) -> list[int]:
+    """Per-rank batches the batch tuner could take that memory freed here might let fit:
+    twice and four times the job's, inside its ``batch_range``."""
+    if batch_range is None:
+        return []
+    return [b for b in (2 * batch, 4 * batch) if batch_range[0] <= b <= batch_range[1]]
+
+
 def margin(s: Setting, base: Setting) -> float:
-    """The share of the bound a setting's predicted peak must leave free."""
-    return MARGIN + (SPLIT_MARGIN if s.micro_batches != base.micro_batches else 0.0)
+    """The share of the bound a setting's predicted peak must leave free: more where the
+    model extrapolates (other micro-batches than the measured baseline's)."""
+    same = (s.micro_batches, s.micro_batch) == (base.micro_batches, base.micro_batch)
+    return MARGIN + (0.0 if same else SPLIT_MARGIN)
 
 
 def fits(p: Prediction, bound: float, base: Setting) -> bool:
@@ -107,6 +121,12 @@ class Proposal:
 
     prediction: Prediction
     variants: tuple[Prediction, ...] = ()
+    batch: int | None = None
+    """A larger per-rank batch this layout lets fit (planned with the batch tuner's knob)."""
+
+    @property
+    def per_sample_s(self) -> float:
+        return self.prediction.step_s / self.prediction.setting.samples
 
 
 def propose(
@@ -144,6 +164,28 @@ def propose(
     taken = {id(x.prediction) for x in out} | {id(v) for v in variants}
     out += [Proposal(p) for p in worth if id(p) not in taken]
     return out[:limit]
+
+
+def combined(
+    larger: dict[int, Sequence[Prediction]],
+    against: Proposal | None,
+    base: Prediction,
+    bound: float,
+) -> list[Proposal]:
+    """For each larger batch (per-rank batch -> its settings, predicted), the setting that
+    fits and takes the least time per sample, when it beats ``against`` (the plan's best at
+    the job's batch, else the baseline) per sample by :data:`MIN_GAIN`."""
+    bar = against.per_sample_s if against is not None else base.step_s / base.setting.samples
+    out = []
+    for batch, predictions in sorted(larger.items()):
+        fitting = [p for p in predictions if fits(p, bound, base.setting)]
+        if not fitting:
+            continue
+        best = min(fitting, key=lambda p: p.step_s / p.setting.samples)
+        proposal = Proposal(best, batch=batch)
+        if proposal.per_sample_s < bar * (1 - MIN_GAIN):
+            out.append(proposal)
+    return sorted(out, key=lambda p: p.per_sample_s)
 
 
 # -- the variants an in-job search tries ----------------------------------------------------

@@ -83,8 +83,11 @@ def observation(
     per_sample_s: float = 0.01,
     optimizer_s: float = 0.02,
     nproc: int = 2,
+    batch_range: tuple[int, int] | None = None,
 ) -> Observation:
     workload, graph, summary, facts, blocks = _static(kind)
+    if batch_range is not None:
+        workload = replace(workload, batch_range=batch_range)
     fit = CollectiveFit("gloo", "all_reduce", nproc, latency=1e-4, bandwidth=bandwidth)
     hardware = replace(tiny_hardware(nproc), collectives=(fit,))
     cap = int(cap_mib * MiB) if cap_mib else None

@@ -172,3 +172,46 @@ def test_the_recorded_memory_facts_are_of_this_model():
     model = gpt_ddp().model()
     assert facts.param_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert [b.name for b in facts.blocks] == [f"blocks.{i}" for i in range(4)]
+
+
+def test_memory_freed_lets_the_batch_tuners_larger_batch_fit_planned_as_one():
+    from tunekit.planning import candidate_config
+
+    obs = observation("sharded", cap_mib=120, batch_range=(1, 64))
+    tuner = Sharding()
+    tuner.diagnose(obs)
+    candidates = tuner.plan(obs, 8)
+    together = [c for c in candidates if c.combined_with]
+    assert together, [c.rationale for c in candidates]
+    c = together[0]
+    batch = c.combined_with["batch_ps_sizing"]["batch_size"]
+    assert batch in (32, 64)
+    assert c.global_batch == batch * obs.nproc
+    assert c.predicted_peak_bytes <= 120 * MiB
+    tuners = {"sharding": tuner, "batch_ps_sizing": BatchPsSizing()}
+    config = candidate_config(tuner, c, tuners)
+    assert config.plugins["batch_ps_sizing"]["batch_size"] == batch
+    # Per sample it beats the plan's best at the job's own batch.
+    first = candidates[0]
+    assert c.predicted_step_s / batch < first.predicted_step_s / obs.workload.batch_size
+    # Without a batch range the job's batch may not change: nothing is combined.
+    plain = Sharding()
+    obs = observation("sharded", cap_mib=120)
+    plain.diagnose(obs)
+    assert not any(c.combined_with for c in plain.plan(obs, 8))
+
+
+def test_a_combined_candidate_is_dropped_where_its_partner_is_not_in_use():
+    import asyncio
+
+    from tunekit.planning import InProcessHooks, TunerPlanned, diagnose_and_plan
+
+    obs = observation("sharded", cap_mib=120, batch_range=(1, 64))
+    tuners = {"sharding": Sharding()}
+
+    async def steps():
+        return [s async for s in diagnose_and_plan(tuners, InProcessHooks(tuners, obs), 8)]
+
+    planned = [s for s in asyncio.run(steps()) if isinstance(s, TunerPlanned)][0]
+    assert planned.candidates and not any(c.combined_with for c in planned.candidates)
+    assert all(list(cfg.plugins) == ["sharding"] for cfg in planned.configs)
