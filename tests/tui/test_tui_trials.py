@@ -35,16 +35,18 @@ async def test_a_tuning_started_from_the_tuners_screen_fills_the_trials_screen(
             ["2", "candidate"],
             ["3", "baseline"],
         ]
-        # raw prediction, corrected by earlier trials, measured, samples/s, both errors, status
-        assert table[1][3:9] == [
+        # raw prediction, corrected by earlier trials, measured, samples/s, both errors,
+        # peak memory per rank (predicted -> measured; none here), status
+        assert table[1][3:10] == [
             "201.0 ms",
             "207.0 ms",
             "209.0 ms ± 10.0 ms",
             "306.2",
             "4% → 1%",
+            "—",
             "ok",
         ]
-        assert table[2][8] == "crash" and "out of memory" in table[2][9]
+        assert table[2][9] == "crash" and "out of memory" in table[2][10]
         assert any(n.title == "trial failed" and "out of memory" in n.message for n in app.notes)
         assert any("cgdp" in n.message for n in app.notes)  # its diagnosis failed: a notification
         plot = screen.query_one(PredictedVsMeasured)
