@@ -4,7 +4,8 @@ What comes from where:
 
 * per-sample forward and backward time of each block and of the root, from the layer
   profile (its layers mapped to the blocks they run in), scaled so that their sum is the
-  per-sample slope of the step line timed here (:mod:`.measure`); selective
+  per-sample slope of the step line timed here (:mod:`.measure`), and what FSDP adds to a
+  pass (timed here on one rank); selective
   checkpointing's recomputation is a block's forward time outside its matrix
   multiplications and convolutions;
 * parameter bytes per FSDP unit, from the core memory facts (``obs.memory``);
@@ -34,7 +35,7 @@ from tunekit.api import (
     Observation,
     StepTruth,
 )
-from tunekit.plugins.sharding.measure import PassLine, pass_line
+from tunekit.plugins.sharding.measure import PassLine, fsdp_overhead, pass_line
 from tunekit.plugins.sharding.model import PARTS, Collectives, Setting, StepModel, Unit, Wire
 
 SAVED_KINDS = frozenset({"linear", "conv"})
@@ -154,6 +155,13 @@ def calibrate_job(obs: Observation) -> CalibratedModel:
     if line is None:
         notes.append("the step could not be timed here: per-pass cost taken as 0")
     units = _units(obs, line)
+    overhead = (0.0, 0.0)
+    if obs.nproc > 1:
+        try:
+            found = fsdp_overhead(obs)
+            overhead = (found["reshard"], found["keep"])
+        except Exception as exc:  # the job cannot be sharded here: its trials will say why
+            notes.append(f"FSDP's own compute could not be timed ({type(exc).__name__}: {exc})")
     model = StepModel(
         root=units[0],
         blocks=tuple(units[1:]),
@@ -163,6 +171,7 @@ def calibrate_job(obs: Observation) -> CalibratedModel:
         gather_ratio=_gather_ratio(obs),
         collectives=_collectives(obs, None),
         device_type=obs.device_type,
+        fsdp_pass_s=overhead,
     )
     truth = obs.truth
     factor = 1.0

@@ -6,6 +6,12 @@ intercept and the slope of the step's compute time against the micro-batch, time
 a fresh copy of the model (one process, no collectives) with a trial rank's threads, the
 micro-batches interleaved (``tunekit.api.time_steps``). The optimizer part of the same
 steps is the unsharded optimizer's time.
+
+FSDP costs compute too, beside its collectives: each unit's shards are copied into the
+all-gather's buffer and out of it into parameters, gradients into the reduce-scatter's,
+and every hook and DTensor adds Python. That is timed here as well: the job's step on a
+one-rank process group (``single_rank_group``), sharded with and without resharding after
+forward, against the plain model, in alternating rounds (:func:`fsdp_overhead`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tunekit.api import Observation, intra_op_threads, time_steps
+from tunekit.api import (
+    Layout,
+    Observation,
+    Session,
+    intra_op_threads,
+    single_rank_group,
+    time_steps,
+)
 
 BUDGET_S = 20.0
 """Seconds the timing may take (the first micro-batches are always timed)."""
@@ -120,3 +133,45 @@ def fit_line(compute: dict[int, float], optimizer_s: float, threads: int) -> Pas
         top = xs[-1]
         slope, intercept = compute[top] / top, 0.0
     return PassLine(intercept, slope, optimizer_s, tuple(xs), threads)
+
+
+FSDP_ROUNDS = 2
+FSDP_STEPS = 3
+
+
+def fsdp_overhead(obs: Observation) -> dict[str, float]:
+    """Seconds FSDP adds to one forward/backward pass of the job's batch on a rank, beside its
+    collectives: ``{"reshard": ..., "keep": ...}`` (resharded after forward or not), timed
+    on one rank (module docstring) and cached in the study."""
+    key = fsdp_overhead_key(obs)
+
+    def measure() -> dict[str, float]:
+        layouts = {
+            "plain": Layout(),
+            "reshard": Layout(sharding="fsdp", reshard_after_forward=True),
+            "keep": Layout(sharding="fsdp", reshard_after_forward=False),
+        }
+        device = torch.device("cuda" if obs.device_type == "cuda" else "cpu")
+        times: dict[str, list[float]] = {k: [] for k in layouts}
+        with intra_op_threads(rank_threads(obs)), single_rank_group():
+            for _ in range(FSDP_ROUNDS):  # alternating, so a change of load touches all alike
+                for name, layout in layouts.items():
+                    session = Session(
+                        obs.workload, rank=0, world_size=1, device=device, layout=layout
+                    )
+                    try:
+                        session.train_step()  # warm-up: optimizer state, allocator
+                        times[name] += [session.train_step().step_s for _ in range(FSDP_STEPS)]
+                    finally:
+                        session.close()
+        plain = statistics.median(times["plain"])
+        passes = max(1, obs.workload.accumulation)
+        return {
+            k: max(0.0, statistics.median(times[k]) - plain) / passes for k in ("reshard", "keep")
+        }
+
+    return obs.cached(key, measure)
+
+
+def fsdp_overhead_key(obs: Observation) -> str:
+    return f"sharding:fsdp-overhead:v1:{obs.workload_spec}:{obs.device_type}:{rank_threads(obs)}t"

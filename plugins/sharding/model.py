@@ -9,7 +9,8 @@ Parts of a step on one rank (seconds):
 
 * ``compute`` — forward and backward of every sample (per-sample times from the layer
   profile, scaled to the measured step line), a fixed cost per forward/backward pass
-  (``per_pass_s``: launches, Python, the loss), and the recomputation of checkpointed
+  (``per_pass_s``: launches, Python, the loss; under FSDP also its copies into and out of
+  the collectives' buffers and its hooks, ``fsdp_pass_s``), and the recomputation of checkpointed
   blocks in backward: a fully checkpointed block runs its forward again, a selectively
   checkpointed one only its cheap operations (everything but matrix multiplications).
 * ``comm_total`` / ``comm_exposed`` — DDP: one all-reduce of every gradient per step,
@@ -143,6 +144,9 @@ class StepModel:
     """DDP's gradient bucket (its default, 25 MiB): the last one cannot overlap backward."""
     host_optimizer_slowdown: float = 8.0
     """How much slower the optimizer runs on the host under CPU offload (assumed)."""
+    fsdp_pass_s: tuple[float, float] = (0.0, 0.0)
+    """What FSDP adds to a pass's compute (copies into and out of the collectives' buffers,
+    hooks), resharded after forward and not (timed on one rank)."""
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -167,7 +171,10 @@ class StepModel:
     def compute_s(self, s: Setting) -> float:
         per_sample = sum(u.forward_s + u.backward_s for u in (self.root, *self.blocks))
         recompute = sum(self.recompute_per_sample(s.layout).values())
-        return s.micro_batches * self.per_pass_s + s.samples * (per_sample + recompute)
+        per_pass = self.per_pass_s
+        if s.layout.sharded:
+            per_pass += self.fsdp_pass_s[0 if s.layout.reshard_after_forward else 1]
+        return s.micro_batches * per_pass + s.samples * (per_sample + recompute)
 
     def _sharded(self, layout: Layout) -> bool:
         return layout.sharded and self.world_size > 1

@@ -25,7 +25,7 @@ from tunekit.api import (
 )
 from tunekit.hardware import CollectiveFit
 from tunekit.observe.layer_profile import LayerProfile, LayerTiming
-from tunekit.plugins.sharding.measure import PassLine, pass_line_key
+from tunekit.plugins.sharding.measure import PassLine, fsdp_overhead_key, pass_line_key
 from tunekit.plugins.sharding.tests.workloads_sharding import gpt_ddp, gpt_sharded
 from tunekit.testing import MemoryCache, synthetic_breakdown, tiny_hardware
 
@@ -83,6 +83,7 @@ def observation(
     per_sample_s: float = 0.01,
     optimizer_s: float = 0.02,
     nproc: int = 2,
+    fsdp_pass_s: float = 0.004,
     batch_range: tuple[int, int] | None = None,
 ) -> Observation:
     workload, graph, summary, facts, blocks = _static(kind)
@@ -120,4 +121,5 @@ def observation(
     line = PassLine(per_pass_s, per_sample_s, optimizer_s, (4, 8, 16), 1)
     samples = workload.batch_size * workload.accumulation
     obs.cache.put(pass_line_key(obs, samples), line.to_dict())
+    obs.cache.put(fsdp_overhead_key(obs), {"reshard": fsdp_pass_s, "keep": fsdp_pass_s / 2})
     return obs

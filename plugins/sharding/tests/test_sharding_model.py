@@ -116,3 +116,11 @@ def test_pipelines_expose_what_the_compute_before_cannot_cover():
         0.2 + 0.4 + 0.0 + (0.3 - 0.1) + 0.0
     )
     assert backward_exposed([], [], []) == 0.0
+
+
+def test_fsdp_adds_its_own_compute_per_pass():
+    m = StepModel(**{**model().__dict__, "fsdp_pass_s": (0.003, 0.001)})
+    plain = m.compute_s(setting(2))
+    assert m.compute_s(setting(2, sharding="fsdp")) - plain == pytest.approx(2 * 0.003)
+    kept = m.compute_s(setting(2, sharding="fsdp", reshard_after_forward=False))
+    assert kept - plain == pytest.approx(2 * 0.001)

@@ -113,3 +113,16 @@ def test_the_tuner_honours_the_contract():
     )
     assert report.diagnosis.applies
     assert report.search is not None
+
+
+def test_fsdps_own_compute_is_timed_on_one_rank_and_kept_in_the_study():
+    from dataclasses import replace
+
+    from tunekit.plugins.sharding.measure import fsdp_overhead, fsdp_overhead_key
+
+    obs = observation("ddp")
+    obs.workload = replace(gpt_tiny())  # the same kind of model, steps of milliseconds
+    obs.cache.data.pop(fsdp_overhead_key(obs), None)
+    found = fsdp_overhead(obs)
+    assert set(found) == {"reshard", "keep"} and min(found.values()) >= 0
+    assert obs.cache.get(fsdp_overhead_key(obs)) == found
