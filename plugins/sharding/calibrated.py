@@ -172,6 +172,7 @@ def calibrate_job(obs: Observation) -> CalibratedModel:
         collectives=_collectives(obs, None),
         device_type=obs.device_type,
         fsdp_pass_s=overhead,
+        pass_times=line.measured if line is not None else (),
     )
     truth = obs.truth
     factor = 1.0

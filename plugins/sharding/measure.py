@@ -37,7 +37,8 @@ BUDGET_S = 20.0
 
 @dataclass(frozen=True)
 class PassLine:
-    """``compute(micro_batch) = per_pass_s + per_sample_s * micro_batch`` on one process."""
+    """``compute(micro_batch) = per_pass_s + per_sample_s * micro_batch`` on one process,
+    and the medians it was fitted through (a split into a timed micro-batch uses its own)."""
 
     per_pass_s: float
     per_sample_s: float
@@ -45,6 +46,8 @@ class PassLine:
     batches: tuple[int, ...]
     """The micro-batches timed."""
     threads: int
+    measured: tuple[tuple[int, float], ...] = ()
+    """``(micro_batch, seconds)``: forward and backward of one pass, as timed."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +60,7 @@ class PassLine:
             float(d["optimizer_s"]),
             tuple(int(b) for b in d["batches"]),
             int(d["threads"]),
+            tuple((int(b), float(t)) for b, t in d.get("measured", ())),
         )
 
 
@@ -113,7 +117,7 @@ def pass_line(obs: Observation, samples: int) -> PassLine | None:
 def pass_line_key(obs: Observation, samples: int) -> str:
     """Where the study keeps the pass line of ``obs``'s job split from ``samples``."""
     return (
-        f"sharding:passes:v1:{obs.workload_spec}:{obs.device_type}:"
+        f"sharding:passes:v2:{obs.workload_spec}:{obs.device_type}:"
         f"{micro_batch_sizes(samples)}:{rank_threads(obs)}t"
     )
 
@@ -122,8 +126,9 @@ def fit_line(compute: dict[int, float], optimizer_s: float, threads: int) -> Pas
     """Least squares through ``{micro_batch: seconds}``; the intercept is at least 0 and the
     slope positive (one point: a line through the origin)."""
     xs = sorted(compute)
+    measured = tuple((x, compute[x]) for x in xs)
     if len(xs) == 1:
-        return PassLine(0.0, compute[xs[0]] / xs[0], optimizer_s, tuple(xs), threads)
+        return PassLine(0.0, compute[xs[0]] / xs[0], optimizer_s, tuple(xs), threads, measured)
     mx = statistics.fmean(xs)
     my = statistics.fmean(compute[x] for x in xs)
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -132,10 +137,10 @@ def fit_line(compute: dict[int, float], optimizer_s: float, threads: int) -> Pas
     if slope <= 0 or intercept < 0:  # noise: the largest batch's time per sample, no fixed cost
         top = xs[-1]
         slope, intercept = compute[top] / top, 0.0
-    return PassLine(intercept, slope, optimizer_s, tuple(xs), threads)
+    return PassLine(intercept, slope, optimizer_s, tuple(xs), threads, measured)
 
 
-FSDP_ROUNDS = 2
+FSDP_ROUNDS = 3
 FSDP_STEPS = 3
 
 
@@ -164,14 +169,14 @@ def fsdp_overhead(obs: Observation) -> dict[str, float]:
                         times[name] += [session.train_step().step_s for _ in range(FSDP_STEPS)]
                     finally:
                         session.close()
-        plain = statistics.median(times["plain"])
+        # The fastest step of each: neighbours only ever add time, and a difference of two
+        # noisy medians is mostly their noise.
+        plain = min(times["plain"])
         passes = max(1, obs.workload.accumulation)
-        return {
-            k: max(0.0, statistics.median(times[k]) - plain) / passes for k in ("reshard", "keep")
-        }
+        return {k: max(0.0, min(times[k]) - plain) / passes for k in ("reshard", "keep")}
 
     return obs.cached(key, measure)
 
 
 def fsdp_overhead_key(obs: Observation) -> str:
-    return f"sharding:fsdp-overhead:v1:{obs.workload_spec}:{obs.device_type}:{rank_threads(obs)}t"
+    return f"sharding:fsdp-overhead:v2:{obs.workload_spec}:{obs.device_type}:{rank_threads(obs)}t"

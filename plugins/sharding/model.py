@@ -7,8 +7,9 @@ to that baseline, part by part.
 
 Parts of a step on one rank (seconds):
 
-* ``compute`` — forward and backward of every sample (per-sample times from the layer
-  profile, scaled to the measured step line), a fixed cost per forward/backward pass
+* ``compute`` — one pass per micro-batch: as timed at that micro-batch where it was
+  (``pass_times``), else forward and backward of every sample (per-sample times from the
+  layer profile, scaled to the measured step line) and a fixed cost per pass
   (``per_pass_s``: launches, Python, the loss; under FSDP also its copies into and out of
   the collectives' buffers and its hooks, ``fsdp_pass_s``), and the recomputation of checkpointed
   blocks in backward: a fully checkpointed block runs its forward again, a selectively
@@ -144,6 +145,9 @@ class StepModel:
     """DDP's gradient bucket (its default, 25 MiB): the last one cannot overlap backward."""
     host_optimizer_slowdown: float = 8.0
     """How much slower the optimizer runs on the host under CPU offload (assumed)."""
+    pass_times: tuple[tuple[int, float], ...] = ()
+    """``(micro_batch, seconds)``: forward and backward of one pass of that many samples, as
+    timed (a split into one of these uses it instead of the per-sample sum)."""
     fsdp_pass_s: tuple[float, float] = (0.0, 0.0)
     """What FSDP adds to a pass's compute (copies into and out of the collectives' buffers,
     hooks), resharded after forward and not (timed on one rank)."""
@@ -171,10 +175,15 @@ class StepModel:
     def compute_s(self, s: Setting) -> float:
         per_sample = sum(u.forward_s + u.backward_s for u in (self.root, *self.blocks))
         recompute = sum(self.recompute_per_sample(s.layout).values())
-        per_pass = self.per_pass_s
+        fsdp = 0.0
         if s.layout.sharded:
-            per_pass += self.fsdp_pass_s[0 if s.layout.reshard_after_forward else 1]
-        return s.micro_batches * per_pass + s.samples * (per_sample + recompute)
+            fsdp = self.fsdp_pass_s[0 if s.layout.reshard_after_forward else 1]
+        timed = dict(self.pass_times)
+        if s.micro_batch in timed:
+            one_pass = timed[s.micro_batch]
+        else:
+            one_pass = self.per_pass_s + s.micro_batch * per_sample
+        return s.micro_batches * (one_pass + fsdp) + s.samples * recompute
 
     def _sharded(self, layout: Layout) -> bool:
         return layout.sharded and self.world_size > 1

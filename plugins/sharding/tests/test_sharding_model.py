@@ -124,3 +124,11 @@ def test_fsdp_adds_its_own_compute_per_pass():
     assert m.compute_s(setting(2, sharding="fsdp")) - plain == pytest.approx(2 * 0.003)
     kept = m.compute_s(setting(2, sharding="fsdp", reshard_after_forward=False))
     assert kept - plain == pytest.approx(2 * 0.001)
+
+
+def test_a_split_into_a_timed_micro_batch_costs_its_timed_pass():
+    m = StepModel(**{**model().__dict__, "pass_times": ((4, 0.05), (16, 0.3))})
+    assert m.compute_s(setting(4)) == pytest.approx(4 * 0.05)  # 4 passes of 4, as timed
+    assert m.compute_s(setting(1)) == pytest.approx(0.3)
+    untimed = m.compute_s(setting(2))  # 8 samples a pass: the line
+    assert untimed == pytest.approx(2 * (0.01 + 8 * (1.5e-3 + 4 * 3e-3)))
