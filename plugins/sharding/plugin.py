@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tunekit.api import Observation, Session, format_bytes
+from tunekit.api import PART_WORDS, Observation, Session, format_bytes
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugins.sharding.analysis import Analysis, analyse
 from tunekit.plugins.sharding.knobs import declare, knobs_of, layout_changes
@@ -29,6 +29,12 @@ from tunekit.plugins.sharding.search import (
     search_in_job,
 )
 
+STEP_WORDS = {
+    "compute": "compute (with recomputation)",
+    "comm_exposed": "exposed communication",
+    "optimizer": "optimizer",
+    "other": "data loading and idle (as measured)",
+}
 BATCH_TUNER = "batch_ps_sizing"
 """The tuner whose larger batch a layout may let fit (named, never imported: a combined
 candidate is dropped where it is not in use)."""
@@ -87,7 +93,7 @@ class Sharding(Tuner):
             verdict = (
                 f"fastest that fits: {best.setting.describe()}, predicted "
                 f"{_ms(best.step_s)} per step ({_ms(best.range_s[0])}-{_ms(best.range_s[1])}), "
-                f"{gain:.0%} faster than the measured {_ms(a.base.step_s)}, peaking at "
+                f"{gain:.0%} faster than the {_baseline_word(a)} {_ms(a.base.step_s)}, peaking at "
                 f"{format_bytes(best.peak_bytes)}"
             )
         over = sum(1 for p in a.predictions if p.peak_bytes and p.peak_bytes > bound.bytes)
@@ -193,8 +199,11 @@ class Sharding(Tuner):
         if not p or not p.get("memory"):
             return None
         rows = ["| part | predicted |", "| --- | --- |"]
-        rows += [f"| {k} | {_ms(v)} |" for k, v in p["parts"].items()]
-        rows += [f"| memory: {k} | {format_bytes(v)} |" for k, v in p["memory"]["parts"].items()]
+        rows += [f"| {STEP_WORDS.get(k, k)} | {_ms(v)} |" for k, v in p["parts"].items()]
+        rows += [
+            f"| memory: {PART_WORDS.get(k, k)} | {format_bytes(v)} |"
+            for k, v in p["memory"]["parts"].items()
+        ]
         rows.append(f"| peak per rank | {format_bytes(p['memory']['peak_bytes'])} |")
         variants = candidate.details.get("variants")
         if variants:
@@ -230,7 +239,7 @@ def _candidate(a: Analysis, proposal: Proposal) -> Candidate:
         )
     rationale = (
         f"{p.setting.describe()}: predicted {_ms(p.step_s)} per step "
-        f"({change} vs the measured {_ms(a.base.step_s)}), "
+        f"({change} vs the {_baseline_word(a)} {_ms(a.base.step_s)}), "
         f"peak {format_bytes(p.peak_bytes)} per rank of {_short(a.bound.source)} "
         f"{format_bytes(a.bound.bytes)} ({fill})"
         + (
@@ -272,6 +281,10 @@ def _variant_words(v: Variant) -> str:
     if v.checkpointing != "none" and v.every != 1:
         ckpt += f" of every {v.every}th block"
     return f"{ckpt}, {v.micro_batches} micro-batch{'es' if v.micro_batches > 1 else ''}"
+
+
+def _baseline_word(a: Analysis) -> str:
+    return "measured" if a.model.obs.baseline is not None else "model's"
 
 
 def _short(source: str) -> str:
