@@ -98,3 +98,28 @@ def measure_configs(
         session.close()
         del session
     return out
+
+
+def split_against_whole(rank: int, world: int, steps: int = 3) -> dict[str, Any]:
+    """The tiny dataset MLP trained whole and split into 2 micro-batches (DDP, and FSDP):
+    every step's loss, and the replicated jobs' parameters (run in float64)."""
+    from tunekit.api import Layout
+    from tunekit.testing import tiny_dataset_workload
+
+    workload = tiny_dataset_workload()
+    out: dict[str, Any] = {}
+    for name, layout, micro in (
+        ("whole", Layout(), 1),
+        ("split", Layout(), 2),
+        ("fsdp_split", Layout(sharding="fsdp"), 2),
+    ):
+        session = Session(workload, rank=rank, world_size=world, layout=layout)
+        if micro > 1:
+            session.set_micro_batches(micro)
+        out[f"{name}_losses"] = [session.train_step().loss for _ in range(steps)]
+        if not layout.sharded:
+            out[f"{name}_params"] = {
+                k: v.detach().clone() for k, v in session.model.state_dict().items()
+            }
+        session.close()
+    return out
