@@ -405,6 +405,8 @@ class CandidateView:
     rationale: str = ""
     global_batch: int | None = None
     """Samples per step of this candidate when it changes them (a batch tuner's)."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory per rank (the core memory model), when the tuner gave one."""
 
     def samples_per_s(self, baseline: BaselineView | None) -> float | None:
         """Predicted throughput, at this candidate's own global batch (else the baseline's)."""
@@ -480,7 +482,8 @@ def candidate_view(
     plugin: str, candidate: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
 ) -> CandidateView:
     """A candidate (``dataclasses.asdict(Candidate)``) of ``plugin`` as a config; knobs at ``defaults`` are not described."""
-    config = TuningConfig({plugin: dict(candidate.get("knobs") or {})})
+    others = {k: dict(v) for k, v in (candidate.get("combined_with") or {}).items()}
+    config = TuningConfig({plugin: dict(candidate.get("knobs") or {}), **others})
     described = config.describe({plugin: dict(defaults)} if defaults else None)
     return CandidateView(
         config.to_dict(),
@@ -488,6 +491,7 @@ def candidate_view(
         candidate.get("predicted_step_s"),
         candidate.get("rationale", ""),
         candidate.get("global_batch"),
+        candidate.get("predicted_peak_bytes"),
     )
 
 

@@ -8,7 +8,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Label, Static
 
-from tunekit.tui.formatting import ms, number, pct, speedup
+from tunekit.tui.formatting import ms, number, pct, size, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import BaselineView, CandidateView, StudyView, TunerView
 
@@ -77,7 +77,7 @@ class CandidateTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
 
     def on_mount(self) -> None:
-        for col in ("#", "config", "predicted", "step", "why"):
+        for col in ("#", "config", "predicted", "step", "peak/rank", "why"):
             self.add_column(col, key=col)
 
     def show(self, tuner: TunerView | None, baseline: BaselineView | None = None) -> None:
@@ -88,6 +88,7 @@ class CandidateTable(DataTable):
                 c.description,
                 predicted_rate(c, baseline),
                 candidate_step(c, baseline),
+                size(c.predicted_peak_bytes),
                 c.rationale,
             )
 
