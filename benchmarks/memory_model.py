@@ -10,8 +10,11 @@ every configuration of a spread runs for real on 2 ranks (gloo on the CPU, NCCL 
 DDP and FSDP (resharding after forward or not, CPU offload), checkpointing (none, full,
 every 2nd block, selective) and the micro-batch (the job's, or half of it with 2
 accumulation steps at the same samples per step). The measured peak of a configuration is
-the largest per-step peak of any rank over ``--steps`` steps after one warm-up step
-(``Session.memory``: the CPU allocator's events, or CUDA's allocator).
+the largest over ranks of each rank's median per-step peak over ``--steps`` steps after one
+warm-up step (``Session.memory``: the CPU allocator's events, or CUDA's allocator). The
+median, because on the CPU a step's measured peak is an upper bound that now and then still
+holds a buffer gloo freed in its own thread (``tunekit.observe.memory``); the steps of a
+configuration at a fixed input shape allocate alike, so the median is the step's peak.
 
 The prediction of every configuration is calibrated on the measured peak of the workload's
 own layout (what ``tunekit auto`` measures as its baseline), as ``Observation.predict_memory``
@@ -76,6 +79,29 @@ def job(spec: str, batch: int, accumulation: int, layout: dict[str, Any]) -> Wor
     return replace(w, batch_size=batch, accumulation=accumulation, batch_range=None, **fields)
 
 
+_NCCL: dict[str, Any] = {}
+
+
+def _nccl_group(dev: torch.device):
+    """An NCCL group for this call's ranks (the ranks' own group is gloo, for CPU tensors),
+    its communicator made before anything is measured: made inside a measured step, its
+    buffers would count there."""
+    import torch.distributed as dist
+
+    key = str(id(dist.group.WORLD))
+    if key not in _NCCL:
+        _NCCL.clear()
+        _NCCL[key] = dist.new_group(backend="nccl")
+        dist.all_reduce(torch.ones(1, device=dev), group=_NCCL[key])
+        # cuBLAS's workspaces, made once per process, are not the job's either.
+        x = torch.ones(64, 64, device=dev, requires_grad=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                (x @ x).sum().backward()
+        torch.cuda.synchronize()
+    return _NCCL[key]
+
+
 def measure(
     rank: int,
     world: int,
@@ -86,27 +112,43 @@ def measure(
     steps: int,
     device: str,
 ):
-    """One configuration on this rank: its largest per-step peak after a warm-up step."""
+    """One configuration on this rank: its per-step peak after a warm-up step (the median over
+    the steps: on the CPU a step's measured peak sometimes still holds a buffer gloo freed
+    unseen, see tunekit.observe.memory), above what the (kept) rank process held before."""
+    import gc
+
     import torch.distributed as dist
 
     from tunekit.runtime.session import Session
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    group = dist.group.WORLD
+    before = 0
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        group = _nccl_group(dev)
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(dev)
     w = job(spec, batch, accumulation, layout)
     s = Session(
         w,
         rank=rank,
         world_size=world,
-        group=dist.group.WORLD,
+        group=group,
         device=dev,
         track_memory=True,
         layout=w.layout(),
     )
     peaks = [s.train_step().metrics["peak_bytes"] for _ in range(steps + 1)]
     s.close()
-    return max(peaks[1:])
+    del s
+    gc.collect()  # a session and its strategy refer to each other: free them now
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        if os.environ.get("MEMORY_MODEL_DEBUG"):
+            print("debug", before, peaks, torch.cuda.memory_allocated(dev), flush=True)
+    return statistics.median(peaks[1:]) - before
 
 
 def main() -> int:

@@ -184,9 +184,10 @@ def _resharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer):
 
     def build(_params, _lr: float) -> torch.optim.Optimizer:
         now = dict(model.named_parameters())
+        # Every setting travels in its group (a group's keys override the defaults).
         return type(optimizer)(
             [{**settings, "params": [now[n] for n in members]} for settings, members in groups],
-            **optimizer.defaults,
+            lr=groups[0][0]["lr"],
         )
 
     return build

@@ -183,6 +183,12 @@ class Workload:
         )
         if found:
             raise self._error(*found)
+        if self.sharding == "fsdp" and self.precision == "fp16":
+            raise self._error(
+                "precision",
+                "fp16 under sharding='fsdp' is not supported: each rank would check only its "
+                "own gradient shards for overflow (use precision='bf16', which needs no loss scale)",
+            )
 
     def _error(self, field_name: str, problem: str) -> WorkloadError:
         return WorkloadError(f"workload {self.name!r}: {field_name} {problem} (see {DOC})")

@@ -4,6 +4,7 @@ device, and the memory cap failing a step as out of memory."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
 import pytest
@@ -48,6 +49,7 @@ def test_fsdp_with_bf16_checkpointing_and_offload_on_a_gpu():
                 assert p.to_local().device.type == expected, (name, p.device)
             s.close()
             del s
+            gc.collect()  # a session and its strategy refer to each other
         # Checkpointing frees activations; offload takes the shards and optimizer state away.
         assert peaks["fsdp"] < peaks["ddp"] and peaks["offload"] < peaks["fsdp"], peaks
 
@@ -58,6 +60,7 @@ def test_a_step_over_the_cap_is_out_of_memory_on_a_gpu():
         peak = max(probe.train_step().metrics["peak_bytes"] for _ in range(2))
         probe.close()
         del probe
+        gc.collect()
         torch.cuda.empty_cache()
         tight = _session(Layout(sharding="fsdp"), memory_cap_bytes=int(peak * 0.5))
         with pytest.raises(MemoryCapExceeded) as err:

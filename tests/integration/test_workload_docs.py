@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from support import rank_train_params
 
+from tunekit.runtime.dist import single_rank_group
 from tunekit.runtime.session import Session
 from tunekit.testing import run_ranks
 from tunekit.workload import load_workload
@@ -20,12 +21,12 @@ def examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_the_doc_has_its_four_examples():
+def test_the_doc_has_its_five_examples():
     blocks = [b for b in examples() if "def workload" in b]
-    assert len(blocks) == 4
+    assert len(blocks) == 5
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_each_example_loads_and_trains(tmp_path, index):
     code = [b for b in examples() if "def workload" in b][index]
     if "transformers" in code:
@@ -33,9 +34,15 @@ def test_each_example_loads_and_trains(tmp_path, index):
     path = tmp_path / f"example{index}.py"
     path.write_text(code)
     w = load_workload(f"{path}:workload")
-    session = Session(w)
-    losses = [session.train_step().loss for _ in range(4)]
-    session.close()
+    with single_rank_group():  # FSDP shards over a group, even of one rank
+        session = Session(w)
+        losses = [session.train_step().loss for _ in range(4)]
+        if w.sharding == "fsdp":
+            assert session.grad_sync.name == "fsdp" and session.checkpointed == [
+                "blocks.0",
+                "blocks.2",
+            ]
+        session.close()
     assert all(math.isfinite(x) for x in losses)
 
 

@@ -52,6 +52,7 @@ def one_thread():
         ({"checkpoint_every": 0}, "checkpoint_every"),
         ({"checkpoint_blocks": ("blocks.0",)}, "checkpoint_blocks"),  # with checkpointing none
         ({"checkpointing": "full", "checkpoint_blocks": "blocks.0"}, "checkpoint_blocks"),
+        ({"sharding": "fsdp", "precision": "fp16"}, "precision"),
     ],
 )
 def test_a_bad_layout_field_is_named_in_one_line(changes, field):
@@ -311,3 +312,35 @@ def test_facts_of_the_tiny_gpt_are_measured_per_block_and_policy():
         at = {p: b.kept[p].at(w.batch_size) for p in b.kept}
         assert 0 < at["full"] < at["selective"] < at["none"]
     assert MemoryFacts.from_dict(f.to_dict()) == f
+
+
+def test_prepare_shards_a_users_model_and_rebuilds_its_optimizer_over_the_shards():
+    from tunekit import prepare
+    from tunekit.testing import assert_states_close
+    from tunekit.testing.fixtures import TINY_GPT
+
+    def trained(**layout):
+        with default_dtype(torch.float64):
+            w = tiny_gpt_workload()
+            torch.manual_seed(0)
+            model = w.model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+            model, opt, step = prepare(model, optimizer, w.loss, None, batch_size=4, **layout)
+            for i in range(3):
+                step(*w.example_batch(4, seed=i))
+            if layout:
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions,
+                    get_model_state_dict,
+                )
+
+                assert type(opt) is torch.optim.AdamW and opt is not optimizer
+                assert opt.param_groups[0]["weight_decay"] == 0.1 and step.session.checkpointed
+                return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            return model.state_dict()
+
+    with single_rank_group():
+        plain = trained()
+        sharded = trained(sharding="fsdp", checkpointing="full")
+    assert set(plain) == set(sharded) and len(plain) == 3 + 12 * TINY_GPT["blocks"] + 2
+    assert_states_close(sharded, plain, "prepare(sharding='fsdp')")

@@ -220,7 +220,8 @@ class FSDPSync(GradSync):
     its communication cost."""
 
     name = "fsdp"
-    handles = ALL_FEATURES | LAYOUT_FEATURES
+    # Not fp16's loss scale: GradScaler would look for overflow in this rank's shards only.
+    handles = (ALL_FEATURES - {"grad_scaler"}) | LAYOUT_FEATURES
 
     def attach(self, session) -> None:
         if not session.layout.sharded:
