@@ -42,6 +42,8 @@ SAVED_KINDS = frozenset({"linear", "conv"})
 """Layer kinds whose outputs selective checkpointing keeps (not recomputed)."""
 COMM_FACTOR_LIMITS = (0.2, 50.0)
 """Range of the collectives' slow-down beside compute that calibration accepts."""
+UNKNOWN_LINK = Wire(1e-4, 1e9)
+"""An all-reduce when the hardware has neither a probed fit nor links to model one."""
 PROBE_SIZE = 64 * 2**20
 """Bytes at which a modelled all-reduce is sampled for its bandwidth (no probe fit)."""
 
@@ -156,7 +158,10 @@ def calibrate_job(obs: Observation) -> CalibratedModel:
         notes.append("the step could not be timed here: per-pass cost taken as 0")
     units = _units(obs, line)
     overhead = (0.0, 0.0)
-    if obs.nproc > 1:
+    if obs.nproc > 1 and obs.device_type == "cuda":
+        # Its copies run on the device, in its own streams: left to the calibration there.
+        notes.append("FSDP's own compute is not timed on a GPU")
+    elif obs.nproc > 1:
         try:
             found = fsdp_overhead(obs)
             overhead = (found["reshard"], found["keep"])
@@ -267,9 +272,12 @@ def _collectives(obs: Observation, end: str | None) -> Collectives:
 
     all_reduce = wire("all_reduce")
     if all_reduce is None:  # a modelled ring over the profile's links
-        small = hw.allreduce_time(1.0, p)
-        big = hw.allreduce_time(PROBE_SIZE, p)
-        all_reduce = Wire(small, PROBE_SIZE / max(big - small, 1e-12))
+        try:
+            small = hw.allreduce_time(1.0, p)
+            big = hw.allreduce_time(PROBE_SIZE, p)
+            all_reduce = Wire(small, PROBE_SIZE / max(big - small, 1e-12))
+        except Exception:  # no fit and no links to model one: a fast local link, said so
+            all_reduce = UNKNOWN_LINK
     copies: Mapping[str, Wire | None] = {}
     if obs.device_type == "cuda":
         h2d, d2h = hw.fit("h2d", 1), hw.fit("d2h", 1)
