@@ -55,6 +55,7 @@ from pathlib import Path
 from tunekit.config import TuningConfig
 from tunekit.events import Notice, TrialFinished
 from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.plugins.sharding.plugin import Sharding
 from tunekit.store import Store
 from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 from tunekit.trials.stats import compare_runs, ranks_global_batch
@@ -148,9 +149,11 @@ class Trials:
 
 
 def describe(config: dict | None) -> str:
+    """The config's knobs that differ from their defaults (a found search records them all)."""
     if not config or not config.get("plugins"):
         return "baseline"
-    return TuningConfig.from_dict(config).describe()
+    defaults = {"sharding": {**Sharding().defaults(), "search": ""}}
+    return TuningConfig.from_dict(config).describe(defaults)
 
 
 def speedup(baselines: list[list[float]], runs: list[list[float]]) -> float:
