@@ -10,14 +10,15 @@ from tunekit.api import Layout
 from tunekit.config import TuningConfig, config_layout, resolve
 from tunekit.diagnosis_text import HEADLINE_MAX
 from tunekit.errors import ConfigError
-from tunekit.plugins.batch_ps_sizing.plugin import BatchPsSizing
-from tunekit.plugins.overlap_chunking.plugin import OverlapChunking
+from tunekit.plugin_loading import load_named, select
 from tunekit.plugins.sharding.analysis import analyse
 from tunekit.plugins.sharding.plugin import Sharding
 from tunekit.plugins.sharding.search import margin, parse_variants
 from tunekit.plugins.sharding.tests.observations_sharding import MiB, observation
 
-TUNERS = {"sharding": Sharding(), "overlap_chunking": OverlapChunking()}
+# The other tuners as tunekit loads them (plugins never import each other).
+OTHERS = select(load_named(["batch_ps_sizing", "overlap_chunking"]), None)
+TUNERS = {"sharding": Sharding(), "overlap_chunking": OTHERS["overlap_chunking"]}
 
 
 def layout_of(knobs, workload) -> Layout:
@@ -145,7 +146,7 @@ def test_fsdp_takes_over_gradient_synchronisation_ddp_still_combines():
 
 
 def test_batch_then_layout_the_split_applies_to_the_batch_tuners_batch():
-    tuners = {"sharding": Sharding(), "batch_ps_sizing": BatchPsSizing()}
+    tuners = {"sharding": Sharding(), "batch_ps_sizing": OTHERS["batch_ps_sizing"]}
     plan = resolve(
         TuningConfig({"sharding": {"micro_batches": 2}, "batch_ps_sizing": {"batch_size": 8}}),
         tuners,
@@ -188,7 +189,7 @@ def test_memory_freed_lets_the_batch_tuners_larger_batch_fit_planned_as_one():
     assert batch in (32, 64)
     assert c.global_batch == batch * obs.nproc
     assert c.predicted_peak_bytes <= 120 * MiB
-    tuners = {"sharding": tuner, "batch_ps_sizing": BatchPsSizing()}
+    tuners = {"sharding": tuner, "batch_ps_sizing": OTHERS["batch_ps_sizing"]}
     config = candidate_config(tuner, c, tuners)
     assert config.plugins["batch_ps_sizing"]["batch_size"] == batch
     # Per sample it beats the plan's best at the job's own batch.
