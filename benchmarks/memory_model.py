@@ -10,11 +10,12 @@ every configuration of a spread runs for real on 2 ranks (gloo on the CPU, NCCL 
 DDP and FSDP (resharding after forward or not, CPU offload), checkpointing (none, full,
 every 2nd block, selective) and the micro-batch (the job's, or half of it with 2
 accumulation steps at the same samples per step). The measured peak of a configuration is
-the largest over ranks of each rank's median per-step peak over ``--steps`` steps after one
+the largest over ranks of each rank's least per-step peak over ``--steps`` steps after one
 warm-up step (``Session.memory``: the CPU allocator's events, or CUDA's allocator). The
-median, because on the CPU a step's measured peak is an upper bound that now and then still
-holds a buffer gloo freed in its own thread (``tunekit.observe.memory``); the steps of a
-configuration at a fixed input shape allocate alike, so the median is the step's peak.
+least, because on the CPU a step's measured peak is an upper bound that now and then still
+holds a buffer gloo freed in its own thread (``tunekit.observe.memory``: by up to ~10 MiB on
+example:gpt's FSDP steps); the steps of a configuration at a fixed input shape allocate
+alike, so the least is the tightest bound.
 
 The prediction of every configuration is calibrated on the measured peak of the workload's
 own layout (what ``tunekit auto`` measures as its baseline), as ``Observation.predict_memory``
@@ -112,9 +113,10 @@ def measure(
     steps: int,
     device: str,
 ):
-    """One configuration on this rank: its per-step peak after a warm-up step (the median over
-    the steps: on the CPU a step's measured peak sometimes still holds a buffer gloo freed
-    unseen, see tunekit.observe.memory), above what the (kept) rank process held before."""
+    """One configuration on this rank: its per-step peak after a warm-up step (the least over
+    the steps: on the CPU a step's measured peak is an upper bound that sometimes still holds
+    a buffer gloo freed unseen, see tunekit.observe.memory), above what the (kept) rank
+    process held before."""
     import gc
 
     import torch.distributed as dist
@@ -148,13 +150,13 @@ def measure(
         torch.cuda.empty_cache()
         if os.environ.get("MEMORY_MODEL_DEBUG"):
             print("debug", before, peaks, torch.cuda.memory_allocated(dev), flush=True)
-    return statistics.median(peaks[1:]) - before
+    return min(peaks[1:]) - before
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument(
         "--nproc",

@@ -50,5 +50,6 @@ def test_the_options():
             "min_effect",
             "device",
             "store_dir",
+            "memory_cap",
         ]
     )
