@@ -12,6 +12,7 @@ import psutil
 
 DATA = Path(__file__).parent / "data"
 CHAOS_PLUGIN = DATA / "chaos_plugin"
+RAISER_PLUGIN = DATA / "raiser_plugin"
 WORKLOADS = DATA / "workloads.py"
 
 
@@ -31,9 +32,11 @@ def run_cli(
     )
 
 
-def chaos_pythonpath() -> dict[str, str]:
-    """Environment that puts the fault-injection plugin where entry-point discovery finds it."""
-    path = os.pathsep.join([str(CHAOS_PLUGIN), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+def chaos_pythonpath(*also: Path) -> dict[str, str]:
+    """Environment that puts the fault-injection plugin (and the plugin folders ``also``, e.g.
+    :data:`RAISER_PLUGIN`) where entry-point discovery finds it."""
+    folders = [str(f) for f in (*also, CHAOS_PLUGIN)]
+    path = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {"PYTHONPATH": path}
 
 

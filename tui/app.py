@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -27,7 +29,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from tunekit.errors import TunekitError
 from tunekit.events import Event, Notice, Observed, PluginProblem, StudyFinished, TrialFinished
 from tunekit.runtime.client import ApplyOutcome
-from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, TuneRequest
+from tunekit.tui.backend import Backend, DiagnosisResult, LiveSnapshot, PluginInfo, TuneRequest
 from tunekit.tui.formatting import describe_config
 from tunekit.tui.screens.apply import ApplyScreen
 from tunekit.tui.screens.confirm import ConfirmScreen
@@ -47,6 +49,8 @@ from tunekit.tui.state import (
     TunerView,
     baseline_from_observed,
     best_target,
+    diagnosis_over,
+    end_study,
     fold_study,
     fold_tuners,
     hotspots,
@@ -54,6 +58,7 @@ from tunekit.tui.state import (
     profile_from_observed,
     profile_from_report,
     replace_tuner,
+    start_diagnosis,
     trial_target,
     tuner_views,
 )
@@ -90,6 +95,14 @@ def prepare_process() -> None:
         pass
 
 
+def start_profiler() -> None:
+    """torch.profiler's first start, in the main thread (kineto complains from another);
+    only when a diagnosis needs it: it imports torch, which the idle app does without."""
+    from tunekit.observe.kineto import start_profiler_in_main_thread
+
+    start_profiler_in_main_thread()
+
+
 def one_line(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, TunekitError) else f"{type(exc).__name__}: {exc}"
 
@@ -103,6 +116,11 @@ class TunekitApp(App[str]):
         STYLES / f"{name}.tcss" for name in ("app", "live", "profile", "tuners", "trials", "apply")
     ]
     MODES = {mode: cls for mode, (_, cls) in SCREENS.items()}
+    # Classes each screen carries for the terminal's size (its stylesheet lays it out by them):
+    # one column below 100 columns, whole configs from 160; taller charts from 32 and 50 rows,
+    # less room for text below 22.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (160, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-tiny"), (22, "-short"), (32, "-tall"), (50, "-taller")]
     DEFAULT_MODE = "live"
     # Help and Quit before the screens: a narrow footer cuts from the right, and these two
     # must stay in sight at 80 columns (each screen's own keys come first, see the tests).
@@ -122,6 +140,8 @@ class TunekitApp(App[str]):
     profile_view: var[ProfileView | None] = var(None)
     profile_stage: var[str] = var("")
     tuner_views: var[tuple[TunerView, ...]] = var(())
+    diagnosis_stage: var[str] = var("")
+    """What a diagnosis started with d does before any tuner runs (loading, tracing, timing)."""
     tuner_baseline: var[BaselineView | None] = var(None)
     """What the tuners' predictions on show are against (a diagnosis's or a tuning's baseline)."""
     study_view: var[StudyView] = var(StudyView())
@@ -143,13 +163,16 @@ class TunekitApp(App[str]):
         self.plan_limit = plan_limit
         self._target_pinned = False  # the user picked a trial: a new best does not replace it
         self._polling = False
-        self._pyspy_seen = 0
+        self._pyspy_seen: tuple[int, float | None] = (0, None)
+        self.clock = time.monotonic
+        """When trials start and end (their wall times give the tuning's time left)."""
         self._said: set[str] = set()  # notices shown once already (no GPU ...): never repeated
 
     # -- start-up ----------------------------------------------------------------------------
 
     def on_mount(self) -> None:
-        self.sub_title = f"{self.backend.workload} · run {self.backend.run_id}"
+        # The run id first: a narrow header cuts from the right, and it must stay in sight.
+        self.sub_title = f"run {self.backend.run_id} · {self.backend.workload}"
         self.live_view = LiveView(
             run_id=self.backend.run_id,
             workload=self.backend.workload,
@@ -174,7 +197,7 @@ class TunekitApp(App[str]):
         records = self.backend.plugins()
         self.call_from_thread(self._plugins_loaded, records)
 
-    def _plugins_loaded(self, records: list) -> None:
+    def _plugins_loaded(self, records: Sequence[PluginInfo]) -> None:
         enabled = self.tune_request.plugins
         self.tuner_views = tuner_views(records, enabled)
         for r in records:
@@ -206,6 +229,8 @@ class TunekitApp(App[str]):
                 snap.static,
                 snap.notices,
                 attached=not self.backend.owns_job,
+                events=snap.events,
+                applied=snap.applied,
             )
             spots = self._hotspots(snap)
         except Exception as exc:  # an unreadable run directory: say so once, keep polling
@@ -216,10 +241,13 @@ class TunekitApp(App[str]):
             self._polling = False
 
     def _hotspots(self, snap: LiveSnapshot) -> tuple[HotSpots, ...] | None:
+        """The live job's hot spots when its py-spy samples changed, else None. Changed is
+        a new last sample, not a new count: the series is capped, its count stops growing."""
         spy = snap.series.get("pyspy") or []
-        if len(spy) == self._pyspy_seen:
+        seen = (len(spy), spy[-1].get("t") if spy else None)
+        if seen == self._pyspy_seen:
             return None
-        self._pyspy_seen = len(spy)
+        self._pyspy_seen = seen
         return hotspots(spy)
 
     def _poll_failed(self, message: str) -> None:
@@ -275,7 +303,15 @@ class TunekitApp(App[str]):
             "Quit and leave the job running (attach again with --attach)",
             self.action_detach,
         )
-        yield from super().get_system_commands(screen)
+        yield SystemCommand(
+            "Screenshot",
+            "Save an SVG of this screen in the working directory",
+            # After the palette has closed, so that it is not in the picture.
+            lambda: self.set_timer(0.1, self.action_screenshot),
+        )
+        # Textual's own Screenshot saves to ~/Downloads (and fails where there is none): ours
+        # replaces it.
+        yield from (c for c in super().get_system_commands(screen) if c.title != "Screenshot")
 
     async def action_quit(self) -> None:
         self.exit(QUIT)
@@ -318,24 +354,40 @@ class TunekitApp(App[str]):
                 "enable at least one tuner first (space on the tuners screen)", severity="warning"
             )
             return
-        for name in names:
-            self.tuner_views = replace_tuner(self.tuner_views, name, state="diagnosing")
+        if any(t.state in ("waiting", "diagnosing") for t in self.tuner_views):
+            self.notify("a diagnosis is in progress")
+            return
+        self.tuner_views = start_diagnosis(self.tuner_views, names)
+        self.diagnosis_stage = "starting"
         self._diagnose(names)
 
     @work(thread=True, exclusive=True, group="diagnose", exit_on_error=False, name="diagnosing")
     def _diagnose(self, names: list[str]) -> None:
         try:
-            for result in self.backend.diagnose(names, self.plan_limit):
+            # The tuners profile from this thread: torch.profiler starts in the main one first.
+            self.call_from_thread(start_profiler)
+            for result in self.backend.diagnose(names, self.plan_limit, self._diagnosis_progress):
                 self.call_from_thread(self._diagnosed, result)
         finally:
-            self.call_from_thread(self._diagnosis_over)
+            self._call_ui(self._diagnosis_over)
+
+    def _diagnosis_progress(self, name: str | None, what: str) -> None:
+        """From the worker: what the diagnosis does now (the shared observation, or a tuner's hook)."""
+        self._call_ui(self._diagnosis_at, name, what)
+
+    def _diagnosis_at(self, name: str | None, what: str) -> None:
+        if name is None:
+            self.diagnosis_stage = what
+            return
+        self.diagnosis_stage = ""
+        self.tuner_views = replace_tuner(self.tuner_views, name, state="diagnosing", activity=what)
 
     def _diagnosed(self, r: DiagnosisResult) -> None:
         if r.baseline is not None:
             self.tuner_baseline = r.baseline
         if r.error:
             self.tuner_views = replace_tuner(
-                self.tuner_views, r.name, state="failed", summary=r.error
+                self.tuner_views, r.name, state="failed", summary=r.error, activity=""
             )
             self.notify(f"{r.name}: {r.error}", title="diagnosis failed", severity="error")
             return
@@ -343,17 +395,17 @@ class TunekitApp(App[str]):
             self.tuner_views,
             r.name,
             state="diagnosed",
+            activity="",
             applies=r.applies,
             summary=r.summary,
+            headline=r.headline,
             expected_gain=r.expected_gain,
             candidates=r.candidates,
         )
 
     def _diagnosis_over(self) -> None:
-        self.tuner_views = tuple(
-            dataclasses.replace(t, state="idle") if t.state == "diagnosing" else t
-            for t in self.tuner_views
-        )
+        self.diagnosis_stage = ""
+        self.tuner_views = diagnosis_over(self.tuner_views)
 
     # -- profile -----------------------------------------------------------------------------
 
@@ -443,7 +495,7 @@ class TunekitApp(App[str]):
     def _tuning_event(self, ev: Event, config: Mapping[str, Any] | None) -> None:
         if isinstance(ev, Notice) and ev.message in self._said:
             return  # the trials' telemetry says "no GPU" again: it was said once
-        self.study_view = fold_study(self.study_view, ev, config)
+        self.study_view = fold_study(self.study_view, ev, config, self.clock())
         self.tuner_views = fold_tuners(self.tuner_views, ev)
         if isinstance(ev, PluginProblem):
             self.notify(
@@ -463,15 +515,18 @@ class TunekitApp(App[str]):
                 self.profile_view = profile_from_observed(ev.summary)
         elif isinstance(ev, StudyFinished):
             self.notify(f"tuning finished: {self.study_view.message}", title=f"winner: {ev.winner}")
-        if not self._target_pinned:
-            self.apply_view = dataclasses.replace(
-                self.apply_view, target=best_target(self.study_view)
-            )
+        self._offer_best()
+
+    def _offer_best(self) -> None:
+        """The study's best becomes the config to apply, unless the user picked a trial; until
+        a new study has one, the last study's stays on offer (its label names its study)."""
+        target = best_target(self.study_view)
+        if not self._target_pinned and target is not None:
+            self.apply_view = dataclasses.replace(self.apply_view, target=target)
 
     def _tuning_ended(self, state: str, message: str) -> None:
-        self.study_view = dataclasses.replace(
-            self.study_view, state=state, message=message, current=None, phase=""
-        )
+        self.study_view = end_study(self.study_view, state, message)
+        self.tuner_views = diagnosis_over(self.tuner_views)
         self.notify(
             f"tuning {state}: {message}", severity="error" if state == "failed" else "warning"
         )
@@ -493,7 +548,7 @@ class TunekitApp(App[str]):
 
     def action_target_best(self) -> None:
         self._target_pinned = False
-        self.apply_view = dataclasses.replace(self.apply_view, target=best_target(self.study_view))
+        self._offer_best()
 
     def action_apply(self) -> None:
         target = self.apply_view.target
@@ -503,9 +558,13 @@ class TunekitApp(App[str]):
         if self.apply_view.state == "applying":
             self.notify("an apply is in progress")
             return
-        detail = f"{describe_config(target.config)}\n({target.label})"
+        detail = Text(f"{describe_config(target.config)}\n({target.label})")
+        if target.caveat:
+            detail.append(f"\nThe decision: {target.caveat}.", style="bold yellow")
         if not target.significant:
-            detail += "\nNot a significant win over the baseline: the watch window will judge it."
+            detail.append(
+                "\nNot a significant win over the baseline: the watch window will judge it."
+            )
 
         def confirmed(yes: bool | None) -> None:
             if yes:
@@ -526,17 +585,34 @@ class TunekitApp(App[str]):
         )
         self.call_from_thread(self._applied, state, result.message, result)
 
-    def _applied(self, state: str, message: str, result: ApplyOutcome | None) -> None:
+    def _applied(
+        self, state: str, message: str, result: ApplyOutcome | None, requested: bool = False
+    ) -> None:
+        """An apply's or a rollback's outcome. A rollback that was asked for and done is good
+        news; one the watch made after an apply is a warning; only a failure is an error."""
         self.apply_view = dataclasses.replace(
             self.apply_view, state=state, message=message, result=result
         )
-        self.notify(
-            message,
-            title=f"apply: {state.replace('_', ' ')}",
-            severity="information" if state in ("kept", "relaunched") else "error",
-        )
+        if state == "failed":
+            severity, title = "error", "rollback failed" if requested else "apply failed"
+        elif state == "rolled_back" and not requested:
+            severity, title = "warning", "apply: rolled back by the watch"
+        else:
+            severity, title = "information", "rolled back" if requested else f"apply: {state}"
+        self.notify(message, title=title, severity=severity)
 
     def action_rollback(self) -> None:
+        if not self.live_view.applied:
+            self.notify(
+                f"nothing to roll back: no config applied to run {self.backend.run_id} "
+                "is left to undo",
+                severity="warning",
+            )
+            return
+        if self.apply_view.state in ("applying", "rolling_back"):
+            self.notify("an apply or a rollback is in progress")
+            return
+
         def confirmed(yes: bool | None) -> None:
             if yes:
                 self.apply_view = dataclasses.replace(
@@ -556,9 +632,9 @@ class TunekitApp(App[str]):
         try:
             result = self.backend.rollback()
         except TunekitError as exc:
-            self.call_from_thread(self._applied, "failed", str(exc), None)
+            self.call_from_thread(self._applied, "failed", str(exc), None, True)
             return
-        self.call_from_thread(self._applied, "rolled_back", result.message, result)
+        self.call_from_thread(self._applied, "rolled_back", result.message, result, True)
 
     # -- failures ----------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ its metric lines (:mod:`tunekit.runtime.live_metrics`), applying a config
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,20 +27,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig
-from tunekit.errors import ControlError, WorkloadError
+from tunekit.diagnosis_text import headline_of
+from tunekit.errors import ControlError, PluginError, WorkloadError
 from tunekit.events import Event
 from tunekit.observe.telemetry import TelemetrySampler
-from tunekit.plugin_loading import PluginRecord, load_all
 from tunekit.runtime.client import ApplyOutcome, apply_to_run
 from tunekit.runtime.job_process import JobProcess
 from tunekit.runtime.live_metrics import MetricsTail, live_baseline
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, last_error
-from tunekit.tui.state import HISTORY, BaselineView, CandidateView, candidate_view
+from tunekit.tui.state import CHANGE_KINDS, HISTORY, BaselineView, CandidateView, candidate_view
 
 if TYPE_CHECKING:
     from tunekit.contract import Tuner
     from tunekit.planning import TunerStep
+
+# Nothing here imports torch at import time, nor does anything the idle app calls (polling,
+# listing the plugins): the app holds ~100 MB instead of ~1 GB until a diagnosis needs the
+# model in this process (tests/tui/test_tui_backend.py checks it).
 
 # -- what the app asks for -----------------------------------------------------------------
 
@@ -71,6 +78,55 @@ class LiveSnapshot:
     """Telemetry samples per source (``host``, ``nvml``, ``pyspy``)."""
     static: dict[str, Any] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """The run's config changes (``events.jsonl``: ``applied``, ``rolled_back``)."""
+    applied: int = 0
+    """Applies the job could roll back (``run.json``'s ``applied``)."""
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """An installed plugin as :func:`tunekit.plugin_loading.load_all` classifies it, as data."""
+
+    name: str
+    package: str
+    status: str
+    error: str = ""
+    title: str = ""
+    aspect: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def plugin_infos() -> list[PluginInfo]:
+    """Every installed plugin, loaded and classified in a child process.
+
+    Plugins import torch (and their own dependencies): listing them here would load
+    ~1 GB into the app for a table of names. The child prints one JSON line.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tunekit.tui.backend import _print_plugins; _print_plugins()"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise PluginError(f"could not list the installed plugins: {why}")
+    return [PluginInfo(**d) for d in json.loads(lines[-1])]
+
+
+def _print_plugins() -> None:
+    """In the child of :func:`plugin_infos`."""
+    from tunekit.plugin_loading import load_all
+
+    infos = [
+        PluginInfo(r.name, r.package, r.status, r.error, r.title, r.aspect) for r in load_all()
+    ]
+    print(json.dumps([asdict(i) for i in infos]))
 
 
 @dataclass
@@ -85,6 +141,12 @@ class DiagnosisResult:
     error: str | None = None
     baseline: BaselineView | None = None
     """What the predictions are against (the same for every tuner of one diagnosis)."""
+    headline: str = ""
+    """The diagnosis in one line (derived from the rest where the tuner gives none)."""
+
+
+Progress = Callable[[str | None, str], None]
+"""``(tuner or None for the observation, what it does now)``."""
 
 
 class Backend(ABC):
@@ -109,12 +171,17 @@ class Backend(ABC):
         """The job's state now (reads files; cheap, but call it from a worker)."""
 
     @abstractmethod
-    def plugins(self) -> list[PluginRecord]:
-        """Every installed plugin, loaded and classified."""
+    def plugins(self) -> Sequence[PluginInfo]:
+        """Every installed plugin, loaded and classified (blocking)."""
 
     @abstractmethod
-    def diagnose(self, names: Sequence[str], limit: int) -> Iterator[DiagnosisResult]:
-        """Each named tuner's diagnosis and candidates for the live job, one at a time (blocking)."""
+    def diagnose(
+        self, names: Sequence[str], limit: int, on_progress: Progress = lambda name, what: None
+    ) -> Iterator[DiagnosisResult]:
+        """Each named tuner's diagnosis and candidates for the live job, one at a time (blocking).
+
+        ``on_progress(tuner, what)`` hears what runs now: the observation they share
+        (``tuner`` None: "timing 11 layers standalone"), then each tuner's hooks."""
 
     @abstractmethod
     def profile(
@@ -199,22 +266,39 @@ class LiveBackend(Backend):
             for name in ("host", "nvml", "pyspy")
         }
         return LiveSnapshot(
-            status, self._tail.read(), series, self._sampler.static(), list(self._sampler.notices)
+            status,
+            self._tail.read(),
+            series,
+            self._sampler.static(),
+            list(self._sampler.notices),
+            [e for e in self.rd.read_events() if e.get("kind") in CHANGE_KINDS],
+            len(self.rd.read_run().get("applied") or []),
         )
 
-    def plugins(self) -> list[PluginRecord]:
-        return load_all()
+    def plugins(self) -> list[PluginInfo]:
+        return plugin_infos()
 
-    def diagnose(self, names: Sequence[str], limit: int) -> Iterator[DiagnosisResult]:
+    def diagnose(
+        self, names: Sequence[str], limit: int, on_progress: Progress = lambda name, what: None
+    ) -> Iterator[DiagnosisResult]:
         from tunekit.observe.breakdown import Breakdown
         from tunekit.observe.static import observe_static
         from tunekit.planning import diagnose_and_plan_here
+        from tunekit.plugin_loading import load_all
         from tunekit.store import Store
 
+        on_progress(None, "loading the tuners")
         records = {r.name: r for r in load_all()}
         store = Store.open_default(self.store_dir)
         try:
-            static = observe_static(self.workload, self.nproc, self.device, None, store)
+            static = observe_static(
+                self.workload,
+                self.nproc,
+                self.device,
+                None,
+                store,
+                on_stage=lambda what: on_progress(None, what),
+            )
             metrics = self._tail.read()
             baseline = live_baseline(metrics, self.nproc)
             obs = static.observation(
@@ -240,7 +324,9 @@ class LiveBackend(Backend):
                     )
                 else:
                     tuners[name] = rec.tuner
-            for step in diagnose_and_plan_here(tuners, obs, limit):
+            for step in diagnose_and_plan_here(
+                tuners, obs, limit, hooks=_saying(tuners, obs, on_progress)
+            ):
                 result = _diagnosis_result(step, tuners[step.name], against)
                 if result is not None:
                     yield result
@@ -335,6 +421,23 @@ def attach(run: str, store_dir: Path, device: str = "auto", **options: Any) -> L
     return LiveBackend(rd, store_dir, device=device, **options)
 
 
+def _saying(tuners: Mapping[str, Tuner], obs: Any, on_progress: Progress) -> Any:
+    """The in-process hooks, saying which tuner runs which hook before it runs it (made here:
+    :mod:`tunekit.planning` imports torch, which the idle app never needs)."""
+    from tunekit.planning import InProcessHooks
+
+    class SayingHooks(InProcessHooks):
+        async def diagnose(self, name: str):
+            on_progress(name, "diagnosing")
+            return await super().diagnose(name)
+
+        async def plan(self, name: str, limit: int):
+            on_progress(name, "planning its candidates")
+            return await super().plan(name, limit)
+
+    return SayingHooks(tuners, obs)
+
+
 def _diagnosis_result(
     step: TunerStep, tuner: Tuner, against: BaselineView
 ) -> DiagnosisResult | None:
@@ -348,7 +451,12 @@ def _diagnosis_result(
         if diag.applies:
             return None
         return DiagnosisResult(
-            step.name, diag.applies, diag.summary, diag.expected_gain, baseline=against
+            step.name,
+            diag.applies,
+            diag.summary,
+            diag.expected_gain,
+            baseline=against,
+            headline=headline_of(diag),
         )
     try:
         defaults = tuner.defaults()
@@ -359,5 +467,11 @@ def _diagnosis_result(
     except Exception as exc:  # a broken plugin is a notification, not a crash
         return DiagnosisResult(step.name, error=f"{type(exc).__name__}: {exc}", baseline=against)
     return DiagnosisResult(
-        step.name, diag.applies, diag.summary, diag.expected_gain, cands, baseline=against
+        step.name,
+        diag.applies,
+        diag.summary,
+        diag.expected_gain,
+        cands,
+        baseline=against,
+        headline=headline_of(diag),
     )

@@ -22,9 +22,9 @@ from tunekit.cli.common import (
     err_console,
     split_names,
 )
-from tunekit.plugin_loading import load_all, select
+from tunekit.plugin_loading import check_names
 from tunekit.runtime.job_process import JobProcess
-from tunekit.tui.backend import LiveBackend, TuneRequest, attach
+from tunekit.tui.backend import LiveBackend, TuneRequest, attach, plugin_infos
 from tunekit.workload_spec import resolve_spec
 
 
@@ -119,10 +119,9 @@ def tui_cmd(
     from tunekit.tui.app import DETACH, TunekitApp
 
     request = TuneRequest(plugins=split_names(plugins), trials=trials, steps=steps, warmup=warmup)
-    if request.plugins:
-        select(
-            load_all(), request.plugins
-        )  # an unknown or broken name: one line, before anything starts
+    if request.plugins:  # an unknown or broken name: one line, before anything starts
+        # (on the list a child process made: this one imports neither the plugins nor torch)
+        check_names(plugin_infos(), request.plugins)
     ensure_writable(
         store_dir, "the study store folder (--store)"
     )  # the job, studies and logs go there
@@ -145,9 +144,6 @@ def tui_cmd(
         )
         backend = LiveBackend(job.rd, store_dir, job=job, device=device)
         err_console.print(keeps_running(backend.run_id))
-    from tunekit.observe.kineto import start_profiler_in_main_thread
-
-    start_profiler_in_main_thread()  # before the app's workers profile from their threads
     app = TunekitApp(backend, request)
     outcome = None
     log_path = backend.store_dir / "tui" / f"{backend.run_id}-app.log"

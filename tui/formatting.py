@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,43 @@ def rate(nbytes_per_s: float | None) -> str:
 
 def number(x: float | None, digits: int = 1) -> str:
     return DASH if x is None else f"{x:,.{digits}f}"
+
+
+def compact(x: float) -> str:
+    """A scale's number in at most ~5 characters: 0.0231, 2.28, 232, 1234, 12.3k, 4.1M."""
+    a = abs(x)
+    if a >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{x / 1e3:.3g}k"
+    if a >= 100:
+        return f"{x:.0f}"
+    return f"{x:.3g}"
+
+
+def scale_numbers(lo: float, hi: float) -> tuple[str, str]:
+    """A scale's two ends, with as many decimals as tell them apart (2.28 and 2.30, not 2.3
+    twice; 210 and 250, not 210.0)."""
+    top = max(abs(lo), abs(hi))
+    if top >= 1e4:
+        return compact(lo), compact(hi)
+    span = hi - lo
+    if span > 0:
+        decimals = 1 - math.floor(math.log10(span))
+    else:
+        decimals = 2 - math.floor(math.log10(top)) if top else 0
+    decimals = min(max(decimals, 0), 4)
+    return f"{lo:.{decimals}f}", f"{hi:.{decimals}f}"
+
+
+def duration(seconds: float | None) -> str:
+    """A time left in words: '40 s', '3 min', '1 h 20 min'."""
+    if seconds is None:
+        return DASH
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60} min"
 
 
 def speedup(x: float | None) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tunekit.config import TuningConfig
+from tunekit.diagnosis_text import headline_of
 from tunekit.events import (
     Decided,
     Diagnosed,
@@ -99,6 +100,13 @@ class LiveView:
     step_ms: tuple[float, ...] = ()
     samples_rate: tuple[float, ...] = ()
     losses: tuple[float, ...] = ()
+    step_configs: tuple[int, ...] = ()
+    """Per point of ``step_ms``: which of the configs seen it ran under (0, 1 …; a rollback
+    returns to an earlier one's number)."""
+    changes: tuple[tuple[int, str], ...] = ()
+    """(index into ``step_ms`` of the first step after a change, ``apply`` or ``rollback``)."""
+    applied: int = 0
+    """Applies not rolled back yet (the job's stack of configs to go back to)."""
     devices: tuple[DeviceView, ...] = ()
     ranks: tuple[RankView, ...] = ()
     system_cpu: tuple[float, ...] = ()
@@ -175,6 +183,32 @@ def _ranks(host: Sequence[Mapping[str, Any]]) -> tuple[RankView, ...]:
     return tuple(out)
 
 
+CHANGE_KINDS = {"applied": "apply", "rolled_back": "rollback"}
+"""The run's events (``events.jsonl``) that change its config, as the charts mark them."""
+
+
+def config_changes(
+    metrics: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]
+) -> tuple[tuple[int, str], ...]:
+    """(index of the first metric at or after the change's step, kind) for each apply or
+    rollback that falls among ``metrics``."""
+    steps = [int(m.get("step", 0)) for m in metrics]
+    out = []
+    for e in events:
+        kind = CHANGE_KINDS.get(str(e.get("kind")))
+        if kind is None or e.get("step") is None or not steps:
+            continue
+        step = int(e["step"])
+        if steps[0] < step <= steps[-1]:
+            out.append((next(i for i, s in enumerate(steps) if s >= step), kind))
+    return tuple(out)
+
+
+def _ordinals(ids: Sequence[str]) -> tuple[int, ...]:
+    seen: dict[str, int] = {}
+    return tuple(seen.setdefault(i, len(seen)) for i in ids)
+
+
 def live_view(
     run_id: str,
     workload: str,
@@ -185,13 +219,17 @@ def live_view(
     notices: Sequence[str] = (),
     attached: bool = False,
     history: int = HISTORY,
+    events: Sequence[Mapping[str, Any]] = (),
+    applied: int = 0,
 ) -> LiveView:
     """The live view from a run's status, its recent metrics and the telemetry series.
 
     ``series`` is :meth:`TimeSeries.to_dict` (or part of it): ``host``, ``nvml``
-    sample lists; ``static`` is :meth:`TelemetrySampler.static`.
+    sample lists; ``static`` is :meth:`TelemetrySampler.static`; ``events`` the run's
+    events (its applies and rollbacks are marked); ``applied`` how many applies the
+    job could still roll back (``run.json``'s ``applied``).
     """
-    metrics = list(metrics)[-history:]
+    metrics = [m for m in list(metrics)[-history:] if m.get("step_s") is not None]
     last = status.get("last") or (metrics[-1] if metrics else {})
     host = list(series.get("host", ()))[-history:]
     nvml = list(series.get("nvml", ()))[-history:]
@@ -210,9 +248,12 @@ def live_view(
         config_id=str(status.get("config_id", "")),
         watch=status.get("watch"),
         error=status.get("error"),
-        step_ms=_values(m["step_s"] * 1e3 for m in metrics if m.get("step_s") is not None),
+        step_ms=_values(m["step_s"] * 1e3 for m in metrics),
         samples_rate=_values(m.get("samples_per_s") for m in metrics),
         losses=_values(m.get("loss") for m in metrics),
+        step_configs=_ordinals([str(m.get("config_id", "")) for m in metrics]),
+        changes=config_changes(metrics, events),
+        applied=applied,
         devices=devices,
         ranks=_ranks(host),
         system_cpu=_values(s["data"].get("system", {}).get("cpu_pct") for s in host),
@@ -228,6 +269,8 @@ def live_view(
 @dataclass(frozen=True)
 class LayerRow:
     name: str
+    """The layer as the model names it (``features.3 Conv2d``; the traced node's name where
+    the report gives no label)."""
     kind: str
     forward_s: float
     backward_s: float
@@ -327,9 +370,10 @@ def profile_from_report(
     """From :func:`tunekit.observe.profile_job.profile_job`'s report (and its py-spy series)."""
     summary = (report.get("breakdown") or {}).get("summary") or {}
     flops = {t["name"]: t.get("flops") for t in report.get("top_layers", [])}
+    labels = report.get("layer_labels") or {}
     layers = tuple(
         LayerRow(
-            t["name"],
+            labels.get(t["name"]) or t["name"],
             t["kind"],
             t["forward_s"],
             t["backward_s"],
@@ -361,7 +405,7 @@ def profile_from_observed(summary: Mapping[str, Any], source: str = "") -> Profi
     """From a study's :class:`~tunekit.events.Observed` summary (its baseline trial)."""
     breakdown = summary.get("breakdown") or {}
     layers = tuple(
-        LayerRow(t["name"], t["kind"], t["forward_s"], t["backward_s"])
+        LayerRow(t.get("label") or t["name"], t["kind"], t["forward_s"], t["backward_s"])
         for t in summary.get("top_layers", [])
     )
     telemetry = summary.get("telemetry") or {}
@@ -433,11 +477,16 @@ class TunerView:
     error: str = ""
     enabled: bool = True
     state: str = "idle"
-    """idle | diagnosing | diagnosed | failed."""
+    """idle | waiting (its turn to diagnose is to come) | diagnosing | diagnosed | failed."""
     applies: bool | None = None
     summary: str = ""
+    """The diagnosis's body (or why it failed)."""
     expected_gain: float | None = None
     candidates: tuple[CandidateView, ...] = ()
+    headline: str = ""
+    """The diagnosis in one line (:func:`tunekit.diagnosis_text.headline_of`)."""
+    activity: str = ""
+    """What its diagnosis is doing now ("planning its candidates"), while it runs."""
 
     @property
     def loaded(self) -> bool:
@@ -499,25 +548,84 @@ def replace_tuner(views: tuple[TunerView, ...], name: str, **changes: Any) -> tu
     return tuple(dataclasses.replace(v, **changes) if v.name == name else v for v in views)
 
 
+def next_to_diagnose(views: tuple[TunerView, ...]) -> tuple[TunerView, ...]:
+    """The first tuner waiting for its turn is diagnosing now (tuners run one at a time, in
+    the order listed)."""
+    if any(v.state == "diagnosing" for v in views):
+        return views
+    first = next((v for v in views if v.state == "waiting"), None)
+    if first is None:
+        return views
+    return replace_tuner(views, first.name, state="diagnosing", activity="diagnosing")
+
+
+def start_diagnosis(views: tuple[TunerView, ...], names: Iterable[str]) -> tuple[TunerView, ...]:
+    """``names`` wait for their turn to diagnose (their earlier verdicts cleared)."""
+    wanted = set(names)
+    return tuple(
+        dataclasses.replace(
+            v, state="waiting", activity="", applies=None, summary="", headline="",
+            expected_gain=None, candidates=(),
+        )
+        if v.name in wanted
+        else v
+        for v in views
+    )  # fmt: skip
+
+
 def fold_tuners(views: tuple[TunerView, ...], ev: Event) -> tuple[TunerView, ...]:
-    """A tuning's diagnoses, plans and plugin problems into the tuner views."""
+    """A tuning's diagnoses, plans and plugin problems into the tuner views.
+
+    The enabled tuners wait from the study's start; once the observation is in, the
+    orchestrator diagnoses them one after the other, so the first still waiting is the
+    one diagnosing."""
+    if isinstance(ev, StudyStarted):
+        return start_diagnosis(views, [v.name for v in views if v.enabled and v.loaded])
+    if isinstance(ev, Observed):
+        return next_to_diagnose(views)
     if isinstance(ev, Diagnosed):
-        return replace_tuner(
+        views = replace_tuner(
             views,
             ev.plugin,
-            state="diagnosed",
+            state="diagnosed" if not ev.applies else "diagnosing",
+            activity="planning its candidates" if ev.applies else "",
             applies=ev.applies,
             summary=ev.summary,
+            headline=headline_of(ev),
             expected_gain=ev.expected_gain,
             candidates=(),
         )
+        return views if ev.applies else next_to_diagnose(views)
     if isinstance(ev, Planned):
-        return replace_tuner(
-            views, ev.plugin, candidates=tuple(candidate_view(ev.plugin, c) for c in ev.candidates)
+        views = replace_tuner(
+            views,
+            ev.plugin,
+            state="diagnosed",
+            activity="",
+            candidates=tuple(candidate_view(ev.plugin, c) for c in ev.candidates),
         )
+        return next_to_diagnose(views)
     if isinstance(ev, PluginProblem):
-        return replace_tuner(views, ev.plugin, state="failed", summary=f"{ev.status}: {ev.error}")
+        views = replace_tuner(
+            views, ev.plugin, state="failed", activity="", summary=f"{ev.status}: {ev.error}"
+        )
+        return next_to_diagnose(views)
+    if (isinstance(ev, TrialStarted) and ev.role != BASELINE) or isinstance(
+        ev, Decided | StudyFinished
+    ):
+        # Candidates run once every tuner has planned: none is diagnosing any more.
+        return diagnosis_over(views)
     return views
+
+
+def diagnosis_over(views: tuple[TunerView, ...]) -> tuple[TunerView, ...]:
+    """No tuner waits or diagnoses any more (the diagnosis ended, or the tuning did)."""
+    return tuple(
+        dataclasses.replace(v, state="idle", activity="")
+        if v.state in ("waiting", "diagnosing")
+        else v
+        for v in views
+    )
 
 
 # -- trials -------------------------------------------------------------------------------
@@ -545,6 +653,31 @@ class TrialView:
     """Predicted peak memory per rank (the core memory model), when the tuner gave one."""
     peak_bytes: float | None = None
     """Measured peak memory per rank (the largest rank's)."""
+    started_at: float | None = None
+    """When the app saw it start (the app's clock, for the time left)."""
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def wall_s(self) -> float | None:
+        """How long it ran, start to finish, as the app saw it (None if skipped or unseen)."""
+        if self.status in ("skipped", "cancelled") or self.started_at is None:
+            return None
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    @property
+    def global_batch(self) -> float | None:
+        """Samples per step, as its measurement says (samples/s × step time)."""
+        return self.samples_per_s * self.median_s if self.samples_per_s and self.median_s else None
+
+    @property
+    def predicted_samples_per_s(self) -> float | None:
+        """Its prediction in samples/s, at its own measured batch (None unmeasured)."""
+        batch = self.global_batch
+        return batch / self.predicted_s if batch and self.predicted_s else None
 
     @property
     def prediction_error(self) -> float | None:
@@ -626,6 +759,25 @@ class StudyView:
     def trial(self, trial_id: int) -> TrialView | None:
         return next((t for t in self.trials if t.trial_id == trial_id), None)
 
+    @property
+    def done(self) -> int:
+        """Trials over (measured, failed, skipped or cancelled)."""
+        return sum(t.done for t in self.trials)
+
+    def time_left_s(self, now: float) -> float | None:
+        """The tuning's time left: the trials to come at the mean wall time of those that ran
+        (the one in flight counted from when it started); None before any trial ran."""
+        ran = [t.wall_s for t in self.trials if t.wall_s is not None]
+        if not self.running or not ran:
+            return None
+        mean = sum(ran) / len(ran)
+        current = self.trial(self.current) if self.current is not None else None
+        to_come = max(self.total - self.done - (1 if current else 0), 0)
+        left = to_come * mean
+        if current is not None and current.started_at is not None:
+            left += max(mean - (now - current.started_at), 0.1 * mean)
+        return left
+
 
 def _upsert(trials: tuple[TrialView, ...], view: TrialView) -> tuple[TrialView, ...]:
     if any(t.trial_id == view.trial_id for t in trials):
@@ -633,8 +785,11 @@ def _upsert(trials: tuple[TrialView, ...], view: TrialView) -> tuple[TrialView, 
     return (*trials, view)
 
 
-def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = None) -> StudyView:
-    """Apply one orchestrator event; ``config`` is a finished trial's config when known."""
+def fold_study(
+    study: StudyView, ev: Event, config: Mapping[str, Any] | None = None, now: float | None = None
+) -> StudyView:
+    """Apply one orchestrator event; ``config`` is a finished trial's config when known,
+    ``now`` the app's clock when the event arrived (trials' wall times, the time left)."""
     r = dataclasses.replace
     if isinstance(ev, StudyStarted):
         extra = f" (resumed, {ev.finished_trials} trial(s) done)" if ev.resumed else ""
@@ -662,6 +817,7 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             ev.predicted_s,
             config=old.config if old else None,
             corrected_s=ev.corrected_s,
+            started_at=now,
         )
         return r(
             study,
@@ -694,8 +850,10 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
             config if config is not None else (old.config if old else None),
             ev.corrected_s,
             getattr(ev, "samples_per_s", None),
-            getattr(ev, "predicted_peak_bytes", None),
-            getattr(ev, "peak_bytes", None),
+            predicted_peak_bytes=getattr(ev, "predicted_peak_bytes", None),
+            peak_bytes=getattr(ev, "peak_bytes", None),
+            started_at=old.started_at if old else None,
+            finished_at=now,
         )
         current = None if study.current == ev.trial_id else study.current
         return r(
@@ -713,6 +871,17 @@ def fold_study(study: StudyView, ev: Event, config: Mapping[str, Any] | None = N
     return study
 
 
+def end_study(study: StudyView, state: str, message: str) -> StudyView:
+    """The tuning ended early (cancelled, failed): the trial in flight ended with it."""
+    trials = tuple(
+        dataclasses.replace(t, status=state) if t.status == "running" else t for t in study.trials
+    )
+    return dataclasses.replace(
+        study, state=state, message=message, current=None, phase="", step=0, steps=0,
+        trials=trials,
+    )  # fmt: skip
+
+
 # -- apply --------------------------------------------------------------------------------
 
 
@@ -724,24 +893,42 @@ class ApplyTarget:
     label: str
     significant: bool = True
     """False for a measured candidate the decision did not crown."""
+    caveat: str = ""
+    """What the decision said against trusting it ("too noisy to trust this winner …")."""
+
+
+CAVEATS = ("too noisy", "not confirmed", "drifted")
+"""Words that mark a part of the decision's reason as a reservation about its winner."""
+
+
+def decision_caveat(decision: Mapping[str, Any] | None) -> str:
+    """The parts of the decision's reason that say its verdict is not to be trusted as is."""
+    parts = str((decision or {}).get("reason", "")).split("; ")
+    return "; ".join(p for p in parts if any(w in p for w in CAVEATS))
 
 
 def best_target(study: StudyView) -> ApplyTarget | None:
     """The decision's winner; when it kept the baseline, the fastest measured candidate."""
     d = study.decision
+    of = f" of study {study.study_id}" if study.study_id is not None else ""
+    caveat = decision_caveat(d)
     if d and d.get("winner", BASELINE) != BASELINE and d.get("winner_config"):
         return ApplyTarget(
             dict(d["winner_config"]),
-            f"winner {d['winner']} ({d.get('speedup', 1):.2f}x the baseline's samples/s)",
+            f"winner{of} {d['winner']} ({d.get('speedup', 1):.2f}x the baseline's samples/s)",
+            caveat=caveat,
         )
     best = study.best
     if best is None or best.config is None:
         return None
     sp = study.speedup(best)
     vs = f", {sp:.2f}x the baseline's samples/s" if sp else ""
-    why = "the decision kept the baseline; " if d else "best so far: "
+    why = f"the decision{of} kept the baseline; " if d else f"best so far{of}: "
     return ApplyTarget(
-        dict(best.config), f"{why}fastest candidate {best.description}{vs}", significant=False
+        dict(best.config),
+        f"{why}fastest candidate {best.description}{vs}",
+        significant=False,
+        caveat=caveat,
     )
 
 

@@ -16,10 +16,14 @@ What there is, by the step of a tuner's life that needs it:
 * **Measuring here**: steps timed part by part (:func:`time_steps`), layers run
   standalone (:class:`LayerRunner`), gradient-ready times
   (:func:`time_groups`), links, collectives and host copies with intervals
-  (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`).
+  (:func:`allreduce_timings`, :func:`copy_timings`, :func:`fit_samples`); how
+  many repeats and how long a budget the user's ``$TUNEKIT_MEASURE_EFFORT``
+  allows (:func:`effort_repeats`, :func:`effort_seconds`, :func:`measure_effort`).
 * **Cost models**: FLOPs to seconds (:class:`ComputeRate`), a model calibrated
   on the measured baseline (:class:`Calibration`), the fastest store-and-forward
   path over a graph of links (:func:`fastest_path`, as :meth:`Hardware.route`).
+* **Saying it** (``diagnose``): :func:`compose_headline`, the one-line headline every
+  tuner writes the same way (verdict · expected gain with its range · the measured figure).
 * **Searching**: a MILP wrapper over HiGHS (:class:`MilpModel`) and variable
   elimination over a cost graph (:func:`solve_elimination`).
 * **The runtime hooks** (``apply``, ``search``): :class:`Session`, the gradient
@@ -38,7 +42,9 @@ What there is, by the step of a tuner's life that needs it:
 from __future__ import annotations
 
 from tunekit.costmodel import BACKWARD_FLOPS_RATIO, Calibration, ComputeRate, training_flops
-from tunekit.hardware import GB, CollectiveFit, Hardware, fastest_path
+from tunekit.diagnosis_text import compose_headline
+from tunekit.effort import effort_repeats, effort_seconds, measure_effort
+from tunekit.hardware import GB, CollectiveFit, Device, Hardware, Host, fastest_path
 from tunekit.layout import Layout
 from tunekit.memory import (
     PART_WORDS,
@@ -53,10 +59,12 @@ from tunekit.observe.blocks import block_units, graph_units, unit_starts
 from tunekit.observe.breakdown import Breakdown
 from tunekit.observe.grad_timing import Clock, time_groups
 from tunekit.observe.graph import Layer, ModelGraph, layer_output, trace_model
+from tunekit.observe.layer_modules import LayerModule, layer_modules
 from tunekit.observe.layer_profile import (
     LayerProfile,
     LayerRunner,
     LayerStep,
+    LayerTiming,
     measure_layer,
     output_member,
     run_steps,
@@ -127,17 +135,21 @@ __all__ = [
     "ComputeRate",
     "CostGraph",
     "DDPSync",
+    "Device",
     "EliminationStats",
     "Estimate",
     "FSDPSync",
     "GradSync",
     "Hardware",
     "HookedAccumulation",
+    "Host",
     "Layer",
     "LayerInfo",
+    "LayerModule",
     "LayerProfile",
     "LayerRunner",
     "LayerStep",
+    "LayerTiming",
     "Layout",
     "LoaderOptions",
     "LocalSync",
@@ -164,17 +176,22 @@ __all__ = [
     "broadcast_object",
     "calibrate_memory",
     "check_threads",
+    "compose_headline",
     "copy_timings",
     "ddp_supports_bucket_list",
     "declined_features",
     "describe_local_machine",
+    "effort_repeats",
+    "effort_seconds",
     "fastest_path",
     "fit_samples",
     "format_bytes",
     "graph_units",
     "intra_op_threads",
     "is_out_of_memory",
+    "layer_modules",
     "layer_output",
+    "measure_effort",
     "measure_layer",
     "model_blocks",
     "output_member",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tunekit.contract import Aspect
-from tunekit.errors import ConfigError
+from tunekit.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from tunekit.contract import Tuner
@@ -112,7 +112,7 @@ class TuningConfig:
             plugin, dot, knob = key.strip().partition(".")
             if not eq or not dot or not plugin or not knob:
                 raise ConfigError(
-                    f"{pair!r} is not PLUGIN.knob=value (like overlap_chunking.mode=two_chunk)"
+                    f"{shown(pair)} is not PLUGIN.knob=value (like overlap_chunking.mode=two_chunk)"
                 )
             try:
                 value = json.loads(text)
@@ -165,7 +165,7 @@ def check_batch(config: TuningConfig, status: dict) -> None:
                 else "the workload sets no batch_range"
             )
             raise ConfigError(
-                f"{plugin}.batch_size={value} is outside run {status.get('run_id', '?')}'s batch range "
+                f"{plugin}.batch_size={shown(value)} is outside run {status.get('run_id', '?')}'s batch range "
                 f"({allowed}; 0 keeps its own {batch.get('workload')})"
             )
 
@@ -195,7 +195,7 @@ def resolve(
         if tuner is None:
             installed = ", ".join(sorted(tuners)) or "none"
             raise ConfigError(
-                f"config names tuner {name!r}, which is not installed (installed: {installed})"
+                f"config names tuner {shown(name)}, which is not installed (installed: {installed})"
             )
         if tuner.aspect in by_aspect:
             raise ConfigError(

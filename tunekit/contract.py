@@ -45,7 +45,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from tunekit import API_VERSION
-from tunekit.errors import ConfigError
+from tunekit.errors import ConfigError, shown
 
 if TYPE_CHECKING:  # only for annotations: the contract imports nothing heavy
     from tunekit.observe.observation import Observation
@@ -126,16 +126,16 @@ class Knob:
         where = where or f"knob {self.name}"
         if self.type == "bool":
             if not isinstance(value, bool):
-                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+                raise ConfigError(f"{where}: expected true or false, got {shown(value)}")
             return value
         if self.type == "choice":
             if value not in self.choices:
-                shown = ", ".join(map(str, self.choices))
-                raise ConfigError(f"{where}: {value!r} is not one of {shown}")
+                allowed = ", ".join(map(str, self.choices))
+                raise ConfigError(f"{where}: {shown(value)} is not one of {allowed}")
             return value
         if self.type == "str":
             if not isinstance(value, str):
-                raise ConfigError(f"{where}: expected a string, got {value!r}")
+                raise ConfigError(f"{where}: expected a string, got {shown(value)}")
             if self.parse is not None:
                 try:
                     self.parse(value)
@@ -145,19 +145,22 @@ class Knob:
                     raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from None
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {shown(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {shown(value)}")
         if self.type == "int":
-            if float(value) != int(value):
-                raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            if isinstance(value, float) and not value.is_integer():
+                raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
             value = int(value)
         else:
-            value = float(value)
-            if not math.isfinite(value):
-                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            try:
+                value = float(value)  # an integer of hundreds of digits does not fit
+            except OverflowError:
+                raise ConfigError(f"{where}: {shown(value)} is out of range") from None
         if (self.low is not None and value < self.low) or (
             self.high is not None and value > self.high
         ):
-            raise ConfigError(f"{where}: {value} is out of range [{self.low}, {self.high}]")
+            raise ConfigError(f"{where}: {shown(value)} is out of range [{self.low}, {self.high}]")
         return value
 
     def describe(self) -> str:
@@ -362,7 +365,7 @@ class Tuner(ABC):
         unknown = sorted(set(knobs) - set(declared))
         if unknown:
             raise ConfigError(
-                f"{self.name}: unknown knob {unknown[0]!r}; known: {', '.join(declared)}"
+                f"{self.name}: unknown knob {shown(unknown[0])}; known: {', '.join(declared)}"
             )
         return {
             name: knob.check(knobs[name], where=f"{self.name}.{name}")

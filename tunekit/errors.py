@@ -3,6 +3,18 @@
 Anything else escaping is a bug in tunekit and keeps its traceback.
 """
 
+SHOWN_CHARS = 40
+"""The most of a refused value an error quotes back."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error to quote, cut to ``limit`` characters: a refused
+    ``k=1e300`` (an integer of 301 digits once read) is not echoed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 1]}… ({len(text)} characters)"
+
 
 class TunekitError(Exception):
     """Base class: bad input or an unusable environment, explained in one line."""

@@ -35,6 +35,9 @@ class PluginProblem(Event):
     package: str
     status: str
     error: str
+    """One line (with where in the plugin it raised, when it raised)."""
+    traceback: str = ""
+    """The whole traceback, when a hook raised (report.md shows it under Problems)."""
 
 
 @dataclass
@@ -107,6 +110,9 @@ class TrialFinished(Event):
 BUDGET_SKIP = "did not fit the time budget"
 """``TrialFinished.error`` of a trial skipped because the time budget had no room for it."""
 
+NOTHING_RAN = "nothing ran since the last baseline run (every trial between was skipped)"
+"""``TrialFinished.error`` of an interleaved baseline run skipped: it would measure beside nothing."""
+
 
 @dataclass
 class Reranked(Event):
@@ -135,3 +141,5 @@ class StudyFinished(Event):
     study_id: int
     winner: str
     speedup: float | None
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    """Where the study's time went, stage by stage (:mod:`tunekit.timings`)."""

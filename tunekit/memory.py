@@ -34,10 +34,11 @@ The layout changes the parts, not the facts:
   are alive.
 
 Calibration (:func:`calibrate`): the model of the configuration that was measured (the
-baseline) is compared with its measured peak; the difference (allocator slack, buffers
-the model does not name) is carried into every prediction as the part ``calibration``,
-so the baseline is reproduced and a candidate differs from it only by what the model
-says changes.
+baseline) is compared with its measured peak; the difference is carried into every
+prediction as the part ``calibration`` -- added as it is where the model missed something
+(allocator slack, a workspace, buffers it does not name), in proportion where it counted
+too much -- so the baseline is reproduced and a candidate differs from it only by what
+the model says changes.
 """
 
 from __future__ import annotations
@@ -241,7 +242,12 @@ class MemoryPrediction:
 
 @dataclass(frozen=True)
 class MemoryCalibration:
-    """What the model missed on a measured configuration (added to every prediction)."""
+    """The model against a measured configuration, and how every prediction follows it.
+
+    What the model misses (a workspace, a buffer it does not name) is added to every
+    prediction as it is; where the model counts more than was measured, every prediction
+    is scaled down in proportion instead, so that a small configuration is not cut by a
+    large one's excess. Either way the measured configuration is reproduced exactly."""
 
     residual_bytes: float
     measured_bytes: float
@@ -250,6 +256,12 @@ class MemoryCalibration:
     @property
     def ratio(self) -> float:
         return self.measured_bytes / self.modelled_bytes if self.modelled_bytes else 1.0
+
+    def adjustment(self, modelled_bytes: float) -> float:
+        """The part ``calibration`` of a prediction the model puts at ``modelled_bytes``."""
+        if self.residual_bytes >= 0:
+            return self.residual_bytes
+        return (self.ratio - 1.0) * modelled_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -389,7 +401,7 @@ def predict(
     moment, parts = max(moments, key=lambda mp: sum(mp[1].values()))
     parts = {k: v for k, v in parts.items() if v}
     if calibration is not None:
-        parts["calibration"] = calibration.residual_bytes
+        parts["calibration"] = calibration.adjustment(sum(parts.values()))
     return MemoryPrediction(
         peak_bytes=sum(parts.values()),
         parts=parts,

@@ -21,17 +21,20 @@ import json
 import shutil
 import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
+
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Candidate, Diagnosis, Tuner
+from tunekit.contract import Aspect, Candidate, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
     BUDGET_SKIP,
+    NOTHING_RAN,
     Decided,
     Diagnosed,
     Event,
@@ -46,23 +49,35 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
+from tunekit.hardware import Hardware
 from tunekit.layout import Layout
 from tunekit.locks import describe_holder
 from tunekit.observe.blocks import profile_blocks
 from tunekit.observe.breakdown import Breakdown, analyze_trial
 from tunekit.observe.observation import Measurement, Observation, TelemetrySummary
+from tunekit.observe.probe import DEFAULT_REPEATS, DEFAULT_SIZES, ProbeResult, probe_result
 from tunekit.observe.static import (
     StaticObservation,
     describe_hardware,
     observe_in_child,
+    probe_cache_key,
     resolve_device_type,
 )
 from tunekit.observe.telemetry import TelemetrySampler
 from tunekit.observe.workload_process import OBSERVE_LOG, ObservationFailed, WorkloadProcess
-from tunekit.planning import ChildHooks, TunerDiagnosed, TunerPlanned, TunerStep, diagnose_and_plan
-from tunekit.plugin_loading import load_all, select, slow_imports
+from tunekit.planning import (
+    ChildHooks,
+    TunerDiagnosed,
+    TunerFailed,
+    TunerPlanned,
+    TunerStep,
+    diagnose_and_plan,
+    diagnose_and_plan_side_by_side,
+)
+from tunekit.plugin_loading import PluginRecord, load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
 from tunekit.store import Store, StudyRow, TrialRow
+from tunekit.timings import Timings, own_cpu_s
 from tunekit.trials.decide import (
     BASELINE,
     CANDIDATE,
@@ -74,6 +89,7 @@ from tunekit.trials.decide import (
     decide,
     leader_to_confirm,
     schedule,
+    still_unclear,
 )
 from tunekit.trials.feedback import (
     Corrector,
@@ -84,8 +100,14 @@ from tunekit.trials.feedback import (
     predicted_peaks,
     rank_pool,
 )
-from tunekit.trials.launcher import LaunchOptions, TrialOutcome, TrialSpec, run_trial
-from tunekit.trials.length import trial_length
+from tunekit.trials.launcher import (
+    LaunchOptions,
+    TrialOutcome,
+    TrialSpec,
+    rank_threads,
+    run_trial,
+)
+from tunekit.trials.length import trial_length, wall_estimate
 from tunekit.trials.nodes import (
     Coordinator,
     NodesError,
@@ -96,6 +118,7 @@ from tunekit.trials.nodes import (
     node_summary,
 )
 from tunekit.trials.output import OutputRecord
+from tunekit.workload import prepare_arguments
 
 
 @dataclass
@@ -122,6 +145,9 @@ class AutoSettings:
     """A winner must be faster than the baseline by this fraction beyond noise."""
     baseline_every: int = 3
     """Re-measure the baseline after this many candidates (interleaving)."""
+    measure_rounds: int = 3
+    """Paired rounds (the leader, and its rival, beside the baseline) a decision that is not yet
+    clear may add, within the time budget (see ``still_unclear``)."""
     device: str = "auto"
     hardware: str | None = None
     """Plan for this hardware profile (name or TOML) instead of this machine."""
@@ -148,6 +174,9 @@ class AutoSettings:
     memory_cap_bytes: int | None = None
     """``--memory-cap``: the most memory a rank may hold; a step over it fails its trial as
     out of memory, and planners read it as each device's memory."""
+    clock_from: float | None = None
+    """``time.monotonic()`` at which the time budget starts counting (None: when the study
+    starts). The CLI gives its own process's start, so that ``--budget`` bounds the command."""
     pause_run: RunDir | None = None
     """A live job on this machine to hold at a step boundary while the study measures
     (it would slow the trials, and they it); it resumes when the trials end, fail or
@@ -182,14 +211,17 @@ class AutoSettings:
         }
 
 
-def study_key_of(static: StaticObservation, s: AutoSettings) -> str:
-    """The study key of a job: its model, the hardware, the settings that change what a trial
-    measures, and the workload's layout when it is not plain DDP."""
+def job_settings(static: StaticObservation, s: AutoSettings) -> dict[str, Any]:
+    """The settings that change what a trial measures, and the workload's layout when it is
+    not plain DDP (a study keeps them; ``tunekit plan`` matches a stored baseline on them)."""
     layout = static.workload.layout()
     extra = {"layout": layout.to_dict()} if layout != Layout() else {}
-    return study_key(
-        static.graph_hash, static.hardware.fingerprint(), {**s.study_settings(), **extra}
-    )
+    return {**s.study_settings(), **extra}
+
+
+def study_key_of(static: StaticObservation, s: AutoSettings) -> str:
+    """The study key of a job: its model, the hardware and :func:`job_settings`."""
+    return study_key(static.graph_hash, static.hardware.fingerprint(), job_settings(static, s))
 
 
 def study_key(graph_hash: str, hw_fingerprint: str, settings: dict[str, Any]) -> str:
@@ -207,38 +239,64 @@ class _Run:
 
     def __init__(self, settings: AutoSettings):
         self.s = settings
-        self.started = time.monotonic()
+        self.started = settings.clock_from or time.monotonic()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.trial_walls: list[float] = []
         self.nodes: Coordinator | None = None
         """Several nodes: the followers' coordinator (this is node 0)."""
         self.node_probes: dict[int, list[dict[str, Any]]] = {}
         """Several nodes: each node's own collective fits (node 0's too)."""
         self.token_hint = ""
         """How a follower gets the token (``--token-file PATH``), when this study made it."""
+        self.timings = Timings()
+        """Where this run's time went, stage by stage (report.json's ``timings``)."""
+        self.probe: dict[str, Any] | None = None
+        """What the first baseline trial's ranks probe after their steps (``TrialSpec.probe``)."""
+        self.probed: ProbeResult | None = None
+        """What they measured."""
+        if settings.clock_from is not None:  # the command's own start: its imports, torch's
+            self.timings.add("start: tunekit itself", self.elapsed(), own_cpu_s())
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def fits_budget(self, trials_after: int = 0) -> bool:
-        """Whether one more trial, and ``trials_after`` more behind it, fit in the budget left
-        (each estimated at the mean wall time of the trials so far)."""
+    def fits_budget(self, walls: list[float]) -> bool:
+        """Whether trials of these expected wall times, one after another, fit in the budget left."""
         if self.s.budget_s is None:
             return True
-        estimate = (sum(self.trial_walls) / len(self.trial_walls)) if self.trial_walls else 0.0
-        return self.elapsed() + estimate * (1 + trials_after) <= self.s.budget_s
+        return self.elapsed() + sum(walls) <= self.s.budget_s
 
+    def wall(
+        self, config_id: str, step_s: float | None, rows: list[TrialRow], search: bool = False
+    ) -> float:
+        """Expected wall seconds of a trial of ``config_id`` (see ``wall_estimate``)."""
+        s = self.s
+        return wall_estimate(
+            config_id, step_s, rows, s.warmup, s.steps, s.search_steps if search else 0
+        )
 
-RESERVED_FOR_CONFIRMATION = 2
-"""Trials a budget keeps back from candidates: a confirmation run of the leader and the
-baseline run beside it, so that a winner is never declared on a single run for lack of time."""
-
-
-def budget_reserve(role: str) -> int:
-    """Trials that must still fit behind a trial of ``role`` (see :data:`RESERVED_FOR_CONFIRMATION`)."""
-    if role in (CANDIDATE, SEARCH, COMBINED):
-        return RESERVED_FOR_CONFIRMATION
-    return 1 if role == CONFIRM else 0  # a confirmation's own baseline
+    def walls_for(self, row: TrialRow, rows: list[TrialRow]) -> list[float]:
+        """The expected wall times of ``row``'s trial and of those the budget keeps back behind it:
+        for a candidate, the baseline that closes its block (if one is planned), a confirmation
+        and the baseline beside that, so that a winner is never declared on a single run for
+        lack of time (the confirmation of whichever will lead: this candidate, or one measured
+        once already that looks faster than the baseline, the longest of them); for a
+        confirmation, its baseline."""
+        step_s = row.corrected_s or row.predicted_s
+        own = self.wall(row.config_id, step_s, rows, search=bool(row.config.get("search")))
+        base = self.wall(TuningConfig().config_id, None, rows)
+        if row.role in (CANDIDATE, SEARCH, COMBINED):
+            later = [t for t in rows if not t.done and t.seq > row.seq]
+            closing = [base] if any(t.role == BASELINE for t in later) else []
+            leaders = [
+                self.wall(r["config_id"], r["median_s"], rows)
+                for r in decide(rows, self.s.min_effect)["candidates"]
+                if r.get("comparison")
+                and r["runs"] == 1
+                and r["comparison"]["speedup"] > 1 + self.s.min_effect
+            ]
+            confirm = max([self.wall(row.config_id, step_s, rows), *leaders])
+            return [own, *closing, confirm, base]
+        return [own, base] if row.role == CONFIRM else [own]
 
 
 async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
@@ -256,12 +314,13 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         if s.launch.nnodes > 1:
             for notice in _coordinate(run, s):
                 yield notice
-        await observer.start()
-        records = load_all()
-        tuners = select(records, s.plugins)
-        for rec in records:
-            if not rec.ok and (s.plugins is None or rec.name in s.plugins):
-                yield PluginProblem(rec.name, rec.package, rec.status, rec.error)
+        with run.timings.stage("start: load the tuners"):
+            await observer.start()
+            records = load_all()
+            tuners = select(records, s.plugins)
+        not_loaded = [r for r in records if not r.ok and (s.plugins is None or r.name in s.plugins)]
+        for rec in not_loaded:
+            yield PluginProblem(rec.name, rec.package, rec.status, rec.error, rec.traceback)
         for line in slow_imports([r for r in records if r.name in tuners]):
             yield Notice(line, "warning")
         paused = False
@@ -278,10 +337,11 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 s.seed,
                 s.launch.threads_per_rank,
                 True,
-                s.probe and s.launch.loopback_nodes == 1 and s.launch.nnodes == 1,
+                False,  # the baseline trial's ranks probe, where no probe is cached (below)
                 s.timeout_s,
                 s.store_dir,
                 observer,
+                run.timings,
             )
         except (
             ObservationFailed
@@ -299,6 +359,16 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         ):  # its CUDA context would hold GPU memory beside the baseline trial
             await observer.close()  # the tuners' hooks then start a fresh one
         spec, graph_hash, hardware = static.spec, static.graph_hash, static.hardware
+        wants_probe = (
+            s.probe
+            and not s.hardware
+            and s.launch.loopback_nodes == 1
+            and s.launch.nnodes == 1
+            and s.launch.world_size >= 2
+            and not hardware.collectives
+        )
+        if wants_probe:
+            run.probe = {"sizes": list(DEFAULT_SIZES), "repeats": DEFAULT_REPEATS}
         for text in static.notices:
             yield Notice(text, "warning")
         check_memory_cap(s.memory_cap_bytes, static, s.launch.world_size)
@@ -327,7 +397,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
                 graph_hash=graph_hash,
                 hw_fingerprint=hardware.fingerprint(),
                 nproc=s.nproc,
-                settings=s.study_settings(),
+                settings=job_settings(static, s),
             )
             store.add_trial(
                 sid,
@@ -341,6 +411,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         else:
             store.reset_unfinished(study.id)
             store.set_study(study.id, status="running")
+            earlier = (study.observation or {}).get("timings", [])
+            run.timings.stages[:0] = Timings(earlier).stages
         sid = study.id
         lock.update(study=sid)
         if "plans" in (study.observation or {}):  # planned already: no tuner hook will run
@@ -356,6 +428,10 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         async for ev in _run_pending(run, store, sid, spec, tuners, only_seq=0, observe=True):
             yield ev
         base_row = store.trials(sid)[0]
+        if wants_probe and base_row.status == "ok":
+            static.hardware, probe_notes = await _probed(run, store, static, s)
+            for text in probe_notes:
+                yield Notice(text, "warning")
         if base_row.status != "ok":
             store.set_study(
                 sid,
@@ -373,7 +449,8 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
             memory_cap_bytes=s.memory_cap_bytes,
             baseline_peak_bytes=peak_of(base_row),
         )
-        obs.breakdown, obs.telemetry = observed_baseline(base_row)
+        with run.timings.stage("observe: analyse the baseline's profile"):
+            obs.breakdown, obs.telemetry = observed_baseline(base_row)
         observation = study.observation or {}
         if run.nodes is not None:  # who joined this time (a resumed study may meet other machines)
             observation["nodes"] = {str(r): hello for r, hello in sorted(run.nodes.nodes.items())}
@@ -388,6 +465,7 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         yield Observed(observation["summary"])
 
         if "plans" not in observation:  # not planned yet (a plan is written whole or not at all)
+            observation["problems"] = [_load_problem(r) for r in not_loaded]
             async for ev in _diagnose_and_plan(run, store, sid, obs, tuners, observation, observer):
                 yield ev
         else:
@@ -404,28 +482,40 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
 
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev
-        async for ev in _combine_winners(run, store, sid, spec, tuners):
-            yield ev
-        async for ev in _confirm_leader(run, store, sid, spec, tuners):
-            yield ev
+        # A winner that needed more rounds to show gets its combination after them.
+        for _ in range(2):
+            async for ev in _combine_winners(run, store, sid, spec, tuners):
+                yield ev
+            async for ev in _confirm_leader(run, store, sid, spec, tuners):
+                yield ev
+            async for ev in _measure_more(run, store, sid, spec, tuners):
+                yield ev
         if paused:
             assert s.pause_run is not None  # paused only when there is a run to pause
             held.close()
             yield Notice(f"run {s.pause_run.run_id} resumed")
 
-        trials = store.trials(sid)
-        decision = decide(trials, s.min_effect, _describer(tuners))
-        decision["global_batch"] = obs.global_batch
-        for notice in _qualify(decision, trials, s, store.study(sid).observation or {}):
+        with run.timings.stage("decide"):
+            trials = store.trials(sid)
+            decision = decide(trials, s.min_effect, _describer(tuners))
+            decision["global_batch"] = obs.global_batch
+            notices = _qualify(decision, trials, s, store.study(sid).observation or {})
+        for notice in notices:
             yield notice
+        if run.nodes is not None and (refused := run.nodes.refusals.summary()):
+            store.log_event(sid, "node_values_refused", {"count": run.nodes.refusals.count})
+            yield Notice(refused, "warning")
         store.set_study(sid, status="finished", finished=time.time(), decision=decision)
         yield Decided(decision)
         from tunekit.report import write_report
 
-        paths = write_report(store, sid, s.out_dir, tuners, launch=s.launch)
+        _store_timings(store, sid, run.timings)  # the report shows them, up to here
+        with run.timings.stage("write the report"):
+            paths = write_report(store, sid, s.out_dir, tuners, launch=s.launch)
+        timings = _store_timings(store, sid, run.timings)  # `tunekit report` shows them all
         yield ReportWritten({k: str(v) for k, v in paths.items()})
         store.log_event(sid, "finished", {"winner": decision["winner"]})
-        yield StudyFinished(sid, decision["winner"], decision.get("speedup"))
+        yield StudyFinished(sid, decision["winner"], decision.get("speedup"), timings)
     except (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit, NodesError):
         if sid is not None:  # leave the study resumable: the trial in flight runs again
             store.reset_unfinished(sid)
@@ -441,6 +531,35 @@ async def run_auto(settings: AutoSettings) -> AsyncIterator[Event]:
         store.close()
 
 
+async def _probed(
+    run: _Run, store: Store, static: StaticObservation, s: AutoSettings
+) -> tuple[Hardware, list[str]]:
+    """This machine with the collectives the baseline trial's ranks timed, cached for later
+    studies; or, where they did not (a study resumed after its baseline, a probe that failed),
+    probed now by ranks of its own."""
+    probed = run.probed
+    if probed is None:
+        with run.timings.stage("observe: probe the collectives (ranks of its own)"):
+            return await asyncio.to_thread(
+                describe_hardware, s.launch.world_size, static.device_type, None, store, True
+            )
+    hw = probed.hardware
+    store.cache_put(probe_cache_key(hw), [asdict(f) for f in hw.collectives])
+    return hw, [
+        f"probed this machine's collectives in the baseline trial ({probed.wall_s:.0f} s); "
+        "cached for later studies (tunekit hardware probe re-measures)"
+    ]
+
+
+def _store_timings(store: Store, sid: int, timings: Timings) -> list[dict[str, Any]]:
+    """The stages so far (a resumed study's earlier runs first) into the study's observation."""
+    observation = store.study(sid).observation or {}
+    rows = timings.to_list()
+    observation["timings"] = rows
+    store.set_study(sid, observation=observation)
+    return rows
+
+
 def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
     """Host the followers' store (this is node 0); say how each follower joins."""
     if s.launch.node_rank != 0:
@@ -449,8 +568,15 @@ def _coordinate(run: _Run, s: AutoSettings) -> list[Notice]:
         raise ConfigError(
             "several nodes need --rdzv-endpoint HOST:PORT: where this node hosts the coordinator"
         )
+    loop = asyncio.get_running_loop()
+
+    def say(
+        line: str,
+    ) -> None:  # from whichever thread reads the store; yielded with the next events
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(line, "warning"))
+
     run.nodes, run.token_hint = host_coordinator(
-        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir
+        s.launch.rdzv_endpoint, s.launch.nnodes, s.node_token, s.store_dir, say
     )
     return [Notice(run.nodes.how_to_follow(run.token_hint))]
 
@@ -459,15 +585,21 @@ async def _wait_for_followers(run: _Run, store: Store, sid: int) -> AsyncIterato
     """Every follower joined, or a NodesError naming those that did not."""
     nodes = run.nodes
     assert nodes is not None  # only a study across nodes waits for followers
-    joined: list[int] = []
-    await asyncio.to_thread(
-        nodes.wait_for_followers,
-        run.s.join_timeout_s,
-        run.token_hint,
-        lambda r, hello: joined.append(r),
+    loop = asyncio.get_running_loop()
+
+    def joined(r: int, _: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(run.queue.put_nowait, Notice(describe_hello(nodes, r)))
+
+    waiting = asyncio.create_task(
+        asyncio.to_thread(nodes.wait_for_followers, run.s.join_timeout_s, run.token_hint, joined)
     )
-    for r in joined:
-        yield Notice(describe_hello(nodes, r))
+    while not waiting.done():  # each node said as it joins, or fails to authenticate
+        with contextlib.suppress(TimeoutError):
+            yield await asyncio.wait_for(run.queue.get(), timeout=0.2)
+    await asyncio.sleep(0)  # the last call_soon_threadsafe
+    while not run.queue.empty():
+        yield run.queue.get_nowait()
+    waiting.result()
     store.log_event(
         sid, "nodes_joined", {str(r): hello for r, hello in sorted(nodes.nodes.items())}
     )
@@ -527,25 +659,49 @@ def _qualify(
     if winner is not None and winner.get("runs") == 1:
         why = " (the time budget left no room)" if s.budget_s is not None else ""
         decision["reason"] += f"; not confirmed by a second run{why}"
+    more = observation.get("measured_more") or {}
+    settled = bool(more.get("clear")) and more.get("rounds", 0) > 0
+    if more:
+        decision["measured_more"] = more
+        n = more.get("rounds", 0)
+        rounds = f"{n} more paired round(s)"
+        if settled:
+            decision["reason"] += f"; clear after {rounds} beside the baseline"
+        elif not more.get("clear"):
+            budget = f"the {s.budget_s:g} s budget" if s.budget_s is not None else "the budget"
+            unclear = more.get("why", "")
+            if more.get("spent") == "time budget":
+                spent = budget
+            else:
+                spent = f"its {n} round(s)" if n else "--measure-rounds 0"
+            decision["reason"] += (
+                f"; still unclear after {rounds} ({unclear}): {spent} spent"
+                if n
+                else f"; unclear ({unclear}), and {spent} left no room to measure more"
+            )
     drift = baseline_drift(trials)
     if drift is not None:
         decision["baseline_drift"] = drift
         runs = " → ".join(f"{m * 1e3:.0f}" for m in drift["medians_s"])
         verdict = (
-            "too noisy to decide"
+            "noisy, and the paired rounds settled the decision regardless"
+            if settled
+            else "too noisy to decide"
             if decision.get("winner") == BASELINE
             else "too noisy to trust this winner without a rerun"
         )
         advice = (
-            "close other work on this machine (or pause it: `tunekit auto --apply RUN` pauses RUN), "
-            "then run again with more --steps"
+            ""
+            if settled
+            else "; close other work on this machine (or pause it: `tunekit auto --apply RUN` "
+            "pauses RUN), then run again with more --steps"
         )
         decision["reason"] += f"; the baseline drifted between its runs ({runs} ms/step): {verdict}"
         notices.append(
             Notice(
                 f"the baseline drifted {drift['ratio']:.1f}x between its {len(drift['medians_s'])} runs "
-                f"({runs} ms/step): this machine was {verdict}; {advice}",
-                "warning",
+                f"({runs} ms/step): this machine was {verdict}{advice}",
+                "info" if settled else "warning",
             )
         )
     return notices
@@ -704,6 +860,7 @@ def _observation_summary(obs: Observation) -> dict[str, Any]:
         else [],
         "blocks": profile_blocks(obs.graph, obs.layer_profile, obs.workload.batch_size),
         "memory": memory_summary(obs),
+        "training": prepare_arguments(obs.workload),  # best_config.md's prepare(...) call
     }
 
 
@@ -714,6 +871,7 @@ def _layer_row(obs: Observation, t) -> dict[str, Any]:
         flops = graph.layers[t.name].flops * obs.workload.batch_size / graph.batch_size
     return {
         "name": t.name,
+        "label": graph.layer_label(t.name) if graph is not None else t.name,
         "kind": t.kind,
         "forward_s": t.forward_s,
         "backward_s": t.backward_s,
@@ -730,11 +888,17 @@ class _Planning:
     pool: list[dict[str, Any]] = field(default_factory=list)
     searches: list[PlannedTrial] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    """Tuners whose diagnose or plan failed (the report lists them, with the traceback)."""
 
     def keep(self, step: TunerStep, tuner: Tuner, s: AutoSettings) -> None:
         """What the schedule and the store need of one step of :func:`diagnose_and_plan`."""
         name = step.name
-        if isinstance(step, TunerDiagnosed):
+        if isinstance(step, TunerFailed):
+            self.problems.append(step.to_dict())
+            if step.diagnosis is not None:
+                self.diagnoses[name] = asdict(step.diagnosis)
+        elif isinstance(step, TunerDiagnosed):
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
             planned = list(zip(step.candidates, step.configs, strict=True))
@@ -784,13 +948,51 @@ async def _diagnose_and_plan(
     """Every tuner's diagnose and plan, then the schedule they add up to, stored at once."""
     limit = run.s.plan_limit or max(run.s.trials or 8, 1)
     # Tuners time pieces of the model: their hooks run in the workload's process, under the
-    # trial timeout.
-    hooks = ChildHooks(child, obs)
+    # trial timeout; in two of them side by side where a trial's ranks would use two.
     got = _Planning()
-    async with child:
-        async for step in diagnose_and_plan(tuners, hooks, limit):
-            got.keep(step, tuners[step.name], run.s)
-            yield step.event()
+    processes = diagnosing_processes(obs, run.s, len(tuners))
+    async with contextlib.AsyncExitStack() as stack:
+        children = [await stack.enter_async_context(child)]
+        for i in range(2, processes + 1):
+            log = run.s.store_dir / OBSERVE_LOG.replace(".log", f"-{i}.log")
+            children.append(await stack.enter_async_context(WorkloadProcess(log, run.s.timeout_s)))
+            await children[-1].start()  # torch imports there while the first tuner runs here
+        within = f"diagnose and plan: {len(children)} workload processes side by side"
+        if len(children) == 1:
+            steps = diagnose_and_plan(tuners, ChildHooks(child, obs, run.timings), limit)
+        else:
+            hooks = [ChildHooks(c, obs, run.timings, part_of=within) for c in children]
+            steps = diagnose_and_plan_side_by_side(tuners, hooks, limit)
+        with run.timings.stage(within) if len(children) > 1 else contextlib.nullcontext() as whole:
+            async for step in steps:
+                got.keep(step, tuners[step.name], run.s)
+                if isinstance(step, TunerFailed):
+                    store.log_event(sid, "plugin_failed", step.to_dict())
+                yield step.event()
+            if whole is not None:  # the workload processes' CPU, tuner by tuner
+                parts = [t for t in run.timings.stages if t.part_of == within]
+                whole.cpu_s = sum(t.cpu_s or 0.0 for t in parts)
+    with run.timings.stage("plan: schedule the trials"):
+        for ev in _schedule(run, store, sid, obs, observation, got):
+            yield ev
+
+
+def diagnosing_processes(obs: Observation, s: AutoSettings, tuners: int) -> int:
+    """Workload processes the tuners' hooks share: two where the job computes on CPU ranks of
+    a thread or more each and this machine holds two of them (a tuner times pieces of the model
+    at a rank's threads, so two side by side load the cores as two ranks of a trial do), else
+    one. Not on GPUs: two processes timing on one GPU would skew each other."""
+    if obs.device_type != "cpu" or tuners < 2:
+        return 1
+    threads = rank_threads(s.launch.nproc * s.launch.loopback_nodes, s.launch.threads_per_rank)
+    cores = psutil.cpu_count(logical=False) or 1
+    return 2 if 2 * threads <= cores else 1
+
+
+def _schedule(
+    run: _Run, store: Store, sid: int, obs: Observation, observation, got: _Planning
+) -> Iterator[Event]:
+    """The trials the tuners' plans add up to, stored at once with the plans."""
     diagnoses, plans, pool, searches, gains = (
         got.diagnoses,
         got.plans,
@@ -823,6 +1025,7 @@ async def _diagnose_and_plan(
             {_tuner_of(t) for t in searches},
             len(pool) if slots is None else slots,
             run.s.min_effect,
+            by_gain=run.s.budget_s is not None,
         )
         if dropped:
             observation["dropped"] = [
@@ -880,9 +1083,21 @@ async def _diagnose_and_plan(
         for seq, pt in enumerate(planned, start=first)
     ]
     observation.update(diagnoses=diagnoses, plans=plans, pool=pool, truth=_truth_dict(obs))
+    observation["problems"] = observation.get("problems", []) + got.problems
     store.add_trials(
         sid, rows, observation=observation, drop_pending=True
     )  # the schedule and its reasons, at once
+
+
+def _load_problem(rec: PluginRecord) -> dict[str, Any]:
+    """A plugin that did not load, as the report lists it beside tuners whose hooks failed."""
+    return {
+        "plugin": rec.name,
+        "what": f"{rec.status} ({rec.package})",
+        "error": rec.error,
+        "where": "",
+        "traceback": rec.traceback,
+    }
 
 
 def _truth_dict(obs: Observation) -> dict[str, Any] | None:
@@ -890,7 +1105,9 @@ def _truth_dict(obs: Observation) -> dict[str, Any] | None:
     return truth.to_dict() if truth is not None else None
 
 
-def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) -> Reranked | None:
+def _feedback(
+    store: Store, sid: int, min_effect: float, rerank: bool = True, budget: bool = False
+) -> Reranked | None:
     """Refit every tuner's correction from the trials so far; re-rank the candidates left to run
     (with ``rerank`` off, only their corrected predictions are updated).
 
@@ -923,7 +1140,7 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
     }
     base_batch = (observation.get("summary") or {}).get("global_batch") or 1
     ranked = rank_pool((e for e in pool if e.config_id not in not_pending), corrector, base_batch)
-    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect)
+    chosen, dropped = choose_next(ranked, tried, len(pending), min_effect, by_gain=budget)
     store.replace_pending_candidates(
         sid,
         [
@@ -952,30 +1169,46 @@ def _feedback(store: Store, sid: int, min_effect: float, rerank: bool = True) ->
 async def _combine_winners(
     run: _Run, store: Store, sid: int, spec: str, tuners
 ) -> AsyncIterator[Event]:
-    """If tuners of different aspects each won, try their winners together once."""
+    """Try the winners of different aspects together once; or, where one tuner's winner
+    changes the batch, that winner with the best config of another aspect (``batch_partner``).
+
+    A gradient-sync setting that gains nothing at the job's batch can pay at a larger one
+    (the compute it overlaps grows with the batch, the gradients do not): judged at the
+    baseline's batch only, it would never meet the batch it pays at."""
     trials = store.trials(sid)
     if any(t.role == COMBINED for t in trials):
         return
     decision = decide(trials, run.s.min_effect)
     best: dict[str, dict[str, Any]] = {}
+    used: set[str] = set()  # tuners whose knobs a winner already sets
     for row in sorted(
         (r for r in decision["candidates"] if r.get("comparison", {}).get("significant")),
         key=lambda r: -r["comparison"]["speedup"],
     ):
         tuner = tuners.get(row["plugin"])
-        if tuner is not None and str(tuner.aspect) not in best:
+        knobs_of = set(row["config"].get("plugins", {}))  # more than one: a combined candidate
+        if tuner is not None and str(tuner.aspect) not in best and not knobs_of & used:
             best[str(tuner.aspect)] = row
+            used |= knobs_of
+    parts = [TuningConfig.from_dict(row["config"]) for row in best.values()]
     if len(best) < 2:
-        return
+        leader = max(best.values(), key=lambda r: r["comparison"]["speedup"], default=None)
+        observation = store.study(sid).observation or {}
+        partner = batch_partner(
+            leader, decision, observation.get("pool", []), tuners, run.s.min_effect
+        )
+        if partner is None:
+            return
+        parts.append(TuningConfig.from_dict(partner))
     merged = TuningConfig()
-    for row in best.values():
-        merged = merged.merged(TuningConfig.from_dict(row["config"]))
+    for part in parts:
+        merged = merged.merged(part)
     try:
         resolve(merged, tuners)
     except ConfigError as exc:
         yield Notice(f"winners cannot be combined: {exc}")
         return
-    over = combined_over_cap(trials, [row["config_id"] for row in best.values()], run.s)
+    over = combined_over_cap(trials, [p.config_id for p in parts], run.s)
     if over:
         yield Notice(f"winners not combined: {over}")
         return
@@ -1002,6 +1235,60 @@ async def _combine_winners(
         yield ev
 
 
+def batch_partner(
+    leader: dict[str, Any] | None,
+    decision: dict[str, Any],
+    pool: list[dict[str, Any]],
+    tuners: Mapping[str, Tuner],
+    min_effect: float,
+) -> dict[str, Any] | None:
+    """For a winner that changes the batch (``leader``, a row of ``decide``): the config of
+    another aspect most worth trying beside it, or None.
+
+    The best of those tried, by their own trials' speed-up (any not clearly slower than the
+    baseline); none tried, the best predicted (any not predicted slower by ``min_effect``).
+    Placements are left out: they replace the step the batch runs in; so is a config that
+    cannot run beside the winner (a gradient strategy next to a winner whose layout shards
+    with FSDP, planned by the sharding tuner with the batch as one candidate).
+    """
+    if leader is None or leader.get("global_batch") == decision.get("baseline_global_batch"):
+        return None
+    taken = {tuners[n].aspect for n in leader["config"].get("plugins", {}) if n in tuners}
+    if Aspect.BATCH not in taken:
+        return None
+    leading = TuningConfig.from_dict(leader["config"])
+
+    def other(plugin: str, config: dict[str, Any]) -> bool:
+        t = tuners.get(plugin)
+        if t is None or t.aspect in taken | {Aspect.PLACEMENT} or t.excludes & taken:
+            return False
+        try:
+            resolve(leading.merged(TuningConfig.from_dict(config)), tuners)
+        except ConfigError:
+            return False
+        return True
+
+    tried = [
+        (r["comparison"]["speedup"], r["config"])
+        for r in decision.get("candidates", [])
+        if r.get("comparison")
+        and r["comparison"]["ci_high"] >= 1.0
+        and other(r["plugin"] or "", r["config"])
+    ]
+    base = decision.get("baseline_median_s")
+    predicted = [
+        (base / e["predicted_s"], e["config"])  # the same batch: per step is per sample
+        for e in pool
+        if e.get("predicted_s")
+        and base
+        and not e.get("global_batch")
+        and other(e["plugin"], e["config"])
+    ]
+    predicted = [sc for sc in predicted if sc[0] > 1 - min_effect]
+    scored = tried or predicted
+    return max(scored, key=lambda sc: sc[0])[1] if scored else None
+
+
 MAX_CONFIRMATIONS = 2
 
 
@@ -1017,14 +1304,15 @@ async def _confirm_leader(
         yield ev
     while True:
         trials = store.trials(sid)
-        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS or not run.fits_budget(
-            budget_reserve(CONFIRM)
-        ):
+        if sum(t.role == CONFIRM for t in trials) >= MAX_CONFIRMATIONS:
             return
         leader = leader_to_confirm(
             decide(trials, run.s.min_effect, _describer(tuners)), run.s.min_effect
         )
-        if leader is None:
+        base = run.wall(TuningConfig().config_id, None, trials)
+        if leader is None or not run.fits_budget(
+            [run.wall(leader["config_id"], leader["predicted_s"], trials), base]
+        ):
             return
         seq = max(t.seq for t in trials) + 1
         store.add_trials(
@@ -1048,6 +1336,68 @@ async def _confirm_leader(
         )
         yield Notice(
             f"confirming the leader, {leader['description']}, with a second run beside the baseline"
+        )
+        async for ev in _run_pending(run, store, sid, spec, tuners):
+            yield ev
+
+
+async def _measure_more(
+    run: _Run, store: Store, sid: int, spec: str, tuners
+) -> AsyncIterator[Event]:
+    """Where the decision is not yet clear (``still_unclear``), measure more where it decides:
+    paired, interleaved rounds of the leader (and its rival, when the two cannot be told apart)
+    beside the baseline, until it is clear or ``measure_rounds`` or the time budget is spent.
+    What it came to goes into the decision (``_qualify``)."""
+    s = run.s
+    observation = store.study(sid).observation or {}
+    rounds = int((observation.get("measured_more") or {}).get("rounds", 0))  # a resumed study's
+    while True:
+        trials = store.trials(sid)
+        unclear = still_unclear(
+            decide(trials, s.min_effect, _describer(tuners)), trials, s.min_effect
+        )
+        state: dict[str, Any] = {"rounds": rounds, "clear": unclear is None}
+        if unclear is not None:
+            state["why"] = unclear.why
+            state["spent"] = "round limit" if rounds >= s.measure_rounds else "time budget"
+        walls = (
+            [run.wall(r["config_id"], r["predicted_s"], trials) for r in unclear.rows]
+            if unclear
+            else []
+        )
+        walls.append(run.wall(TuningConfig().config_id, None, trials))
+        if unclear is None or rounds >= s.measure_rounds or not run.fits_budget(walls):
+            observation = store.study(sid).observation or {}
+            observation["measured_more"] = state
+            store.set_study(sid, observation=observation)
+            return
+        seq = max(t.seq for t in trials) + 1
+        rows = [
+            {
+                "seq": seq + i,
+                "role": CONFIRM,
+                "plugin": r["plugin"],
+                "config_id": r["config_id"],
+                "config": r["config"],
+                "predicted_s": r["predicted_s"],
+            }
+            for i, r in enumerate(unclear.rows)
+        ]
+        rows.append(
+            {
+                "seq": seq + len(rows),
+                "role": BASELINE,
+                "config_id": TuningConfig().config_id,
+                "config": TuningConfig().to_dict(),
+            }
+        )
+        rounds += 1
+        observation = store.study(sid).observation or {}
+        observation["measured_more"] = {"rounds": rounds, "clear": False, "why": unclear.why}
+        store.add_trials(sid, rows, observation=observation)  # a round, or none of it
+        names = " and ".join(r["description"] for r in unclear.rows)
+        yield Notice(
+            f"not clear yet ({unclear.why}): round {rounds}, {names} again beside the baseline"
         )
         async for ev in _run_pending(run, store, sid, spec, tuners):
             yield ev
@@ -1102,8 +1452,10 @@ async def _run_pending(
         study_rows = store.trials(sid)
         index, total = sum(t.done for t in study_rows) + 1, len(study_rows)
         length = trial_length(row, store.trials(sid), s.warmup, s.steps, s.launch.timeout_s)
-        fits = run.fits_budget(budget_reserve(row.role))
+        fits = run.fits_budget(run.walls_for(row, study_rows))
         skip = BUDGET_SKIP if not fits else length.skip_reason
+        if not skip and row.role == BASELINE and nothing_to_interleave(row, study_rows):
+            skip = NOTHING_RAN
         if skip:
             store.finish_trial(
                 row.id, status="skipped", error=skip, result={"length": length.to_dict()}
@@ -1146,6 +1498,7 @@ async def _run_pending(
             search=row.config.get("search"),
             profile_steps=PROFILE_STEPS if observe else 0,
             memory_cap_bytes=s.memory_cap_bytes,
+            probe=run.probe if observe else None,
         )
         trial_dir = (s.store_dir / "trials" / f"study{sid}" / f"{row.seq:03d}-{row.role}").resolve()
         sampler = (
@@ -1162,6 +1515,7 @@ async def _run_pending(
                 TrialProgress(trial_id, p["phase"], p["index"], p["total"], p.get("step_s"))
             )
 
+        started, cpu = time.monotonic(), own_cpu_s()
         task = asyncio.create_task(run_trial(spec_, s.launch, trial_dir, progress, run.nodes))
         while not task.done():
             try:
@@ -1175,6 +1529,17 @@ async def _run_pending(
             for notice in sampler.notices:
                 yield Notice(notice)
         outcome: TrialOutcome = task.result()
+        if spec_.probe and outcome.ok and "all_reduce" in (outcome.ranks[0].get("probe") or {}):
+            first = outcome.ranks[0]["probe"]
+            run.probed = probe_result(
+                first, s.launch.world_size, resolve_device_type(s.device), first["wall_s"]
+            )
+        run.timings.add(
+            f"trial {row.seq} {row.role}",
+            time.monotonic() - started,
+            own_cpu_s() - cpu,
+            describe(row.config),
+        )
         if run.nodes is not None and (lost := run.nodes.lost()):
             # Not the config's fault: the trial stays unfinished and runs again on --resume.
             why = "; ".join(lost.values())
@@ -1201,7 +1566,6 @@ async def _run_pending(
                 yield Notice(
                     f"trial {row.seq} printed too much to keep: {OutputRecord(**out).describe()}"
                 )
-        run.trial_walls.append(outcome.wall_s)
         result = {**_trial_result(outcome), "length": length.to_dict()}
         if sampler is not None:
             result["telemetry"] = sampler.summary()
@@ -1211,7 +1575,7 @@ async def _run_pending(
         config_desc = describe(row.config)
         if outcome.search and outcome.ok:
             # The search settled on knobs and measured them: record what ran.
-            row_cfg = outcome.ranks[0].get("config") or row.config
+            row_cfg = found_config(outcome.ranks[0].get("config") or row.config, tuners)
             config_desc = describe(row_cfg) + " (found in-job)"
             result["config_found"] = row_cfg
         store.finish_trial(
@@ -1244,9 +1608,28 @@ async def _run_pending(
             peak_bytes=measured_peak(result),
         )
         if row.role != BASELINE:
-            reranked = _feedback(store, sid, s.min_effect, s.rerank)
+            reranked = _feedback(store, sid, s.min_effect, s.rerank, s.budget_s is not None)
             if reranked is not None:
                 yield reranked
+
+
+def found_config(config: dict[str, Any], tuners: Mapping[str, Tuner]) -> dict[str, Any]:
+    """The config an in-job search settled on; the baseline's (empty) config where it kept
+    every knob at its default: then it found nothing to change, and no decision weighs it
+    against the baseline as if it were a candidate."""
+    cfg = TuningConfig.from_dict(config)
+    for name, knobs in cfg.plugins.items():
+        tuner = tuners.get(name)
+        if tuner is None or tuner.validate(knobs) != tuner.defaults():
+            return config
+    return TuningConfig().to_dict()
+
+
+def nothing_to_interleave(row: TrialRow, rows: list[TrialRow]) -> bool:
+    """Whether a baseline run would follow another baseline run with nothing measured between
+    (the candidates planned between them all skipped, for time): it would only spend time."""
+    before = [t for t in rows if t.seq < row.seq and t.status != "skipped"]
+    return bool(before) and max(before, key=lambda t: t.seq).role == BASELINE
 
 
 def _record_search_config(store: Store, trial_id: int, config: dict[str, Any]) -> None:

@@ -10,7 +10,9 @@ Three separate steps, as flake8 and mkdocs keep them:
 A plugin that fails any step is reported with its package name and the
 error; the others still load — also when its import calls ``sys.exit``. Each
 import is timed: one that is slow costs every rank of every trial and relaunch
-as much, and is reported (:func:`slow_imports`).
+as much, and is reported (:func:`slow_imports`). The clock starts after the
+core's own imports (:data:`CORE_MODULES`: torch and what ``tunekit.api``
+brings), so a plugin is charged only for what it adds.
 
 Discovery never looks in the working directory that ``python -m`` and ``-c``
 put first on the import path: ranks are started that way, and a ``*.dist-info``
@@ -23,12 +25,16 @@ plugins installed on its configured path, the same ones.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
 import time
+import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
+from typing import Protocol
 
 from tunekit import API_VERSION
 from tunekit.contract import Aspect, Tuner
@@ -59,7 +65,10 @@ class PluginRecord:
     error: str = ""
     tuner: Tuner | None = None
     import_s: float = 0.0
-    """How long importing it took in this process (the first time)."""
+    """How long importing it took in this process (the first time), after the core's own
+    imports (torch): what the plugin itself adds."""
+    traceback: str = ""
+    """The traceback, when importing or instantiating it raised."""
 
     @property
     def ok(self) -> bool:
@@ -113,16 +122,28 @@ def load(ep: EntryPoint) -> PluginRecord:
     """Import and instantiate one plugin; never raises (Ctrl-C aside)."""
     rec = PluginRecord(ep.name, _package(ep), ep.value, status=FAILED)
     module = ep.value.split(":")[0]
+    _import_core()
     started = time.perf_counter()
     try:
         cls = ep.load()
     except (Exception, SystemExit) as exc:  # a plugin's exit must not end tunekit
         rec.error = f"import failed: {_failure(exc)}"
+        rec.traceback = "".join(traceback.format_exception(exc))
         return rec
     finally:
         _import_s.setdefault(module, time.perf_counter() - started)
         rec.import_s = _import_s[module]
     return classify(rec, cls)
+
+
+CORE_MODULES = ("tunekit.api",)
+"""What plugins import from the core (torch above all): imported before a plugin's import
+is timed, so that the first plugin loaded is not blamed for seconds that are the core's."""
+
+
+def _import_core() -> None:
+    for name in CORE_MODULES:
+        importlib.import_module(name)
 
 
 def slow_imports(records: list[PluginRecord]) -> list[str]:
@@ -168,6 +189,7 @@ def classify(rec: PluginRecord, cls: object) -> PluginRecord:
         knobs = list(tuner.knobs())
     except (Exception, SystemExit) as exc:
         rec.status, rec.error = FAILED, _failure(exc)
+        rec.traceback = "".join(traceback.format_exception(exc))
         return rec
     names = [k.name for k in knobs]
     if len(set(names)) != len(names):
@@ -195,12 +217,22 @@ def available_tuners(records: list[PluginRecord] | None = None) -> dict[str, Tun
     return {r.name: r.tuner for r in records if r.ok and r.tuner is not None}
 
 
-def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
-    """The tuners named (all working ones when ``names`` is None); unknown names are errors."""
+class Loaded(Protocol):
+    """What :func:`check_names` reads of a plugin: a :class:`PluginRecord`, or the same facts
+    as data (the TUI lists the plugins in a child process)."""
+
+    name: str
+    package: str
+    status: str
+    error: str
+
+    @property
+    def ok(self) -> bool: ...
+
+
+def check_names(records: Sequence[Loaded], names: list[str]) -> None:
+    """Every name installed and loading, or one line (PluginError) on the first that is not."""
     by_name = {r.name: r for r in records}
-    if names is None:
-        return available_tuners(records)
-    chosen: dict[str, Tuner] = {}
     for name in names:
         rec = by_name.get(name)
         if rec is None:
@@ -208,6 +240,17 @@ def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tu
             raise PluginError(f"unknown plugin {name!r} (installed: {known})")
         if not rec.ok:
             raise PluginError(f"plugin {name!r} from {rec.package} is {rec.status}: {rec.error}")
-        assert rec.tuner is not None  # ok: load() set it
-        chosen[name] = rec.tuner
+
+
+def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:
+    """The tuners named (all working ones when ``names`` is None); unknown names are errors."""
+    if names is None:
+        return available_tuners(records)
+    check_names(records, names)
+    by_name = {r.name: r for r in records}
+    chosen: dict[str, Tuner] = {}
+    for name in names:
+        tuner = by_name[name].tuner
+        assert tuner is not None  # ok: load() set it
+        chosen[name] = tuner
     return chosen

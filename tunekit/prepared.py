@@ -242,7 +242,8 @@ def prepare(
     _join_group(device, even_alone=sharding == "fsdp")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    lr = optimizer.param_groups[0]["lr"]
+    first = optimizer.param_groups[0]
+    lr = first.get("initial_lr", first["lr"])  # a scheduler built already moved "lr" off its base
 
     def example_batch(n: int, generator: torch.Generator) -> Batch:
         if example is None:

@@ -12,6 +12,7 @@ The function takes no arguments and returns a :class:`Workload`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -252,6 +253,27 @@ class Workload:
         return torch.utils.data.default_collate([ds[i] for i in idx])
 
 
+def prepare_arguments(workload: Workload) -> dict[str, Any]:
+    """What ``tunekit.prepare`` needs, besides the model, optimizer and loss, to train as
+    ``workload`` trains: its per-rank batch, learning rate and scaling rule, and its training
+    features; the scheduler by its factory's name (None without one); its layout's fields that
+    are not plain DDP's (``layout``: FSDP, checkpointing). Plain JSON: a study keeps it, and
+    ``best_config.md``'s snippet is written from it."""
+    factory = workload.scheduler
+    plain = Layout().to_dict()
+    layout = {k: v for k, v in workload.layout().to_dict().items() if plain[k] != v}
+    return {
+        "batch_size": workload.batch_size,
+        "lr": workload.lr,
+        "lr_scaling": workload.lr_scaling,
+        "precision": workload.precision,
+        "accumulation": workload.accumulation,
+        "clip_grad_norm": workload.clip_grad_norm,
+        "scheduler": getattr(factory, "__name__", "scheduler") if factory is not None else None,
+        "layout": layout,
+    }
+
+
 # -- loading ------------------------------------------------------------------------
 
 
@@ -297,15 +319,21 @@ def _import_file(target: str):
     if spec is None or spec.loader is None:  # no loader for the suffix (e.g. not .py)
         raise WorkloadError(f"could not import {target}: not a Python file")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import does: @dataclass and pickle look the module up.
+    sys.modules[name] = module
     # Let the file import its neighbours, as `python file.py` would.
-    sys.path.insert(0, str(path.resolve().parent))
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        del sys.modules[name]
         raise WorkloadError(f"could not import {target}: {type(exc).__name__}: {exc}") from exc
     finally:
-        sys.path.pop(0)
-    sys.modules[name] = module
+        # Our entry, wherever the file's own sys.path changes moved it (not index 0: that may
+        # be an entry the file inserted for imports it makes later, inside model()).
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
     return module
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from tunekit.api import Observation, Session
+from tunekit.api import Observation, Session, compose_headline, effort_repeats, effort_seconds
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugins.batch_ps_sizing import model as zou
 from tunekit.plugins.batch_ps_sizing.analysis import (
@@ -122,7 +122,11 @@ class BatchPsSizing(Tuner):
                 self.settings,
                 self.target_efficiency,
                 self.target_speedup,
-                MeasureSettings(self.measure_budget_s, self.timed_repeats, self.max_timed_repeats),
+                MeasureSettings(
+                    effort_seconds(self.measure_budget_s),
+                    effort_repeats(self.timed_repeats, 2),
+                    effort_repeats(self.max_timed_repeats, 3),
+                ),
             )
             self._last = (obs, analysis)
         return self._last[1]
@@ -132,11 +136,13 @@ class BatchPsSizing(Tuner):
         details = analysis_details(a)
         scaling = lemma31_line(a)
         head = _evidence(obs, a)
+        figure = _figure(obs)
         if a.batch_range is None:
             return Diagnosis(
                 False,
                 f"{head}; the workload sets no batch_range, so its batch may not change; {scaling}",
                 details=details,
+                headline=compose_headline("does not apply", figure="the workload fixes its batch"),
             )
         if a.largest_fitting < a.batch_range[0]:
             return Diagnosis(
@@ -144,6 +150,11 @@ class BatchPsSizing(Tuner):
                 f"{head}; even batch {a.batch_range[0]} is predicted not to fit "
                 f"{a.device_memory_bytes / MiB:,.0f} MiB; {scaling}",
                 details=details,
+                headline=compose_headline(
+                    "does not apply",
+                    figure=f"batch {a.batch_range[0]} would not fit "
+                    f"{a.device_memory_bytes / MiB:,.0f} MiB",
+                ),
             )
         now = a.predictions[a.batch]["samples_per_s"]
         fit = (
@@ -155,9 +166,16 @@ class BatchPsSizing(Tuner):
         trade = best_trade(a)
         if not worth and trade is not None:
             gain = 1 - trade["step_s"] / a.predictions[a.batch]["step_s"]
+            shown = _gain(obs, a, trade["step_s"], trade["range_s"], a.batch)
             verdict = _trade_phrase(obs, a, trade)
         elif not worth:
             gain = 0.0
+            knee = a.predictions.get(a.knee) if a.knee is not None else None
+            shown = (
+                _gain(obs, a, knee["step_s"], knee["range_s"], a.knee)
+                if knee is not None and a.knee != a.batch
+                else None
+            )
             verdict = (
                 f"no batch is predicted to beat batch {a.batch} by more than "
                 f"{self.settings.min_gain:.0%} samples/s (best predicted: batch {a.knee})"
@@ -165,6 +183,7 @@ class BatchPsSizing(Tuner):
         else:
             first = a.predictions[worth[0]]
             gain = 1 - now / first["samples_per_s"]  # time per sample saved
+            shown = _gain(obs, a, first["step_s"], first["range_s"], worth[0])
             verdict = (
                 f"batch {worth[0]}/rank should give {first['samples_per_s'] / now - 1:+.0%} "
                 f"samples/s over the {_baseline_word(a)} {now:,.0f} (predicted "
@@ -183,7 +202,13 @@ class BatchPsSizing(Tuner):
             f"{'; memory from ' + a.memory_source if a.memory is not a.local.memory else ''}); "
             f"{scaling}"
         )
-        return Diagnosis(gain > 0, summary, expected_gain=gain, details=details)
+        return Diagnosis(
+            gain > 0,
+            summary,
+            expected_gain=gain,
+            details=details,
+            headline=compose_headline(gain > 0, *(shown or (None, None)), figure=figure),
+        )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
         a = self.analyse(obs)
@@ -273,9 +298,12 @@ class BatchPsSizing(Tuner):
             entry["knobs"] = {"batch_size": p.batch, "cudnn_benchmark": bool(p.cudnn_benchmark)}
             entry["steps"] = {"ok": per_try, "oom": 1}.get(p.status, 0)
             trace.append(entry)
+        # The job's own batch, settled on, stays "0: the workload's": the search found nothing
+        # to change, and the config says so.
+        kept = knobs.get("batch_size", 0) == 0 and outcome.batch == session.workload.batch_size
         chosen = {
             **knobs,
-            "batch_size": outcome.batch,
+            "batch_size": 0 if kept else outcome.batch,
             "cudnn_benchmark": bool(outcome.cudnn_benchmark),
         }
         best = max(
@@ -315,6 +343,28 @@ class BatchPsSizing(Tuner):
         if knobs.get("cudnn_benchmark"):
             lines.append("torch.backends.cudnn.benchmark = True")
         return "\n".join(lines) or None
+
+
+def _gain(
+    obs: Observation, a: Analysis, step_s: float, range_s: list[float], batch: int
+) -> tuple[float, tuple[float, float]]:
+    """Time per sample saved at ``batch`` against the current batch, and its range from the
+    predicted step's range."""
+    now = a.predictions[a.batch]["step_s"] / global_batch_at(obs, a.batch)
+
+    def saved(step: float) -> float:
+        return 1 - step / global_batch_at(obs, batch) / now
+
+    low, high = range_s
+    return saved(step_s), (saved(high), saved(low))
+
+
+def _figure(obs: Observation) -> str:
+    """The measured figure the batch model rests on: the share of the step that grows with it."""
+    truth = obs.truth
+    if truth is None or not truth.profiled:
+        return "no measured breakdown of the step"
+    return f"{truth.phrase('compute', short=True)} grows with the batch"
 
 
 def _trade_phrase(obs: Observation, a: Analysis, t: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from tunekit.api import (
     Observation,
     StepTruth,
     bandwidth_estimate,
+    effort_repeats,
     to_device,
 )
 from tunekit.plugins.cgdp.calibrated import HostWork
@@ -37,8 +38,22 @@ FLOP_EFFICIENCY = 0.4
 """Fraction of peak FLOP/s assumed when backward times are estimated for another machine."""
 MIN_GAIN = 0.01
 """Predicted gains below this fraction of a step are within the model's noise."""
-CACHE_VERSION = "v3"
-"""Bumped when what is cached changes shape (v3: per-pass backward samples, offload step)."""
+CACHE_VERSION = "v4"
+"""Bumped when what is cached changes shape or meaning (v3: per-pass backward samples, offload
+step; v4: per-pass forward times, backward's share from each phase's own cost)."""
+
+
+def measured_keys(obs: Observation, device: torch.device) -> dict[str, str]:
+    """The study-cache keys of what the diagnosis measures here: ``layers``
+    (:func:`layer_times`), ``host`` (:func:`measure_host_rates`) and ``offload``
+    (:func:`measure_offload`); a test or benchmark puts recorded measurements there."""
+    hw = obs.hardware
+    spec = f"{obs.workload_spec}:{device}:{obs.nproc}"
+    return {
+        "layers": f"cgdp:layers:{CACHE_VERSION}:{spec}:{hw.devices[0].model}",
+        "host": f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True",
+        "offload": f"cgdp:offload:{CACHE_VERSION}:{spec}",
+    }
 
 
 def rank_threads(nproc: int) -> int:
@@ -55,7 +70,11 @@ def layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str
     hardware profile: estimated from FLOPs. Where the model is calibrated on a
     measured baseline only the layers' shares of backward matter.
     """
-    from tunekit.plugins.cgdp.measure import estimate_backward_times, time_layer_backward
+    from tunekit.plugins.cgdp.measure import (
+        BACKWARD_REPEATS,
+        estimate_backward_times,
+        time_layer_backward,
+    )
 
     work, target = obs.workload, obs.hardware.devices[0]
     model = work.model().to(device)
@@ -66,9 +85,12 @@ def layer_times(obs: Observation, device: torch.device, local: bool) -> dict[str
     )  # inputs may be a dict (HF)
     if local:
         times = time_layer_backward(
-            model, inputs, targets, work.loss, threads=rank_threads(obs.nproc)
+            model, inputs, targets, work.loss, threads=rank_threads(obs.nproc),
+            repeats=effort_repeats(BACKWARD_REPEATS, 4),
+        )  # fmt: skip
+        source = (
+            f"measured from gradient readiness ({len(times.samples)} passes, each layer's own cost)"
         )
-        source = f"measured from gradient readiness ({len(times.samples)} passes, median shares)"
     else:
         times = estimate_backward_times(
             model, inputs, targets, work.loss, target.peak_flops, FLOP_EFFICIENCY
@@ -93,29 +115,32 @@ def measure_host_rates(device: torch.device, local: bool) -> dict[str, Any]:
     is this machine (a profile's host link is read from the profile).
     """
     from tunekit.plugins.cgdp.measure import (
+        HOST_REPEATS,
+        SYNC_STEPS,
         copy_bandwidths,
         host_add_bandwidth,
         measure_sync_overhead,
     )
 
+    repeats = effort_repeats(HOST_REPEATS, 3)
     out: dict[str, Any] = {
-        "add_per_core": host_add_bandwidth(threads=1).to_dict(),
-        "sync": measure_sync_overhead(device),
+        "add_per_core": host_add_bandwidth(threads=1, repeats=repeats).to_dict(),
+        "sync": measure_sync_overhead(device, steps=effort_repeats(SYNC_STEPS, 5)),
     }
     if local:
-        d2h, h2d = copy_bandwidths(device)
+        d2h, h2d = copy_bandwidths(device, repeats=repeats)
         out.update(d2h=d2h.to_dict(), h2d=h2d.to_dict())
     return out
 
 
 def measure_offload(obs: Observation, device: torch.device) -> dict[str, Any]:
     """The job's optimizer step on the device and under offload, timed here (JSON-able)."""
-    from tunekit.plugins.cgdp.measure import time_offload_step
+    from tunekit.plugins.cgdp.measure import OFFLOAD_REPEATS, time_offload_step
 
     work = obs.workload
     return time_offload_step(
         work.model, lambda params: work.optimizer(params, work.lr), device,
-        threads=rank_threads(obs.nproc),
+        repeats=effort_repeats(OFFLOAD_REPEATS, 4), threads=rank_threads(obs.nproc),
     )  # fmt: skip
 
 

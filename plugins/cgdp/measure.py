@@ -13,6 +13,7 @@ fraction of the device's peak.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +56,25 @@ class LayerTimes:
     It splits the baseline's measured compute into forward and backward."""
     samples: list[list[float]] = field(default_factory=list)
     """``t_bp`` of each timed step (one list per repeat): the run-to-run spread."""
+    forward_samples: list[list[float]] = field(default_factory=list)
+    """Each layer's forward seconds in each timed step (beside ``samples``, forward order)."""
+
+    @classmethod
+    def from_passes(
+        cls,
+        names: list[str],
+        nbytes: list[int],
+        forward: list[list[float]],
+        samples: list[list[float]],
+    ) -> LayerTimes:
+        """The figures of timed passes (each pass's per-layer forward and ``t_bp`` seconds),
+        robust to load: each layer's own cost over the passes (:func:`own_profile`), and
+        backward's share of forward + backward from those."""
+        t_bp = own_profile(samples)
+        forward_s = sum(own_profile(forward))
+        backward_s = sum(t_bp)
+        share = backward_s / (forward_s + backward_s) if forward_s > 0 and backward_s > 0 else None
+        return cls(names, t_bp, nbytes, share, samples, forward)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +83,7 @@ class LayerTimes:
             "nbytes": self.nbytes,
             "backward_share": self.backward_share,
             "samples": self.samples,
+            "forward_samples": self.forward_samples,
         }
 
     @classmethod
@@ -73,6 +94,7 @@ class LayerTimes:
             [int(x) for x in d["nbytes"]],
             d.get("backward_share"),
             [[float(x) for x in row] for row in d.get("samples", [])],
+            [[float(x) for x in row] for row in d.get("forward_samples", [])],
         )
 
 
@@ -81,23 +103,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_profile(samples: list[list[float]]) -> list[float]:
-    """One ``t_bp`` per layer from several timed passes, robust to a pass slowed by load.
+def own_profile(samples: list[list[float]]) -> list[float]:
+    """One time per layer from several timed passes: each layer's own cost (:func:`own_cost`).
 
-    Each pass's times are first turned into shares of that pass's backward,
-    and the per-layer median share is scaled by backward's own cost over the
-    passes (:func:`own_cost`). A pass that a neighbour slowed throughout changes
-    its total, not its shares; a burst inside one layer moves that layer's
-    share in one pass only.
+    On a loaded machine a wait to be scheduled back lands in one layer of one
+    pass (a few milliseconds: the whole pass of a small model), in any share of
+    the passes; it costs that layer that sample only, and the layer's lower
+    quartile over the passes is its own cost again. (Shares of each pass's
+    total, the earlier figure, moved every layer whenever most passes held a
+    wait somewhere: on a busy machine the verdict changed from run to run.)
+    Passes slowed throughout change no layer's lower quartile while a quarter
+    of the passes are not.
     """
-    totals = [sum(row) for row in samples]
-    good = [(row, t) for row, t in zip(samples, totals, strict=True) if t > 0]
-    if not good:
-        return [0.0] * (len(samples[0]) if samples else 0)
-    shares = [statistics.median(row[j] / t for row, t in good) for j in range(len(good[0][0]))]
-    norm = sum(shares) or 1.0
-    backward = own_cost([t for _, t in good])
-    return [s / norm * backward for s in shares]
+    if not samples:
+        return []
+    return [own_cost([row[j] for row in samples]) for j in range(len(samples[0]))]
+
+
+RESAMPLES = 16
+"""Resamples of the timed passes behind the range of the layer times (:func:`resampled_profiles`)."""
+
+
+def resampled_profiles(samples: list[list[float]], n: int = RESAMPLES) -> list[list[float]]:
+    """:func:`own_profile` of ``n`` resamples of the passes (drawn with replacement, always
+    the same draws): the spread of the layer times a re-measurement would give, which the
+    model's range carries. (The passes themselves spread as far as one scheduling wait: a
+    range taken from them moved from run to run on a busy machine.)"""
+    if len(samples) < 2:
+        return [own_profile(samples)] if samples else []
+    rng = random.Random(0)
+    return [own_profile(rng.choices(samples, k=len(samples))) for _ in range(n)]
 
 
 def own_cost(samples: list[float]) -> float:
@@ -142,7 +177,8 @@ def time_layer_backward(
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    samples, shares = [], []
+    samples: list[list[float]] = []
+    forward: list[list[float]] = []
     try:
         for i in range(repeats):
             timing = time_groups(
@@ -150,19 +186,16 @@ def time_layer_backward(
                 device=device, warmup=warmup if i == 0 else 0, repeats=1,
             )  # fmt: skip
             samples.append([timing.groups[j].backward_s for j in reversed(range(len(layers)))])
-            both = timing.forward_s + timing.backward_s
-            if both > 0:
-                shares.append(timing.backward_s / both)
+            forward.append([g.forward_s for g in timing.groups])
     finally:
         torch.set_num_threads(before)
         model.zero_grad(set_to_none=True)
     order = list(reversed(range(len(layers))))
-    return LayerTimes(
-        names=[layers[i].name for i in order],
-        t_bp=median_profile(samples),
-        nbytes=[sum(p.numel() * p.element_size() for p in layers[i].params) for i in order],
-        backward_share=statistics.median(shares) if shares else None,
-        samples=samples,
+    return LayerTimes.from_passes(
+        [layers[i].name for i in order],
+        [sum(p.numel() * p.element_size() for p in layers[i].params) for i in order],
+        forward,
+        samples,
     )
 
 
@@ -264,7 +297,11 @@ def fit_gloo_allreduce(
     return fit_samples(times, "gloo", "all_reduce", group.size())
 
 
-def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = 9) -> float:
+SYNC_STEPS = 9
+"""Steps of the one-rank CGDP run that times the work per chunk (the first is left out)."""
+
+
+def measure_sync_overhead(device: torch.device, layers: int = 32, steps: int = SYNC_STEPS) -> float:
     """``t_as`` in practice: seconds the backward thread spends launching one chunk.
 
     Runs CGDP on one rank over a deep model of tiny layers and divides the

@@ -9,7 +9,7 @@ adds its own host work. The paper's cost model, calibrated so that it
 reproduces the measured DDP step (``calibrated.py``), then predicts every
 chunk size and the optimizer offload as a change to that step; a prediction
 carries the range its inputs' spread gives (the per-layer backward times of
-each timed pass, the quartiles of the trace's all-reduce times, the probe's
+resamples of the timed passes, the quartiles of the trace's all-reduce times, the probe's
 intervals), and a verdict that range could turn says so ("too close to call")
 and lets the trials decide, instead of flipping from run to run. For a
 hardware profile (a machine one does not have) the model runs uncalibrated,
@@ -37,6 +37,7 @@ from tunekit.api import (
     Session,
     StepTruth,
     block_units,
+    compose_headline,
 )
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.errors import HardwareError
@@ -50,6 +51,7 @@ from tunekit.plugins.cgdp.inputs import (
     layer_times,
     measure_host_rates,
     measure_offload,
+    measured_keys,
     model_truth,
     peer,
     peer_bus,
@@ -134,6 +136,24 @@ def layer_units(obs: Observation, backward_names: list[str]) -> list[str] | None
     return block_units([(name, kinds.get(name, "")) for name in reversed(backward_names)])
 
 
+def _truth_figure(truth: StepTruth | None) -> str:
+    """The measured figure CGDP's verdict rests on: the communication DDP leaves exposed."""
+    if truth is None:
+        return "no measured baseline"
+    if not truth.profiled:
+        return "exposed communication not measured"
+    return truth.phrase("comm_exposed", short=True)
+
+
+VERDICT_WORDS = {"gain": "applies", "too_close": "too close to call", "no_gain": "does not apply"}
+
+
+def _headline(verdict: str, gain: float, gain_range: tuple[float, float], figure: str) -> str:
+    """``too close to call · −1% (−12…+11%) · exposed communication 19% of the step``: the
+    model's gain over DDP as it is, negative too, with its range."""
+    return compose_headline(VERDICT_WORDS[verdict], gain, gain_range, figure)
+
+
 def _verdict(gain: float, low: float, high: float) -> str:
     """``gain``, ``no_gain`` or ``too_close`` (the range holds the threshold: a trial decides)."""
     if Estimate(gain, low, high).straddles(MIN_GAIN):
@@ -160,7 +180,7 @@ class _Row:
             self.parts["optimizer"] - ddp["optimizer"]
         )
         variants = [m.predict(layout, offload) for m in fit.ends]
-        passes = sorted(m.predict(layout, offload) for m in fit.passes)
+        passes = sorted(m.predict(layout, offload) for m in fit.resampled)
         if len(passes) >= 4:
             q = statistics.quantiles(passes, n=4)
             variants += [q[0], q[2]]
@@ -173,13 +193,13 @@ class _Row:
 class _Fit:
     """The calibrated model of one observation, with the variants that give its ranges."""
 
-    def __init__(self, obs, truth, times, model, ends, passes, measured, device):
+    def __init__(self, obs, truth, times, model, ends, resampled, measured, device):
         self.obs, self.truth, self.times = obs, truth, times
         self.model: CalibratedCgdp = model
         self.ends: list[CalibratedCgdp] = ends
         """Calibrated at the ends of the probe's intervals and the trace's quartiles."""
-        self.passes: list[CalibratedCgdp] = passes
-        """Calibrated on each timed backward pass's layer times."""
+        self.resampled: list[CalibratedCgdp] = resampled
+        """Calibrated on the layer times of resamples of the timed passes."""
         self.measured, self.device = measured, device
         self.units = layer_units(obs, times.names)
         """Each layer's transformer block (forward order) when the model has them: chunks
@@ -312,22 +332,18 @@ class Cgdp(Tuner):
         return torch.device("cuda", 0) if cuda else torch.device("cpu")
 
     def _measured_inputs(self, obs: Observation, device: torch.device) -> dict[str, Any]:
-        """Layer times, host rates and the optimizer steps of this job here (cached)."""
-        hw, target = obs.hardware, obs.hardware.devices[0]
-        spec = f"{obs.workload_spec}:{device}:{obs.nproc}"
-        layers_key = f"cgdp:layers:{CACHE_VERSION}:{spec}:{target.model}"
-        host_key = f"cgdp:rates:{CACHE_VERSION}:{hw.fingerprint()}:{device}:True"
+        """Layer times, host rates and the optimizer steps of this job here, measured once
+        per study (``obs.cached``): every diagnosis and plan of the study reads the same."""
+        keys = measured_keys(obs, device)
         return {
-            "layers": obs.cached(layers_key, lambda: layer_times(obs, device, True)),
-            "host": obs.cached(host_key, lambda: measure_host_rates(device, True)),
-            "offload": obs.cached(
-                f"cgdp:offload:{CACHE_VERSION}:{spec}", lambda: measure_offload(obs, device)
-            ),
+            "layers": obs.cached(keys["layers"], lambda: layer_times(obs, device, True)),
+            "host": obs.cached(keys["host"], lambda: measure_host_rates(device, True)),
+            "offload": obs.cached(keys["offload"], lambda: measure_offload(obs, device)),
         }
 
     def _fit(self, obs: Observation) -> _Fit:
         """The calibrated model, its variants for ranges, and the figures they came from."""
-        from tunekit.plugins.cgdp.measure import LayerTimes
+        from tunekit.plugins.cgdp.measure import LayerTimes, resampled_profiles
 
         hw, nproc = obs.hardware, obs.nproc
         device = self._device(obs)
@@ -355,8 +371,8 @@ class Cgdp(Tuner):
         base = fit(times.t_bp)
         ends = [fit(times.t_bp, hw.at_end(e)) for e in ("slow", "fast")]
         ends += [fit(times.t_bp, during_end=e) for e in ("slow", "fast")]
-        passes = [fit(row) for row in times.samples if sum(row) > 0]
-        return _Fit(obs, truth, times, base, ends, passes, measured, device)
+        resampled = [fit(row) for row in resampled_profiles(times.samples) if sum(row) > 0]
+        return _Fit(obs, truth, times, base, ends, resampled, measured, device)
 
     def _diagnose_here(self, obs: Observation) -> Diagnosis:
         f = self._fit(obs)
@@ -411,7 +427,11 @@ class Cgdp(Tuner):
             },
         }
         return Diagnosis(
-            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+            verdict != "no_gain",
+            summary,
+            expected_gain=max(gain, 0.0),
+            details=details,
+            headline=_headline(verdict, gain, (low, high), _truth_figure(obs.truth)),
         )
 
     def _plan_here(self, obs: Observation) -> list[Candidate]:
@@ -588,8 +608,17 @@ class Cgdp(Tuner):
         if why := declines({"offload_optimizer": True}, obs.workload.features()):
             summary += f"; offload_optimizer {why}"
         # --
+        figure = (
+            _truth_figure(obs.truth)
+            if obs.truth is not None
+            else f"host link {host.value / GB:.1f} vs peer all-reduce {peer.value / GB:.1f} GB/s (model)"
+        )
         return Diagnosis(
-            verdict != "no_gain", summary, expected_gain=max(gain, 0.0), details=details
+            verdict != "no_gain",
+            summary,
+            expected_gain=max(gain, 0.0),
+            details=details,
+            headline=_headline(verdict, gain, (low, high), figure),
         )
 
     def _plan_profile(self, obs: Observation, limit: int) -> list[Candidate]:

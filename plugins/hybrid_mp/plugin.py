@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from tunekit.api import Observation, Session, broadcast_object
+from tunekit.api import Observation, Session, broadcast_object, compose_headline
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError
 from tunekit.plugins.hybrid_mp.calibrated import HybridPrediction
@@ -96,6 +96,24 @@ def measured_evidence(obs: Observation) -> str:
         f"measured: {truth.step_s * 1e3:.0f} ms per step of {obs.global_batch} samples, "
         f"{truth.phrase('compute')}, {truth.phrase('comm_exposed')}"
     )
+
+
+def measured_figure(obs: Observation) -> str:
+    """The measured figure a hybrid's verdict rests on: the all-reduce DDP leaves exposed,
+    which model parallelism saves and a waiting device must not outweigh."""
+    truth = obs.truth
+    if truth is None or not truth.profiled:
+        return "no measured breakdown of the step"
+    return truth.phrase("comm_exposed", short=True)
+
+
+def gain_of(pred: HybridPrediction) -> tuple[float, tuple[float, float]]:
+    """Time per sample saved against the baseline (negative: lost), with its range."""
+
+    def saved(step_s: float) -> float:
+        return 1.0 - step_s / pred.global_batch / pred.baseline_per_sample_s
+
+    return saved(pred.step_s), (saved(pred.range_s[1]), saved(pred.range_s[0]))
 
 
 def expectation(obs: Observation, pred: HybridPrediction, m: int) -> str:
@@ -228,6 +246,7 @@ class HybridMp(Tuner):
             f"{seconds(og.serial_time())} -> {seconds(quick.makespan)})"
         )
         gain: float | None = None
+        shown: tuple[float | None, tuple[float, float] | None] = (None, None)
         model = step_model(obs, og, source)
         if isinstance(model, str):
             text += f"; no calibrated prediction: {model}"
@@ -236,6 +255,7 @@ class HybridMp(Tuner):
             details["calibrated"] = {**model.to_dict(), "prediction": pred.to_dict()}
             text += "; " + expectation(obs, pred, m)
             gain = max(0.0, 1.0 - pred.per_sample_ratio)
+            shown = gain_of(pred)
         epochs = opts.epochs and EpochTable(opts.epochs)
         g = obs.nproc
         if epochs and g % m == 0 and epochs.covers(g // m) and epochs.covers(g):
@@ -248,13 +268,20 @@ class HybridMp(Tuner):
                 + ("hybrid should win" if wins else "data parallelism stays ahead")
             )
             gain = (su / thr - 1.0) if wins else 0.0
+            shown = (gain, None)
         elif gain is None or gain == 0.0:
             text += (
                 f"; whether {g} devices are better spent on model parallelism depends on "
                 f'E_N (epochs at each global batch): give extra["{OPTIONS_KEY}"]["epochs"] or '
                 "epochs_from for Eq. 6"
             )
-        return Diagnosis(True, text, expected_gain=gain, details=details)
+        return Diagnosis(
+            True,
+            text,
+            expected_gain=gain,
+            details=details,
+            headline=compose_headline(True, *shown, figure=measured_figure(obs)),
+        )
 
     def _diagnose_chain(self, obs, og, source, evidence, details) -> Diagnosis:
         """A chain has no branches to run side by side: what contiguous stages (whole
@@ -282,22 +309,31 @@ class HybridMp(Tuner):
         details["stages"] = where
         model = step_model(obs, og, source)
         if isinstance(model, str):
-            return Diagnosis(False, f"{text}: no calibrated prediction: {model}", details=details)
+            return Diagnosis(
+                False,
+                f"{text}: no calibrated prediction: {model}",
+                details=details,
+                headline=compose_headline(False, figure=f"no prediction: {model}"),
+            )
         pred = predict_placement(obs, model, stages)
         details["calibrated"] = {**model.to_dict(), "prediction": pred.to_dict()}
         text += f", {expectation(obs, pred, m)}"
         gain = 1.0 - pred.per_sample_ratio
-        if pred.per_sample_ratio * MIN_USEFUL_SPEEDUP >= 1.0:
+        applies = pred.per_sample_ratio * MIN_USEFUL_SPEEDUP < 1.0
+        headline = compose_headline(applies, *gain_of(pred), figure=measured_figure(obs))
+        if not applies:
             return Diagnosis(
                 False,
                 f"{text}: the device that waits costs more than the all-reduce it saves",
                 details=details,
+                headline=headline,
             )
         return Diagnosis(
             True,
             f"{text}: the all-reduce it saves outweighs the device that waits",
             expected_gain=gain,
             details=details,
+            headline=headline,
         )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:

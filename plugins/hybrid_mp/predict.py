@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from tunekit.api import Observation, intra_op_threads, time_steps
+from tunekit.api import Observation, effort_repeats, intra_op_threads, time_steps
 from tunekit.plugins.hybrid_mp.calibrated import (
     HybridPrediction,
     HybridStepModel,
@@ -35,7 +35,7 @@ def step_model(obs: Observation, og: OpGraph, source: str) -> HybridStepModel | 
         return why
     overheads = obs.cached(  # diagnose and plan quote the same measurement
         OVERHEADS_KEY,
-        ExecutorOverheads.measure,
+        lambda: ExecutorOverheads.measure(repeats=effort_repeats(7, 3)),
         encode=ExecutorOverheads.to_dict,
         decode=lambda hit: ExecutorOverheads(**hit),
     )

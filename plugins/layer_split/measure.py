@@ -212,6 +212,10 @@ class SplitTimer:
         for n in self.graph.nodes.values():
             if n.op != "input":
                 continue
+            if n.output_shape is None:
+                # an optional argument no batch fills (timm's ``forward(x, attn_mask=None)``):
+                # it and those after it keep their defaults
+                break
             shape = [batch, *n.output_shape[1:]]
             dtype = _dtype(n.output_dtype)
             if dtype.is_floating_point:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunekit.api import Observation, Session
+from tunekit.api import Observation, Session, compose_headline
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.errors import ConfigError, PluginError
 from tunekit.plugins.layer_split.calibrated import (
@@ -215,11 +215,17 @@ class LayerSplit(Tuner):
         )
         details["calibrated"] = cal.describe(top_configs)
         details["calibrated"]["plan"] = top_label
+        gain_range = None
+        if (rng := cal.calibration.predicted_range(predicted, obs.baseline.spread_s)) is not None:
+            gain_range = (1.0 - rng[1] / truth.step_s, 1.0 - rng[0] / truth.step_s)
         return Diagnosis(
             applies=gain > 0.0,
             summary=summary,
             expected_gain=max(0.0, gain),
             details=details,
+            headline=compose_headline(
+                gain > 0.0, gain, gain_range, truth.phrase("comm_exposed", short=True)
+            ),
         )
 
     def plan(self, obs: Observation, limit: int) -> list[Candidate]:
@@ -335,7 +341,7 @@ def measured_compute(obs: Observation, graph, specs, spaces):
     that makes layer times add up to the step (the thread's CPU time with one
     thread). Configs the timer cannot run are dropped from the layer's space.
     """
-    from tunekit.api import intra_op_threads, timing_clock
+    from tunekit.api import effort_repeats, intra_op_threads, timing_clock
     from tunekit.plugins.layer_split.measure import SplitTimer
 
     threads = rank_threads(obs)
@@ -358,6 +364,8 @@ def measured_compute(obs: Observation, graph, specs, spaces):
             batch_size=obs.global_batch,
             device=device,
             threads=threads,
+            warmup=effort_repeats(2, 1),
+            repeats=effort_repeats(5, 2),
         )
         # head splits last: they reuse the timing of the sample split of as many workers
         for v, cfg in sorted(missing, key=lambda m: bool(specs[m[0]].heads and m[1].h > 1)):
@@ -416,6 +424,8 @@ def _time_config(
 
 def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
     """The executor's own per-step work on one rank (:func:`measure_executor_overhead`), cached."""
+    from tunekit.api import effort_repeats, effort_seconds
+
     threads = rank_threads(obs)
     batch = obs.workload.batch_size
     return obs.cached(
@@ -426,6 +436,9 @@ def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
             batch,
             threads=threads,
             device="cuda" if obs.device_type == "cuda" else "cpu",
+            block=effort_repeats(6, 4),
+            warmup=effort_repeats(2, 1),
+            budget_s=effort_seconds(30.0),
         ),
         encode=ExecutorOverhead.to_dict,
         decode=ExecutorOverhead.from_dict,

@@ -19,6 +19,7 @@ hold every such figure against the measured breakdown.
 
 from __future__ import annotations
 
+from tunekit.api import compose_headline
 from tunekit.plugins.overlap_chunking import calibrated as calibration
 from tunekit.plugins.overlap_chunking.model import Prediction
 from tunekit.plugins.overlap_chunking.search import Setting
@@ -165,6 +166,25 @@ def diagnosis_text(
     if fit.method == calibration.JOINT and fit.notes:
         body.append("Calibration: " + "; ".join(fit.notes) + ".")
     return " ".join(body)
+
+
+def headline(
+    fit: calibration.Fit, best: Setting, gain: float, bound: float, spread_s: float | None
+) -> str:
+    """``applies · +4% (−2…+9%) · exposed communication 12% of the step``: the gain within
+    the bound, its range from the best setting's predicted step range."""
+    step = step_of(fit)
+    gain_range = None
+    if (rng := fit.predicted_range(best.prediction, spread_s)) is not None:
+        low_s, high_s = rng
+        low, high = (step - high_s) / step, min((step - low_s) / step, bound)
+        gain_range = (min(low, gain), max(high, gain))
+    figure = (
+        fit.truth.phrase("comm_exposed", short=True)
+        if exposure_is_measured(fit)
+        else f"{_ms(measured_exposed(fit))} exposed (model)"
+    )
+    return compose_headline(True, gain, gain_range, figure)
 
 
 def candidate_rationale(setting: Setting, fit: calibration.Fit) -> str:

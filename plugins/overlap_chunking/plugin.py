@@ -33,6 +33,7 @@ from tunekit.api import (
     Observation,
     Session,
     ddp_supports_bucket_list,
+    effort_repeats,
 )
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
 from tunekit.plugins.overlap_chunking import calibrated as calibration
@@ -41,6 +42,7 @@ from tunekit.plugins.overlap_chunking.explain import (
     diagnosis_text,
     expected_gain,
     exposure_is_measured,
+    headline,
     measured_exposed,
 )
 from tunekit.plugins.overlap_chunking.layers import (
@@ -200,13 +202,15 @@ class OverlapChunking(Tuner):
                 times = layer_times_from_profile(obs.layer_profile, layers, obs.graph, batch)
             if times is not None:
                 update, data = measure_update_and_batch(
-                    obs.workload, batch=batch, device=device, threads=threads
-                )
+                    obs.workload, batch=batch, device=device, threads=threads,
+                    repeats=effort_repeats(3),
+                )  # fmt: skip
                 source = "observation"
             else:
                 times, update, data = measure_layer_times(
-                    obs.workload, layers, batch=batch, device=device, threads=threads
-                )
+                    obs.workload, layers, batch=batch, device=device, threads=threads,
+                    warmup=effort_repeats(2, 1), repeats=effort_repeats(5),
+                )  # fmt: skip
                 source = "measured"
             return StepProfile(batch, world, times, update, data, source, {"threads": threads})
 
@@ -297,11 +301,13 @@ class OverlapChunking(Tuner):
         best = next(s for s in priced["ranked"] if not is_default_ddp(s.knobs))
         grad_mib = sum(c.nbytes for c in priced["costs"].layers) / MB
         gain, bound = expected_gain(fitted, best.prediction)
+        spread = obs.baseline.spread_s if obs.baseline is not None else None
         return Diagnosis(
             applies=True,
             summary=diagnosis_text(fitted, best, gain, bound, grad_mib)
             + (f"; two_chunk with f > 0 {declined[0]}" if declined else ""),
             expected_gain=gain,
+            headline=headline(fitted, best, gain, bound, spread),
             details={
                 "exposed_s": measured_exposed(fitted),
                 "exposed_source": "measured" if exposure_is_measured(fitted) else "model",

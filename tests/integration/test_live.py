@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 from support import WORKLOADS, chaos_pythonpath, run_cli
 
+from tunekit.config import TuningConfig
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import client, wait_for
@@ -22,6 +24,8 @@ from tunekit.testing import assert_states_close
 pytestmark = pytest.mark.slow
 
 BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
+# A regression no load can hide: half a second more per step (light_cnn's take ~0.1 s).
+SLOWER = '{"plugins": {"chaos": {"mode": "slow", "sleep_s": 0.5}}}'
 LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside the job
 
 
@@ -63,7 +67,7 @@ def steps_of(rd: RunDir) -> list[int]:
 
 @pytest.mark.equivalence
 def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
-    steps = 40
+    steps = 20  # the apply lands at step 5 or a little later: steps after it carry the claim
     # Both jobs at once: same seeds, same maths, whatever else shares the CPU. In
     # float64, so that a change of bucket layout (another summation order) is
     # bounded tightly on any CPU (tunekit.testing.EQUIVALENCE_RTOL).
@@ -84,10 +88,12 @@ def test_math_preserving_apply_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_relaunch_changes_world_size_and_resumes_at_the_same_step(tmp_path):
-    # example:cnn (batch 32): light_cnn's batch of 8 makes step-to-step loss too noisy for the check below.
-    # --min-effect 1: the relaunches are watched, and neither may be rolled back whatever it measures.
+    # paced_cnn (the demo CNN, batch 32): light_cnn's batch of 8 makes step-to-step loss too
+    # noisy for the check below; its batches wait for data, so the job does not train flat out
+    # beside other tests. --min-effect 1: the relaunches are watched, and neither may be rolled
+    # back whatever it measures.
     proc = start_run(
-        tmp_path, "example:cnn", "--name", "elastic", "--min-effect", "1"
+        tmp_path, f"{WORKLOADS}:paced_cnn", "--name", "elastic", "--min-effect", "1"
     )  # until stopped
     rd = rundir(tmp_path, "elastic")
     wait_step(rd, 4)
@@ -180,9 +186,7 @@ def live(tmp_path_factory):
 
 def test_a_regression_after_apply_is_rolled_back(live):
     cwd, rd, env = live
-    res = run_cli(
-        "apply", "job", '{"plugins": {"chaos": {"mode": "slow"}}}', cwd=cwd, env_extra=env
-    )
+    res = run_cli("apply", "job", SLOWER, cwd=cwd, env_extra=env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rolled back" in res.stdout and "slower beyond noise" in res.stdout
     st = wait_for(rd, lambda s: s["config"]["plugins"] == {})
@@ -249,6 +253,48 @@ def test_an_in_job_trial_reports_and_leaves_the_chosen_config(live):
     assert set(rd.read_status()["config"]["plugins"]) == expected
 
 
+def test_a_config_copied_from_plan_applies_to_the_live_job(live):
+    """Issue 19: what `tunekit plan` prints is what `tunekit apply` takes, as it is."""
+    cwd, rd, env = live
+    # Every candidate comes apply-ready, fastest predicted (per sample) first.
+    res = run_cli("plan", "batch_ps_sizing", LIGHT, "--json", cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    rates = [c["predicted_samples_per_s"] for c in plan["candidates"]]
+    assert rates and rates == sorted(rates, reverse=True)
+    first = plan["candidates"][0]
+    assert first["apply"].startswith("tunekit apply RUN batch_ps_sizing.")
+
+    # A long config is written to a file and named by its path; nothing is cut.
+    res = run_cli("plan", "layer_split", LIGHT, cwd=cwd, env_extra=env)
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout
+    assert "tunekit apply RUN tunekit-out/plan/layer_split-1.json" in res.stdout
+    TuningConfig.load(cwd / "tunekit-out" / "plan" / "layer_split-1.json")
+
+    # The batch range is the run's, checked before anything is sent.
+    bad = run_cli("apply", "job", "batch_ps_sizing.batch_size=100000", cwd=cwd, env_extra=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert any("outside run job's batch range (2–64" in ln for ln in bad.stderr.splitlines())
+
+    args = shlex.split(first["apply"])[3:]
+    res = run_cli("apply", "job", *args, cwd=cwd, env_extra=env)
+    # kept, or rolled back by the watch: applied either way
+    assert res.returncode in (0, 1), res.stderr
+    assert "applied at step" in res.stdout
+    assert rd.read_events()[-1]["kind"] in ("applied", "watch_kept", "rolled_back")
+    applied = next(e for e in reversed(rd.read_events()) if e["kind"] == "applied")
+    assert (
+        TuningConfig.from_dict(applied["config"]).plugins["batch_ps_sizing"]["batch_size"]
+        == (TuningConfig.from_pairs(args).plugins["batch_ps_sizing"]["batch_size"])
+    )
+
+    status = run_cli("status", "job", cwd=cwd, env_extra=env)
+    assert status.returncode == 0, status.stderr
+    assert "samples/s (median of the last" in status.stdout
+    assert "per rank (allowed 2–64)" in status.stdout
+
+
 def test_auto_applies_its_winner_to_the_live_job(live):
     cwd, rd, env = live
     res = run_cli(
@@ -299,7 +345,7 @@ def test_a_pause_holds_every_rank_until_its_holder_lets_go(live):
         at = reply["paused_at"]
         status = c.request("status")
         assert status["status"] == "paused" and status["paused"] == {"step": at, "reason": "a test"}
-        time.sleep(1.0)  # about 15 steps of this job
+        time.sleep(1.0)  # about 8 steps of this job
         assert c.request("status")["step"] == at
         with pytest.raises(ControlError, match=r"the job is paused \(a test\); apply is refused"):
             c.request("apply", config={"plugins": {}})
@@ -334,7 +380,7 @@ def test_a_relaunch_apply_is_watched_and_a_slower_one_rolled_back(live):
     res = run_cli(
         "apply",
         "job",
-        '{"plugins": {"chaos": {"mode": "slow"}}}',
+        SLOWER,
         "--nproc",
         "1",
         cwd=cwd,

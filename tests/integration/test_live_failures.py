@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from support import WORKLOADS, limited, run_cli
+from support import WORKLOADS, limited, live_rank_pids, run_cli
 
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
@@ -103,8 +105,17 @@ def test_a_resume_is_refused_while_the_killed_supervisors_job_trains_on(tmp_path
         third = start(tmp_path, "--resume", "orphan")
         with reaped(third):
             running_at(rd, stopped_at + 2)
-            assert run_cli("stop", "orphan", cwd=tmp_path).returncode == 0
-            assert third.wait(timeout=120) == 0
+            # SIGTERM (what `timeout` and SLURM send first) stops it as Ctrl-C does: checkpoint,
+            # stop, say how to resume; nothing left training (issue 34, item 8).
+            third.send_signal(signal.SIGTERM)
+            assert third.wait(timeout=120) == 143, output(third)
+        out = output(third)
+        assert "interrupted by SIGTERM; the run checkpointed and stopped" in out, out
+        assert "`tunekit run --resume orphan`" in out and "Traceback" not in out
+        st = rd.read_status()
+        assert st["status"] == "stopped"
+        assert rd.latest_checkpoint().name == f"step-{st['step']:08d}.pt"
+        assert not live_rank_pids(rd.path)
         contiguous(rd)
 
 
@@ -185,3 +196,84 @@ def test_an_unwritable_checkpoint_folder_refuses_the_apply_and_a_read_only_run_f
     assert rd.read_status()["status"] == "stopped"
     assert rd.latest_checkpoint().name == f"step-{stopped_at:08d}.pt"
     assert contiguous(rd)[-1] == stopped_at - 1
+
+
+def test_status_says_a_job_killed_whole_died_without_a_word(tmp_path):
+    """Issue 34, item 6: the whole job SIGKILLed (or dead on a full disk) leaves status.json
+    saying "running"; `tunekit status` checks that something of the job lives."""
+    sup = start(tmp_path, f"{WORKLOADS}:tiny", "--nproc", "1", "--name", "gone")
+    with reaped(sup):
+        rd = find(tmp_path, "gone")
+        seen = running_at(rd, 3)["step"]
+        job = [sup.pid] + [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if str(rd.path) in " ".join(p.info["cmdline"] or [])
+        ]
+        for pid in job:  # at once: nobody is left to say a word
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        sup.wait()
+    deadline = time.monotonic() + 30
+    while live_rank_pids(rd.path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rd.read_status()["status"] == "running"  # what the job last wrote
+    res = run_cli("status", "gone", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    said = res.stdout.strip()
+    assert said.startswith("run gone: not running (last seen at step "), said
+    assert "died without a word" in said and "tunekit run --resume gone" in said
+    assert int(said.split("last seen at step ")[1].split(",")[0]) >= seen
+    as_json = run_cli("status", "gone", "--json", cwd=tmp_path)
+    assert as_json.returncode == 1 and '"status": "died"' in as_json.stdout
+
+
+def _can_mount_a_tmpfs() -> bool:
+    """Whether a private mount namespace with a tmpfs can be made here (no privilege needed
+    where user namespaces are allowed)."""
+    try:
+        return (
+            subprocess.run(
+                ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+                + ['d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d"'],
+                capture_output=True,
+                timeout=30,
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(
+    not _can_mount_a_tmpfs(),
+    reason="no user and mount namespaces for a tmpfs here; tests/unit/test_full_disk.py "
+    "injects ENOSPC at the writers instead",
+)
+def test_a_full_disk_degrades_status_and_metrics_and_the_job_trains_on(tmp_path):
+    """Issue 34, item 5: the run folder on a 20 MiB tmpfs that fills up while the job trains
+    (tests/full_disk_job.py says what must hold)."""
+    import psutil
+
+    tests = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        res = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", sys.executable]
+            + [str(tests / "full_disk_job.py"), str(tmp_path / "disk"), f"{WORKLOADS}:paced_tiny"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):  # the job, were the driver to fail
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+    log = (tmp_path / "supervisor.log").read_text()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + log[-3000:]
+    assert "Traceback" not in log and "full stopped at step" in log, log

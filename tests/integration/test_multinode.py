@@ -18,7 +18,7 @@ from support import live_rank_pids
 from tunekit.runtime.dist import free_port
 from tunekit.store import Store
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
+pytestmark = pytest.mark.slow
 
 TOKEN = {"TUNEKIT_NODE_TOKEN": "0123456789abcdef" * 4}
 STARTED: list[subprocess.Popen] = []
@@ -57,6 +57,7 @@ def start(args: list[str], cwd: Path, env_extra: dict[str, str]) -> subprocess.P
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        umask=0o022,  # a common default, under which files are created readable by all
     )
     STARTED.append(proc)
     return proc
@@ -81,6 +82,15 @@ def wait_for(path_glob: str, root: Path, timeout: float = 240) -> Path:
     raise AssertionError(f"nothing matched {path_glob} under {root} within {timeout} s")
 
 
+def assert_private(*roots: Path) -> None:
+    """Nothing under ``roots`` can be read or entered by another user (issue 34, item 10)."""
+    for root in roots:
+        assert root.exists(), root
+        for path in [root, *root.rglob("*")]:
+            mode = path.lstat().st_mode
+            assert not mode & 0o077, f"{path} is {oct(mode & 0o777)}"
+
+
 def study_trials(folder: Path):
     store = Store.open_default(folder / ".tunekit")
     try:
@@ -91,7 +101,10 @@ def study_trials(folder: Path):
 
 
 def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordinator(tmp_path):
-    """The same `tunekit auto` command in two SLURM tasks: node 0 coordinates, node 1 follows."""
+    """The same `tunekit auto` command in two SLURM tasks: node 0 coordinates, node 1 follows.
+
+    Node 1 is first killed mid-trial: the study stops, resumable, with nothing left running;
+    the same command with --resume, once node 1 is back, finishes it."""
     port = free_port()
     slurm = {
         "SLURM_STEP_ID": "0",
@@ -106,17 +119,34 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
         "--nproc",
         "1",
         "--plugins",
-        "overlap_chunking,cgdp",
+        "overlap_chunking,cgdp",  # both diagnose a job across nodes; one candidate runs
         "--trials",
-        "2",
+        "1",
         "--no-rerank",
+        "--min-effect",  # no leader to confirm: two trials fewer; decisions are not under test
+        "1",
         *SHORT,
     ]
-    follower = start(args, tmp_path / "node1", {**slurm, "SLURM_NODEID": "1"})
-    coordinator = start(args, tmp_path / "node0", {**slurm, "SLURM_NODEID": "0"})
-    rc, out = finish(coordinator, tmp_path / "node0")
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    follower = start(args, node1, {**slurm, "SLURM_NODEID": "1"})
+    coordinator = start(args, node0, {**slurm, "SLURM_NODEID": "0"})
+    wait_for("nodes/node1/job000/pids/rank1", node1 / ".tunekit")  # its rank runs
+    os.killpg(follower.pid, signal.SIGKILL)  # the follower and everything it started
+    rc, out = finish(coordinator, node0, timeout=240)
+    assert rc == 2, out[-3000:]
+    assert "node 1 (" in out and "stopped answering" in out and "--resume" in out
+    assert "Traceback" not in out
+    study, trials = study_trials(node0)
+    assert study.status == "interrupted"
+    # the trial in flight runs again: a lost node is not the config's fault
+    assert trials[0].status == "pending"
+    assert not live_rank_pids(tmp_path)
+
+    follower = start([*args, "--resume"], node1, {**slurm, "SLURM_NODEID": "1"})
+    coordinator = start([*args, "--resume"], node0, {**slurm, "SLURM_NODEID": "0"})
+    rc, out = finish(coordinator, node0)
     assert rc == 0, out[-4000:]
-    frc, fout = finish(follower, tmp_path / "node1", timeout=60)
+    frc, fout = finish(follower, node1, timeout=60)
     assert frc == 0, fout[-3000:]
     assert "the coordinator ended the study" in fout
     assert "× 2 nodes" in out and "node 1 (" in out and "joined" in out
@@ -124,7 +154,7 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
     assert study.status == "finished"
     ran = [t for t in trials if t.status == "ok"]
     assert trials[0].role == "baseline" and trials[0].status == "ok"
-    assert sum(t.role != "baseline" for t in ran) >= 2, [
+    assert sum(t.role != "baseline" for t in ran) >= 1, [
         (t.role, t.status, t.error) for t in trials
     ]
     for (
@@ -141,6 +171,12 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
         tmp_path / "node1" / ".tunekit" / "tunekit.db"
     ).exists()  # a follower keeps no store
     assert study.observation["nodes"]["1"]["cores"] >= 1
+    # The study store, trial folders, reports and the follower's node files are private.
+    assert_private(
+        tmp_path / "node0" / ".tunekit",
+        tmp_path / "node0" / "tunekit-out",
+        tmp_path / "node1" / ".tunekit",
+    )
 
 
 def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
@@ -170,50 +206,6 @@ def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
     assert study.status == "interrupted" and trials[0].status == "pending"  # resumable
 
 
-def test_a_follower_killed_mid_trial_stops_the_study_which_resumes_when_it_is_back(tmp_path):
-    port = free_port()
-    endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-    args = [
-        "auto",
-        "example:cnn",
-        "--nproc",
-        "1",
-        "--nnodes",
-        "2",
-        *endpoint,
-        "--plugins",
-        "overlap_chunking",
-        "--trials",
-        "1",
-        "--no-rerank",
-        *SHORT,
-    ]
-    follow = ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"]
-    follower = start(follow, tmp_path / "node1", {})
-    coordinator = start(args, tmp_path / "node0", {})
-    wait_for("nodes/node1/job000/pids/rank1", tmp_path / "node1" / ".tunekit")  # its rank runs
-    os.killpg(follower.pid, signal.SIGKILL)  # the follower and everything it started
-    rc, out = finish(coordinator, tmp_path / "node0", timeout=240)
-    assert rc == 2, out[-3000:]
-    assert "node 1 (" in out and "stopped answering" in out and "--resume" in out
-    assert "Traceback" not in out
-    study, trials = study_trials(tmp_path / "node0")
-    assert study.status == "interrupted"
-    assert (
-        trials[0].status == "pending"
-    )  # the trial in flight runs again: a lost node is not the config's fault
-    assert not live_rank_pids(tmp_path)
-
-    follower = start(follow, tmp_path / "node1", {})
-    coordinator = start([*args, "--resume"], tmp_path / "node0", {})
-    rc, out = finish(coordinator, tmp_path / "node0")
-    assert rc == 0, out[-4000:]
-    assert finish(follower, tmp_path / "node1", timeout=60)[0] == 0
-    study, trials = study_trials(tmp_path / "node0")
-    assert study.status == "finished" and trials[0].status == "ok"
-    assert sorted(r["rank"] for r in trials[0].result["ranks"]) == [0, 1]
-
-
 def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(tmp_path):
     port = free_port()
     follower = start(
@@ -236,9 +228,9 @@ def test_followers_exit_when_the_coordinator_is_killed_leaving_no_trial_running(
     )
     wait_for("nodes/node1/job000/pids/rank1", tmp_path / "node1" / ".tunekit")
     os.killpg(coordinator.pid, signal.SIGKILL)
-    started = time.monotonic()
-    rc, out = finish(follower, tmp_path / "node1", timeout=90)
-    assert rc == 2 and time.monotonic() - started < 60, out[-3000:]
+    # It exits by itself (finish kills it after the timeout, which reads as -9, not 2).
+    rc, out = finish(follower, tmp_path / "node1", timeout=180)
+    assert rc == 2, out[-3000:]
     assert "the coordinator" in out and "Traceback" not in out
     deadline = time.monotonic() + 20  # its agent was stopped with it
     while live_rank_pids(tmp_path / "node1") and time.monotonic() < deadline:
@@ -318,6 +310,28 @@ def test_a_live_job_over_two_nodes_applies_at_a_step_boundary_and_relaunches_wit
     assert (
         run_cli("status", "job", cwd=node0).returncode == 0
     )  # the coordinator's node answers for the job
+    # Node 1's follower is killed, agent and ranks with it: rank 0's gloo error quotes its source
+    # ("[/__w/pytorch/.../pair.cc:545]"), which must neither end the supervisor as rich markup
+    # nor stand for the cause: the job crashed because node 1 is gone (issue 34, item 7).
+    os.killpg(follower.pid, signal.SIGKILL)
+    rc, out = finish(job, node0, timeout=180)
+    assert rc == 1, out[-3000:]
+    assert "Traceback" not in out and "MarkupError" not in out, out[-3000:]
+    st = rd.read_status()
+    assert st["status"] == "crashed" and "node 1 (" in st["error"], st
+    assert "stopped answering" in st["error"] and "--resume job" in st["error"]
+    assert "node 1 (" in out.splitlines()[-1], out[-2000:]
+    assert "node 1 (" in run_cli("status", "job", cwd=node0).stdout
+    # With its follower back, the run resumes across both nodes.
+    follower = start(
+        ["follow", "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1"], node1, {}
+    )
+    job = start(["run", "--resume", "job", "--rdzv-endpoint", f"127.0.0.1:{port}"], node0, {})
+    deadline = time.monotonic() + 240
+    while rd.read_status()["status"] == "crashed" and time.monotonic() < deadline:
+        time.sleep(0.25)  # until the resumed job writes its own
+    at = running(0, world=4)["step"]
+    running(at + 2, world=4)
     assert run_cli("stop", "job", cwd=node0).returncode == 0
     rc, out = finish(job, node0, timeout=120)
     assert rc == 0, out[-3000:]
@@ -399,9 +413,9 @@ def test_each_node_measures_its_own_collectives_once_for_the_coordinator(tmp_pat
         first = coordinator.probe(2, timeout_s=240)[1]
         fits = {f["op"]: f for f in first["fits"]}
         assert fits["all_reduce"]["world_size"] == 2 and fits["all_reduce"]["bandwidth"] > 0
-        started = time.monotonic()
         again = coordinator.probe(2, timeout_s=60)[1]
-        assert again == first and time.monotonic() - started < 10  # measured once per node
+        # measured once per node: the same samples again (two measurements never agree)
+        assert again == first
     finally:
         coordinator.close()
     rc, out = finish(follower, tmp_path / "node1", timeout=60)

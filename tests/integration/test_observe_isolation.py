@@ -8,7 +8,7 @@ import sqlite3
 
 import psutil
 import pytest
-from support import WORKLOADS
+from support import RAISER_PLUGIN, WORKLOADS, chaos_pythonpath
 
 from tunekit.store import Store
 
@@ -45,9 +45,9 @@ def _workload_processes(workdir) -> list[int]:
         ),
         (
             "hangs_building",
-            ["--timeout", "40s"],
+            ["--timeout", "8s"],
             "hang",
-            r"no result within 40 s \(the trial timeout\)",
+            r"no result within 8 s \(the trial timeout\)",
         ),
     ],
 )
@@ -83,41 +83,71 @@ def test_a_workload_that_dies_or_hangs_while_observed_fails_in_one_line_and_keep
     assert not _workload_processes(workdir)
 
 
+RAISED = r"KeyError: 'used_mb' \(at tk_raiser\.py:\d+ in _used_mb\)"
+
+
 def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_study_goes_on(
-    cli, workdir, chaos_env
+    cli, workdir
 ):
-    # chaos's diagnose segfaults; overlap_chunking then diagnoses and plans in a fresh process,
-    # and the log keeps what both said.
+    # chaos's diagnose segfaults, raiser's raises; overlap_chunking then diagnoses and plans
+    # in a fresh process, the log keeps what all said, and the report names both failures.
     res = cli(
         "auto",
         f"{WORKLOADS}:tiny",
         "--plugins",
-        "chaos,overlap_chunking",
+        "chaos,raiser,overlap_chunking",
         "--trials",
         "0",
         "--no-probe",
         "--json",
         *FAST,
-        env_extra={**chaos_env, "TUNEKIT_CHAOS_DIAGNOSE": "segfault"},
+        env_extra={
+            **chaos_pythonpath(RAISER_PLUGIN),
+            "TUNEKIT_CHAOS_DIAGNOSE": "segfault",
+            "RAISER_DIAGNOSE": "raise",
+        },
         timeout=500,
     )
 
     assert res.returncode == 0, res.stderr
     events = [json.loads(line) for line in res.stdout.splitlines()]
-    (problem,) = [e for e in events if e["event"] == "PluginProblem"]
-    assert (problem["plugin"], problem["status"]) == ("chaos", "diagnose failed")
+    crashed, raised = [e for e in events if e["event"] == "PluginProblem"]
+    assert (crashed["plugin"], crashed["status"]) == ("chaos", "diagnose failed")
     assert re.match(
         r"the workload's process died of SIGSEGV \(segmentation fault\) at tunekit_chaos\.py:\d+ in "
-        r"diagnose while running chaos's diagnose; its output is in .*observe\.log$",
-        problem["error"],
+        r"diagnose while running chaos's diagnose; its output is in .*observe(-\d+)?\.log$",
+        crashed["error"],
     )
+    assert (raised["plugin"], raised["status"]) == ("raiser", "diagnose failed")
+    assert re.fullmatch(RAISED, raised["error"])
+    assert 'tk_raiser.py", line' in raised["traceback"]
     assert [e["plugin"] for e in events if e["event"] == "Diagnosed"] == ["overlap_chunking"]
-    log = (workdir / ".tunekit" / "observe.log").read_text()
+    # On a machine with the cores for it the tuners share two workload processes (observe.log,
+    # observe-2.log): whichever ran raiser keeps what it said.
+    log = "".join(p.read_text() for p in sorted((workdir / ".tunekit").glob("observe*.log")))
     assert "[tunekit: a fresh process for the workload; the one before it ended]" in log
+    assert "plugin raiser's diagnose raised:\nTraceback" in log and "in _used_mb" in log
     assert any(e["event"] == "StudyFinished" for e in events)
     conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
     assert conn.execute("SELECT status FROM studies").fetchall() == [("finished",)]
+    (logged,) = conn.execute(
+        "SELECT payload FROM events WHERE kind='plugin_failed' AND payload LIKE '%raiser%'"
+    ).fetchone()
+    assert "in _used_mb" in json.loads(logged)["traceback"]
     assert not _workload_processes(workdir)
+
+    # No tuner silently missing: both failures are in the report, the traceback with them.
+    report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
+    assert [(p["plugin"], p["what"]) for p in report["problems"]] == [
+        ("chaos", "diagnose failed"),
+        ("raiser", "diagnose failed"),
+    ]
+    assert re.fullmatch(r"tk_raiser\.py:\d+ in _used_mb", report["problems"][1]["where"])
+    markdown = (workdir / "tunekit-out" / "report.md").read_text()
+    problems = markdown[markdown.index("## Problems") :]
+    assert "| chaos | diagnose failed | the workload's process died of SIGSEGV" in problems
+    assert "| raiser | diagnose failed | KeyError: 'used_mb' |" in problems
+    assert 'tk_raiser.py", line' in problems and 'return memory["used_mb"]' in problems
 
 
 @pytest.mark.parametrize(
@@ -137,9 +167,9 @@ def test_a_tuner_whose_diagnose_kills_its_process_is_a_plugin_problem_and_the_st
         ),
         (
             "hangs_building",
-            ["--timeout", "30s"],
+            ["--timeout", "8s"],
             "hang",
-            r"no result within 30 s \(the trial timeout\)",
+            r"no result within 8 s \(the trial timeout\)",
         ),
     ],
 )
@@ -191,4 +221,28 @@ def test_tunekit_plan_observes_and_runs_the_tuner_in_the_workloads_process(cli, 
         broken.stderr.strip(),
     )
     assert "Traceback" not in ok.stderr + dies.stderr + broken.stderr
+
+    # A diagnose that raises: one line with where in the plugin; the traceback in the log.
+    env = {**chaos_pythonpath(RAISER_PLUGIN), "RAISER_DIAGNOSE": "raise"}
+    raised = cli("plan", "raiser", f"{WORKLOADS}:tiny", env_extra=env, timeout=300)
+    assert raised.returncode == 2, (raised.returncode, raised.stderr)
+    assert re.fullmatch(
+        r"error: raiser's diagnose failed: KeyError: 'used_mb' \(at tk_raiser\.py:\d+ in "
+        r"_used_mb; traceback in \.tunekit/observe\.log\)",
+        raised.stderr.strip(),
+    )
+    log = (workdir / ".tunekit" / "observe.log").read_text()
+    assert "plugin raiser's diagnose raised:" in log and "KeyError: 'used_mb'" in log
+
+    # A diagnosis that does not apply: its candidates on request, marked so.
+    shown = cli(
+        "plan", "raiser", f"{WORKLOADS}:tiny", "--json", "--always-plan",
+        env_extra=chaos_pythonpath(RAISER_PLUGIN), timeout=300,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    plan = json.loads(shown.stdout)
+    assert plan["applies"] is False
+    assert [(c["config"]["plugins"], c["status"]) for c in plan["candidates"]] == [
+        ({"raiser": {"level": 1}}, "not applying")
+    ]
     assert not _workload_processes(workdir)

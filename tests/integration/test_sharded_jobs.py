@@ -64,6 +64,8 @@ def test_auto_baselines_a_sharded_job_reports_its_memory_and_goes_on_after_a_cap
     (held,) = [t for t in report["trials"] if t["role"] == "candidate"]
     assert held["status"] == "oom" and "over the memory cap" in (held.get("error") or "")
     assert report["decision"]["winner"] == "baseline"  # the study went on to its decision
+    settings = report["study"]["settings"]  # `tunekit plan` tells it from a DDP study by them
+    assert settings["layout"]["sharding"] == "fsdp" and settings["memory_cap_bytes"] == 48 * 2**20
     for rank in (0, 1):  # the baseline ran as the workload lays it out, never as DDP
         (found,) = (workdir / ".tunekit" / "trials").glob(f"study*/000-baseline/rank{rank}.json")
         result = json.loads(found.read_text())

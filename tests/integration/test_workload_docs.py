@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,12 @@ def examples() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_the_doc_has_its_five_examples():
+def test_the_doc_has_its_six_examples():
     blocks = [b for b in examples() if "def workload" in b]
-    assert len(blocks) == 5
+    assert len(blocks) == 6
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_each_example_loads_and_trains(tmp_path, index):
     code = [b for b in examples() if "def workload" in b][index]
     if "transformers" in code:
@@ -57,3 +59,24 @@ def test_the_transformer_example_trains_on_two_ranks_with_its_features(tmp_path)
     r0, r1 = run_ranks(rank_train_params, 2, (f"{path}:workload", 3))
     assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"])
     assert all(r0["params"][n].equal(r1["params"][n]) for n in r0["params"])  # replicas agree
+
+
+def test_the_prepare_example_trains_the_gpt_example_in_its_own_loop(tmp_path, monkeypatch, capsys):
+    """The "Your own training loop" script, beside the nanoGPT-style workload it imports
+    (saved as gpt_job.py, as the page says), under a config that doubles the batch."""
+    job = next(b for b in examples() if "class GPTWithLoss" in b)
+    train = next(b for b in examples() if "tunekit.prepare(" in b)
+    (tmp_path / "gpt_job.py").write_text(job)
+    config = {"plugins": {"batch_ps_sizing": {"batch_size": 16}}}
+    (tmp_path / "best_config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        exec(compile(train, "train.py", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.modules.pop("gpt_job", None)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == ["step 0", "step 10"]
+    first, last = (float(line.rsplit(" ", 1)[1]) for line in printed)
+    assert math.isfinite(first) and last < first  # it learns
+    assert (tmp_path / "ckpt.pt").is_file()

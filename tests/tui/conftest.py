@@ -58,21 +58,35 @@ def step_time(i: int) -> float:
     return 0.230 + 0.02 * math.sin(i / 3) + (0.015 if i % 17 == 0 else 0.0)
 
 
-def metrics(n: int = 60, config: Mapping[str, Any] = BASE) -> list[dict[str, Any]]:
-    cid = TuningConfig.from_dict(dict(config)).config_id
-    return [
-        {
-            "step": i,
-            "loss": 2.3 - 0.005 * i,
-            "step_s": step_time(i),
-            "samples_per_s": 64 / step_time(i),
-            "config_id": cid,
-            "world_size": 2,
-            "batch_size": 32,
-            "t": T0 + i * 0.25,
-        }
-        for i in range(n)
-    ]
+def metrics(
+    n: int = 60, config: Mapping[str, Any] = BASE, changes: Sequence[tuple[int, Mapping]] = ()
+) -> list[dict[str, Any]]:
+    """``n`` steps under ``config``, or, from each ``(step, config)`` of ``changes`` on, under
+    that one (an applied config runs 8% faster steps here)."""
+
+    def config_at(i: int) -> tuple[str, float]:
+        now, factor = config, 1.0
+        for step, cfg in changes:
+            if i >= step:
+                now, factor = cfg, (1.0 if cfg == BASE else 0.92)
+        return TuningConfig.from_dict(dict(now)).config_id, factor
+
+    out = []
+    for i in range(n):
+        cid, factor = config_at(i)
+        out.append(
+            {
+                "step": i,
+                "loss": 2.3 - 0.005 * i,
+                "step_s": step_time(i) * factor,
+                "samples_per_s": 64 / (step_time(i) * factor),
+                "config_id": cid,
+                "world_size": 2,
+                "batch_size": 32,
+                "t": T0 + i * 0.25,
+            }
+        )
+    return out
 
 
 def status(
@@ -270,6 +284,7 @@ def diagnoses() -> dict[str, DiagnosisResult]:
             "knobs": BATCH["plugins"]["batch_ps_sizing"],
             "predicted_step_s": 0.41,
             "global_batch": 128,
+            "predicted_peak_bytes": 96 * 2**20,
             "rationale": "batch 64 per rank: 1.3x samples/s",
         },
     )
@@ -294,8 +309,11 @@ def diagnoses() -> dict[str, DiagnosisResult]:
     }
 
 
-def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
-    """A whole study: baseline, two candidates (one crashes), a second baseline, the decision."""
+def tuning_events(
+    plugins: Sequence[str], reason: str | None = None
+) -> list[tuple[Event, dict | None]]:
+    """A whole study: baseline, two candidates (one crashes), a second baseline, the decision
+    (its ``reason`` replaced when given)."""
     evs: list[tuple[Event, dict | None]] = [
         (StudyStarted(7, "example:cnn", 2, "this machine (cpu x2)", False), None),
         (
@@ -421,7 +439,8 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         "speedup": 1.11,
         "ci": [1.06, 1.15],
         "winner_median_s": 0.209,
-        "reason": "11.0% more samples/s than the baseline over 2 run(s) (95% CI 1.060-1.150x)",
+        "reason": reason
+        or "11.0% more samples/s than the baseline over 2 run(s) (95% CI 1.060-1.150x)",
     }
     evs += [
         (Notice("confirming the leader with a second run beside the baseline"), None),
@@ -430,6 +449,17 @@ def tuning_events(plugins: Sequence[str]) -> list[tuple[Event, dict | None]]:
         (StudyFinished(7, decision["winner"], 1.11), None),
     ]
     return evs
+
+
+class ManualClock:
+    """The app's clock in tests: it moves only when the fixed tuning says a trial took time
+    (30 s each), so that the time left on screen is the same in every run."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class FixedBackend(Backend):
@@ -445,16 +475,25 @@ class FixedBackend(Backend):
         self.history: list[dict[str, Any]] = []
         self.watch: dict | None = None
         self.applied: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        """The run's ``events.jsonl``: an apply at step 45, a rollback at step 52."""
         self.closed = False
+        self.pyspy = pyspy_series()
+        """What the sampler holds now (a test may slide it along)."""
         self.pause_after: int | None = None
         """When set, the tuning stops after this many events until :attr:`resume` is set."""
         self.resume = threading.Event()
+        self.clock = ManualClock()
+        self.hold_diagnosis: str | None = None
+        """When set, the diagnosis waits at this tuner until :attr:`resume` is set."""
+        self.decision_reason: str | None = None
+        """The decision's reason, when a test needs another one."""
 
     def start(self) -> list[str]:
         return [] if self.gpu else [NO_GPU]
 
     def poll(self) -> LiveSnapshot:
-        series = {"host": host_series(), "pyspy": pyspy_series()}
+        series = {"host": host_series(), "pyspy": list(self.pyspy)}
         static: dict[str, Any] = {"host": {"cpus_logical": 2}}
         if self.gpu:
             series["nvml"] = nvml_series()
@@ -464,22 +503,34 @@ class FixedBackend(Backend):
                     {"index": 1, "name": "NVIDIA A100-SXM4-40GB"},
                 ]
             }
+        changes = [(e["step"], e["config"]) for e in self.events]
         return LiveSnapshot(
             status(60, self.config, self.watch),
-            metrics(60, self.config),
+            metrics(60, BASE, changes),
             series,
             static,
             [] if self.gpu else [NO_GPU],
+            list(self.events),
+            len(self.history),
         )
 
     def plugins(self) -> list[PluginRecord]:
         return records()
 
-    def diagnose(self, names: Sequence[str], limit: int) -> Iterator[DiagnosisResult]:
+    def diagnose(
+        self, names: Sequence[str], limit: int, on_progress=lambda name, what: None
+    ) -> Iterator[DiagnosisResult]:
         d = diagnoses()
+        for stage in ("loading example:cnn", "timing 11 layers standalone (forward and backward)"):
+            on_progress(None, stage)
         against = BaselineView(64, 0.231, "the live job's last 57 untuned steps")
         for name in names:
+            on_progress(name, "diagnosing")
+            while name == self.hold_diagnosis and not self.resume.is_set():
+                time.sleep(0.01)  # this tuner "diagnosing" until the test resumes it
             r = d.get(name) or DiagnosisResult(name, False, "does not apply to this job")
+            if r.applies:
+                on_progress(name, "planning its candidates")
             yield dataclasses.replace(r, baseline=against)
 
     def profile(
@@ -490,13 +541,15 @@ class FixedBackend(Backend):
         return profile_report(), pyspy_series()
 
     async def tune(self, request: TuneRequest) -> AsyncIterator[Event]:
-        events = tuning_events(request.plugins or [])
+        events = tuning_events(request.plugins or [], self.decision_reason)
         if not self.gpu:  # the trials' samplers find no GPU either, as the real ones do
             events.insert(3, (Notice(NO_GPU), None))
         for i, (ev, _) in enumerate(events):
             while i == self.pause_after and not self.resume.is_set():
                 await asyncio.sleep(0.01)  # a trial "in flight"; cancelling lands here
             await asyncio.sleep(0)
+            if isinstance(ev, TrialFinished) and ev.status != "skipped":
+                self.clock.now += 30.0  # each trial takes 30 s of the app's clock
             yield ev
 
     def trial_config(self, study_id: int, trial_id: int) -> dict[str, Any] | None:
@@ -513,6 +566,7 @@ class FixedBackend(Backend):
         self.history.append(self.config)
         self.applied.append(dict(config))
         self.config = dict(config)
+        self.events.append({"kind": "applied", "step": 45, "config": dict(config)})
         self.watch = {
             "state": "kept",
             "reason": "1.09x the samples/s of before (95% CI 1.04-1.13)",
@@ -532,6 +586,7 @@ class FixedBackend(Backend):
         if not self.history:
             raise ControlError("nothing to roll back: no config was applied to this job")
         self.config = self.history.pop()
+        self.events.append({"kind": "rolled_back", "step": 52, "config": dict(self.config)})
         self.watch = {
             **(self.watch or {}),
             "state": "rolled_back",
@@ -584,10 +639,13 @@ class RecordingApp(TunekitApp):
 
 
 def make_app(backend: Backend | None = None, **kwargs: Any) -> TunekitApp:
-    """The app over fixed data, polling fast so tests need not wait."""
-    return RecordingApp(
-        backend or FixedBackend(), TuneRequest(trials=2, steps=16, warmup=2), poll_s=0.2, **kwargs
-    )
+    """The app over fixed data, polling fast so tests need not wait; its clock the backend's
+    (see :class:`ManualClock`)."""
+    backend = backend or FixedBackend()
+    app = RecordingApp(backend, TuneRequest(trials=2, steps=16, warmup=2), poll_s=0.2, **kwargs)
+    if isinstance(backend, FixedBackend):
+        app.clock = backend.clock
+    return app
 
 
 @pytest.fixture
@@ -595,8 +653,10 @@ def app_factory() -> Callable[..., TunekitApp]:
     return make_app
 
 
-async def until(pilot, condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Let the app run until ``condition()`` holds; fail after ``timeout`` seconds."""
+async def until(pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Let the app run until ``condition()`` holds; fail after ``timeout`` seconds: a bound
+    on a hang, not on speed (a screen of 200x60 took over 10 s to answer a key beside two
+    studies on two busy cores)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -617,3 +677,28 @@ def plain(value: Any) -> str:
 @pytest.fixture
 def text_of() -> Callable[[Any], str]:
     return plain
+
+
+def drawn(app) -> list[str]:
+    """The screen as the terminal would show it, line by line."""
+    return [
+        "".join(segment.text for segment in strip).rstrip()
+        for strip in app.screen._compositor.render_strips()
+    ]
+
+
+@pytest.fixture
+def screen_lines() -> Callable[[Any], list[str]]:
+    return drawn
+
+
+def diagnosed(app) -> bool:
+    """No tuner waits for its turn or diagnoses any more."""
+    return bool(app.tuner_views) and all(
+        t.state not in ("waiting", "diagnosing") for t in app.tuner_views
+    )
+
+
+@pytest.fixture
+def diagnosis_over() -> Callable[[Any], bool]:
+    return diagnosed

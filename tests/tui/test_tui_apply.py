@@ -17,19 +17,24 @@ async def tuned(app, pilot, wait_for_app):
     await wait_for_app(pilot, lambda: app.study_view.state == "finished")
 
 
+async def apply_screen(app, pilot, wait_for_app) -> ApplyScreen:
+    """After a finished tuning: the apply screen, drawn."""
+    await tuned(app, pilot, wait_for_app)
+    await pilot.press("5")
+    await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+    await pilot.pause(0.05)
+    return app.screen
+
+
 async def test_apply_the_best_config_with_confirmation_then_roll_back(
     app_factory, backend_factory, wait_for_app, text_of, fixed
 ):
     backend = backend_factory()
     app = app_factory(backend)
     async with app.run_test(size=(120, 36)) as pilot:
-        await tuned(app, pilot, wait_for_app)
-        await pilot.press("5")
-        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
-        await pilot.pause(0.05)
-        screen = app.screen
+        screen = await apply_screen(app, pilot, wait_for_app)
         assert (
-            "winner overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)"
+            "winner of study 7 overlap_chunking(bucket_cap_mb=4.0) (1.11x the baseline's samples/s)"
             in text_of(screen.query_one("#apply-line"))
         )
         assert "baseline" in text_of(screen.query_one("#current"))
@@ -67,6 +72,9 @@ async def test_apply_the_best_config_with_confirmation_then_roll_back(
         )
         await pilot.pause(0.05)
         assert screen.has_class("-rolled-back")
+        # Issue 35: a rollback asked for and done was an error-coloured notification.
+        (said,) = [n for n in app.notes if n.message == "rolled back at step 61"]
+        assert (said.title, said.severity) == ("rolled back", "information")
         # Issue 19: it read as if the watch had rolled back a speed-up.
         watch = text_of(screen.query_one("#apply-result")).split("watch window: ")[1]
         assert watch.startswith(
@@ -106,8 +114,12 @@ async def test_a_trial_picked_on_the_trials_screen_is_the_one_applied(
         assert backend.applied == [fixed.BUCKETS]
 
 
-async def test_nothing_to_apply_and_a_refused_rollback_are_notifications(app_factory, wait_for_app):
-    app = app_factory()
+async def test_nothing_to_apply_and_nothing_to_roll_back_are_said_without_asking(
+    app_factory, backend_factory, wait_for_app
+):
+    """Issue 35: a rollback with nothing applied asked y/n, then showed a red "failed"."""
+    backend = backend_factory()
+    app = app_factory(backend)
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press("5")
         await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
@@ -116,8 +128,80 @@ async def test_nothing_to_apply_and_a_refused_rollback_are_notifications(app_fac
         await pilot.press("a")
         assert any("nothing to apply yet" in n.message for n in app.notes)
         await pilot.press("r")
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, ApplyScreen)  # no question asked
+        (said,) = [n for n in app.notes if "nothing to roll back" in n.message]
+        assert said.severity == "warning"
+        assert app.apply_view.state == "idle" and not app.screen.has_class("-failed")
+        assert app.is_running
+
+
+async def test_a_rollback_the_job_refuses_is_an_error(app_factory, backend_factory, wait_for_app):
+    """What the job says against a rollback it was asked for reaches the user, as an error."""
+    from tunekit.errors import ControlError
+
+    backend = backend_factory()
+    backend.history.append(dict(backend.config))  # the job reports one apply to undo
+
+    def refused():
+        raise ControlError("run demo is paused: tunekit auto is measuring example:cnn")
+
+    backend.rollback = refused
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for_app(pilot, lambda: app.live_view.applied == 1)
+        await pilot.press("5", "r")
         await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
         await wait_for_app(pilot, lambda: app.apply_view.state == "failed")
-        assert any("nothing to roll back" in n.message for n in app.notes)
-        assert app.is_running
+        (said,) = [n for n in app.notes if "is paused" in n.message]
+        assert (said.title, said.severity) == ("rollback failed", "error")
+
+
+async def test_the_confirmation_carries_the_decisions_caveat(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    """Issue 35: the confirm dialog dropped the decision's "too noisy" caveat."""
+    backend = backend_factory()
+    backend.decision_reason = (
+        "11.0% more samples/s than the baseline over 2 run(s) (95% CI 1.060-1.150x); "
+        "the baseline drifted between its runs (231 → 262 ms/step): "
+        "too noisy to trust this winner without a rerun"
+    )
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await apply_screen(app, pilot, wait_for_app)
+        caveat = (
+            "the baseline drifted between its runs (231 → 262 ms/step): "
+            "too noisy to trust this winner without a rerun"
+        )
+        assert f"the decision: {caveat}" in text_of(app.screen.query_one("#apply-line"))
+        await pilot.press("a")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert caveat in text_of(app.screen.query_one("#detail"))
+
+
+async def test_a_new_tuning_keeps_the_last_winner_on_offer(
+    app_factory, backend_factory, wait_for_app, text_of, fixed
+):
+    """Issue 35: starting a new tuning made the last study's winner unreachable ("nothing to
+    apply yet") until the new one had measured a candidate."""
+    backend = backend_factory()
+    app = app_factory(backend)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await tuned(app, pilot, wait_for_app)
+        enabled = ["batch_ps_sizing", "cgdp", "overlap_chunking"]  # every plugin that loads
+        events = [type(ev).__name__ for ev, _ in fixed.tuning_events(enabled)]
+        backend.pause_after = events.index("TrialProgress") + 1  # the new study's baseline runs
+        await pilot.press("t")
+        await wait_for_app(pilot, lambda: app.study_view.running and app.study_view.step == 4)
+        await pilot.press("5")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ApplyScreen))
+        await pilot.pause(0.05)
+        assert "winner of study 7" in text_of(app.screen.query_one("#apply-line"))
+        await pilot.press("a")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(pilot, lambda: app.apply_view.state == "kept")
+        assert backend.applied == [fixed.BUCKETS]
+        backend.resume.set()

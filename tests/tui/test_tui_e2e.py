@@ -1,4 +1,4 @@
-"""End to end, for real: the app on a live `example:cnn` job with 2 gloo ranks.
+"""End to end, for real: the app on a live job (the demo CNN on small batches) with 2 gloo ranks.
 
 A small tuning is started from the tuners screen, the best config (or, when
 the decision kept the baseline, the best measured candidate) is applied from
@@ -44,11 +44,17 @@ def full_knobs(config: dict) -> dict:
 @pytest.mark.timeout(1200)
 async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, wait_for_app):
     store = tmp_path / ".tunekit"
-    # On this shared 2-core machine the trials slow the job down while they run; only a
-    # slowdown beyond 2x rolls the apply back, so the check sees the config that was applied.
-    job = JobProcess.start("example:cnn", nproc=2, store_dir=store, watch_window=6, min_effect=0.5)
+    # --min-effect 1: the apply is watched and never rolled back, however busy the machine
+    # (the watch's verdicts are tested on injected measurements and in test_live.py).
+    # light_cnn: the job waits on its data most of the time and leaves the cores to the trials
+    # and the profiled run (example:cnn trained flat out on both whenever it was not held).
+    job = JobProcess.start(
+        f"{WORKLOADS}:light_cnn", nproc=2, store_dir=store, watch_window=6, min_effect=1.0
+    )
     backend = LiveBackend(job.rd, store, job=job)
-    request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=6, warmup=1)
+    # min_effect 1: no leader to confirm (two more trials); the best measured candidate is
+    # what the apply screen offers when the decision keeps the baseline.
+    request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=6, warmup=1, min_effect=1.0)
     try:
         app = TunekitApp(backend, request, poll_s=0.5)
         async with app.run_test(size=(120, 36)) as pilot:

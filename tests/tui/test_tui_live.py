@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from textual.command import CommandPalette
 
 from tunekit.tui.screens.live import DevicePanel, LiveScreen
 from tunekit.tui.widgets import ConfigPanel, MetricRow
@@ -26,14 +27,14 @@ async def test_live_shows_the_job_its_gpus_and_ranks(app_factory, wait_for_app, 
             "GPU 0 NVIDIA A100-SXM4-40GB"
         ] * 1 + ["GPU 1 NVIDIA A100-SXM4-40GB"]
         util = gpus[0].query_one(".metric-util", MetricRow)
-        assert len(util._shown[0]) == 30 and util._shown[1].endswith("%")
+        assert len(util.series.values) == 30 and util.value_text.endswith("%")
         nvlink = gpus[0].query_one(".metric-nvlink-tx", MetricRow)
-        assert nvlink._shown[1] == "40.0 GiB/s"  # cumulative counters turned into a rate
+        assert nvlink.value_text == "40.0 GiB/s"  # cumulative counters turned into a rate
         ranks = [r for r in screen.query("#ranks MetricRow")]
         assert [r.metric_name for r in ranks] == ["rank 0 CPU", "rank 1 CPU"]
-        assert "410.0 MiB" in ranks[0]._shown[1]
+        assert "410.0 MiB" in ranks[0].value_text
         step_time = screen.query_one("#step-time", MetricRow)
-        assert len(step_time._shown[0]) == 60
+        assert len(step_time.series.values) == 60
         assert "baseline" in text_of(screen.query_one("#current-config", ConfigPanel))
         assert "no config applied yet" in text_of(screen.query_one("#watch-line"))
         assert not [n for n in app.notes if "GPU" in n.message]  # a GPU: nothing to say
@@ -115,16 +116,24 @@ async def test_a_started_job_says_it_outlives_a_closed_terminal(
 async def test_palette_screenshot_saves_a_file(
     app_factory, backend_factory, wait_for_app, tmp_path
 ):
-    """Issue 19: Palette → Screenshot said "Failed to save screenshot" (no Downloads folder)."""
+    """Issue 19: Palette → Screenshot said "Failed to save screenshot" (no Downloads folder).
+    Issue 35: the palette's Screenshot was still Textual's own (saving to ~/Downloads): the
+    test had called the app's action directly. Now through the palette, as a user does."""
     backend = backend_factory()
     backend.screenshot_dir = lambda: tmp_path / "shots"
     app = app_factory(backend)
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_for_app(pilot, lambda: app.live_view.step == 60)
-        app.action_screenshot()
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert titles.count("Screenshot") == 1  # ours, not Textual's beside it
+        await pilot.press("ctrl+p")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, CommandPalette))
+        await pilot.press(*"Screenshot")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
         await wait_for_app(pilot, lambda: any(n.title == "Screenshot" for n in app.notes))
         assert [n.message for n in app.notes if n.title == "Screenshot"][0].startswith(
             "Saved screenshot"
         )
         (svg,) = (tmp_path / "shots").glob("*.svg")
-        assert "tunekit" in svg.read_text()
+        assert "tunekit" in svg.read_text() and "Screenshot" not in svg.read_text()

@@ -1,4 +1,7 @@
-"""Every screen as an SVG snapshot, over fixed data (update with ``pytest --snapshot-update``)."""
+"""Every screen as an SVG snapshot, over fixed data (update with ``pytest --snapshot-update``).
+
+At 120×36, and the screens whose layout changes with the terminal at 80×24 (one column,
+fewer table columns) and at 200×60 (taller charts, whole configs)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ SIZE = (120, 36)
 def shot(snap_compare, wait_for_app):
     """``shot(app, steps)``: run ``steps(pilot)``, settle, drop the toasts, compare."""
 
-    def compare(app, steps=None) -> bool:
+    def compare(app, steps=None, size=SIZE) -> bool:
         async def run_before(pilot) -> None:
             await wait_for_app(pilot, lambda: app.live_view.step == 60 and app.tuner_views)
             if steps is not None:
@@ -28,7 +31,7 @@ def shot(snap_compare, wait_for_app):
             app.clear_notifications()  # toasts time out: they would make the picture depend on the clock
             await pilot.pause(0.1)
 
-        return snap_compare(app, terminal_size=SIZE, run_before=run_before)
+        return snap_compare(app, terminal_size=size, run_before=run_before)
 
     return compare
 
@@ -56,22 +59,17 @@ def test_profile(shot, app_factory, wait_for_app):
     assert shot(app, steps)
 
 
-def test_tuners_after_diagnosis(shot, app_factory, wait_for_app):
+@pytest.mark.parametrize("size", [SIZE, (80, 24)])
+def test_tuners_after_diagnosis(shot, app_factory, wait_for_app, diagnosis_over, size):
     app = app_factory()
 
     async def steps(pilot):
         await pilot.press("3", "d")
-        await wait_for_app(
-            pilot,
-            lambda: (
-                all(t.state != "diagnosing" for t in app.tuner_views)
-                and any(t.candidates for t in app.tuner_views)
-            ),
-        )
+        await wait_for_app(pilot, lambda: diagnosis_over(app))
         app.screen.query_one(TunerTable).focus()
         await pilot.press("down", "down", "down")
 
-    assert shot(app, steps)
+    assert shot(app, steps, size)
 
 
 def test_trials_running(shot, app_factory, backend_factory, wait_for_app, fixed):
@@ -144,3 +142,44 @@ def test_help(shot, app_factory):
         await pilot.press("question_mark")
 
     assert shot(app_factory(), steps)
+
+
+async def finished_tuning(app, pilot, wait_for_app) -> None:
+    await pilot.press("t")
+    await wait_for_app(pilot, lambda: app.study_view.state == "finished")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (200, 60)])
+def test_trials_finished_at(shot, app_factory, wait_for_app, size):
+    app = app_factory()
+
+    async def steps(pilot):
+        await finished_tuning(app, pilot, wait_for_app)
+        await pilot.press("4")
+
+    assert shot(app, steps, size)
+
+
+def test_live_at_80x24(shot, app_factory, backend_factory):
+    assert shot(app_factory(backend_factory(gpu=False)), size=(80, 24))
+
+
+def test_live_after_an_apply_and_a_rollback_at_200x60(shot, app_factory, wait_for_app, fixed):
+    """The marks (▲ apply, ↺ rollback) and a colour per config on the step-time chart."""
+    app = app_factory()
+
+    async def steps(pilot):
+        await finished_tuning(app, pilot, wait_for_app)
+        app.clear_notifications()
+        await pilot.press("5", "a")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(pilot, lambda: app.apply_view.state == "kept")
+        await pilot.press("r")
+        await wait_for_app(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for_app(pilot, lambda: len(app.live_view.changes) == 2)
+        await pilot.press("1")
+        await wait_for_app(pilot, lambda: len(app.screen.query(DevicePanel)) == 2)
+
+    assert shot(app, steps, (200, 60))

@@ -149,7 +149,7 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
             ),
             cfg,
         )
-    assert best_target(study).label.startswith("best so far: fastest candidate c2")
+    assert best_target(study).label.startswith("best so far of study 1: fastest candidate c2")
     study = fold_study(
         study,
         Decided(
@@ -165,7 +165,8 @@ def test_without_a_winner_the_fastest_measured_candidate_is_offered_as_not_signi
     assert target.config == fixed.BUCKETS and not target.significant
     assert (
         target.label
-        == "the decision kept the baseline; fastest candidate c2, 1.01x the baseline's samples/s"
+        == "the decision of study 1 kept the baseline; fastest candidate c2, 1.01x the baseline's"
+        " samples/s"
     )
     assert trial_target(study.trials[2]).label == "trial 2: c3"
 
@@ -271,3 +272,118 @@ def test_a_tuning_that_has_not_started_a_trial_says_no_trial_count():
     assert "trial 0" not in line and "observing the workload" in line
     running = dataclasses.replace(starting, index=3, total=8)
     assert "trial 3 of 8" in tune_line(running, "2 trial(s)", 1).plain
+
+
+def test_layers_are_named_as_the_model_names_them(fixed):
+    """Issue 35: layers were named `_3`, `_6` (the traced nodes' names)."""
+    report = fixed.profile_report()
+    for t in report["layer_profile"]["layers"]:
+        t["name"] = "_" + t["name"].rsplit(".", 1)[-1]  # as fx names a bare Sequential's
+    report["layer_labels"] = {"_3": "3 Conv2d", "_0": "0 Conv2d"}
+    names = [row.name for row in profile_from_report(report).layers]
+    assert names[:2] == ["0 Conv2d", "3 Conv2d"] and "_6" in names  # no label: its own name
+    observed = profile_from_observed(
+        {"top_layers": [{"name": "_3", "label": "3 Conv2d", "kind": "conv", "forward_s": 0.01,
+                         "backward_s": 0.02}]}
+    )  # fmt: skip
+    assert [row.name for row in observed.layers] == ["3 Conv2d"]
+
+
+def test_applies_and_rollbacks_are_marked_where_they_fall(fixed):
+    """Issue 35: no mark at an apply or a rollback, and one line over batch 32 and batch 64."""
+    changes = [(45, fixed.BUCKETS), (52, fixed.BASE)]
+    events = [
+        {"kind": "applied", "step": 45},
+        {"kind": "paused", "step": 47},
+        {"kind": "rolled_back", "step": 52},
+        {"kind": "applied", "step": 3},  # before the window shown: not marked
+    ]
+    view = live_view(
+        "r", "w", fixed.status(60), fixed.metrics(60, fixed.BASE, changes)[10:], {},
+        events=events, applied=0,
+    )  # fmt: skip
+    assert view.changes == ((35, "apply"), (42, "rollback"))  # indices into the 50 steps shown
+    assert view.step_configs[:35] == (0,) * 35 and view.step_configs[35:42] == (1,) * 7
+    assert view.step_configs[42:] == (0,) * 8  # back to the first config: its colour again
+
+
+def test_the_time_left_follows_the_trials_that_ran(fixed):
+    """Issue 35: no estimate of a tuning's time left. The mean wall time of the trials that
+    ran, times the trials to come, less what the one in flight has done."""
+    study = fold_study(StudyView(), StudyStarted(1, "w", 2, "hw", False), now=0.0)
+    study = fold_study(study, TrialStarted(1, 0, "baseline", None, "baseline", None, 1, 1), now=0.0)
+    assert study.time_left_s(now=5.0) is None  # nothing ran yet: no guess
+    study = fold_study(
+        study,
+        TrialFinished(1, 0, "baseline", None, "baseline", "ok", 0.2, 0.01, None),
+        now=40.0,
+    )
+    study = fold_study(study, TrialStarted(2, 1, "candidate", "x", "c", 0.19, 2, 4), now=40.0)
+    # 40 s per trial: 2 to come after this one, which has run 10 of its 40 s.
+    assert study.time_left_s(now=50.0) == pytest.approx(2 * 40 + 30)
+    assert study.time_left_s(now=100.0) == pytest.approx(2 * 40 + 4)  # overdue: a little left
+    skipped = TrialFinished(3, 2, "candidate", "x", "d", "skipped", None, None, None)
+    study = fold_study(study, skipped, now=100.0)  # over, without counting as a trial's time
+    assert [t.wall_s for t in study.trials] == [40.0, None, None]
+
+
+def test_a_cancelled_tuning_leaves_no_trial_running(fixed):
+    from tunekit.tui.state import end_study
+
+    study = fold_study(StudyView(), StudyStarted(1, "w", 2, "hw", False))
+    study = fold_study(study, TrialStarted(1, 0, "baseline", None, "baseline", None, 1, 1))
+    ended = end_study(study, "cancelled", "cancelled")
+    assert [t.status for t in ended.trials] == ["cancelled"]
+    assert ended.current is None and ended.done == 1 and not ended.running
+
+
+def test_the_tuners_diagnose_one_after_the_other_during_a_tuning():
+    """Issue 35: "…" was the only sign of progress while the tuners diagnosed."""
+    from tunekit.events import Diagnosed, Observed, Planned, PluginProblem
+    from tunekit.tui.state import fold_tuners
+
+    views = (TunerView("a"), TunerView("b"), TunerView("c", enabled=False), TunerView("d"))
+
+    def states(vs):
+        return [(v.name, v.state, v.activity) for v in vs]
+
+    views = fold_tuners(views, StudyStarted(1, "w", 2, "hw", False))
+    assert [v.state for v in views] == ["waiting", "waiting", "idle", "waiting"]
+    views = fold_tuners(views, TrialStarted(1, 0, "baseline", None, "baseline", None, 1, 1))
+    assert [v.state for v in views] == ["waiting", "waiting", "idle", "waiting"]
+    views = fold_tuners(views, Observed({}))
+    assert states(views)[0] == ("a", "diagnosing", "diagnosing")
+    views = fold_tuners(views, Diagnosed("a", True, "x; y", 0.1))
+    assert states(views)[0] == ("a", "diagnosing", "planning its candidates")
+    views = fold_tuners(views, Planned("a", []))
+    assert states(views)[:2] == [("a", "diagnosed", ""), ("b", "diagnosing", "diagnosing")]
+    views = fold_tuners(views, PluginProblem("b", "", "diagnose failed", "boom"))
+    assert [v.state for v in views] == ["diagnosed", "failed", "idle", "diagnosing"]
+    views = fold_tuners(views, Diagnosed("d", False, "no", None))
+    assert [v.state for v in views] == ["diagnosed", "failed", "idle", "diagnosed"]
+    assert views[3].headline == "does not apply · no"
+
+
+def test_a_tuner_that_said_it_does_not_apply_and_won_is_explained(fixed):
+    """Issue 35: batch_ps_sizing "does not apply (no batch is predicted to beat batch 32)",
+    then won the tuning at 1.36x without a word of why."""
+    from tunekit.events import Decided, StudyStarted, TrialFinished, TrialStarted
+    from tunekit.tui.screens.trials import best_text
+    from tunekit.tui.state import StudyView, TunerView, fold_study
+
+    study = fold_study(StudyView(), StudyStarted(1, "w", 2, "hw", False))
+    for ev in (
+        TrialStarted(1, 0, "baseline", None, "baseline", None, 1, 2),
+        TrialFinished(1, 0, "baseline", None, "baseline", "ok", 0.2, 0.01, None, samples_per_s=320.0),
+        TrialStarted(2, 1, "search", "batch_ps_sizing", "batch search", None, 2, 2),
+        TrialFinished(2, 1, "search", "batch_ps_sizing", "batch_size=64", "ok", 0.3, 0.01, None,
+                      samples_per_s=435.0),
+        Decided({"winner": "batch_ps_sizing(batch_size=64)", "winner_trial": 2, "speedup": 1.36,
+                 "reason": "36% more samples/s"}),
+    ):  # fmt: skip
+        study = fold_study(study, ev)
+    said_no = TunerView("batch_ps_sizing", applies=False, state="diagnosed", summary="no")
+    text = str(best_text(study, (said_no,)))
+    assert "batch_ps_sizing's model said it does not apply; its in-job search measured" in text
+    said_yes = dataclasses.replace(said_no, applies=True)
+    assert "does not apply" not in str(best_text(study, (said_yes,)))

@@ -101,3 +101,60 @@ def test_layer_norm_counts_five_flops_per_element():
     assert norms
     for layer in norms.values():  # [batch, sequence, width], affine: 5 per element
         assert layer.flops == 5 * math.prod(layer.output_shape)
+
+
+# -- Hugging Face models, captured by torch.export (issue 32, item 7) ----------------------
+
+
+def _hf_blocks(fn: str):
+    pytest.importorskip("transformers", reason="the Hugging Face models need tunekit[hf]")
+    from support import DATA
+
+    from tunekit.observe.blocks import profile_blocks
+    from tunekit.observe.graph import trace_model
+    from tunekit.observe.layer_profile import LayerProfile, LayerTiming
+    from tunekit.workload import load_workload
+
+    wl = load_workload(f"{DATA / 'hf_small.py'}:{fn}")
+    graph = trace_model(wl.model(), wl.example_batch(wl.batch_size)[0])
+    assert graph.method == "export"
+    # Injected times (1 ms forward, 2 ms backward a layer): the claim is about grouping.
+    timed = {
+        name: LayerTiming(name, lay.kind, 1e-3, 2e-3)
+        for name, lay in graph.layers.items()
+        if lay.kind not in ("input", "output")
+    }
+    profile = LayerProfile(graph.graph_hash(), "cpu", graph.batch_size, 0, 1, timed)
+    return graph, profile_blocks(graph, profile)
+
+
+def _block_rows(rows, prefix: str) -> dict[str, dict]:
+    return {r["unit"]: r for r in rows if r["unit"].startswith(prefix)}
+
+
+def test_gpt2_blocks_are_listed_once_with_their_residual_adds_and_masks_grouped():
+    graph, rows = _hf_blocks("gpt2")
+    units = [r["unit"] for r in rows]
+    assert len(units) == len(set(units))  # each unit once
+    blocks = _block_rows(rows, "model.transformer.h.")
+    assert sorted(blocks) == ["model.transformer.h.0", "model.transformer.h.1"]
+    for unit, row in blocks.items():
+        prefix = unit.replace(".", "_") + "_"
+        inside = [n for n in graph.layers if n.startswith(prefix)]
+        assert row["layers"] == len(inside)  # every layer of the block, its residual adds too
+        assert any(graph.layers[n].kind == "add" for n in inside)
+    # the causal mask GPT2Model builds (arange, le, and, index, ...) is one row, not twenty
+    assert len(rows) <= 10
+    mask = next(r for r in rows if r["unit"] == "model.transformer")
+    assert mask["layers"] >= 15 and mask["flops"] == 0
+
+
+def test_llama_gets_its_rmsnorm_blocks():
+    graph, rows = _hf_blocks("llama")
+    assert rows is not None
+    blocks = _block_rows(rows, "model.model.layers.")
+    assert sorted(blocks) == ["model.model.layers.0", "model.model.layers.1"]
+    norms = [n for n in graph.layers if n.startswith("model_model_layers_0_") and "layernorm" in n]
+    assert norms and graph.nodes[graph.layers[norms[0]].nodes[0]].module_type == "LlamaRMSNorm"
+    assert blocks["model.model.layers.0"]["flops"] > 0
+    assert len(rows) <= 10

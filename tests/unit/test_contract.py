@@ -105,3 +105,23 @@ def test_config_file_errors(tmp_path):
         TuningConfig.load(tmp_path / "none.json")
     (tmp_path / "c.json").write_text('{"tunekit_config": 1, "plugins": {"buckets": {"cap": 4}}}')
     assert TuningConfig.load(tmp_path / "c.json").plugins == {"buckets": {"cap": 4}}
+
+
+@pytest.mark.parametrize(
+    ("pair", "cut"),
+    [
+        ("overlap_chunking.k=1e300", "(301 characters) is out of range"),
+        ("overlap_chunking.mode=" + "x" * 5000, "(5002 characters) is not one of"),
+        ("overlap_chunking.k=" + "9" * 400, "(400 characters) is out of range"),
+    ],
+)
+def test_a_refused_value_is_quoted_cut_not_whole(pair, cut):
+    """Issue 34, item 11: `k=1e300` reads as an integer of 301 digits; the error quotes 40."""
+    from tunekit.config import TuningConfig, resolve
+    from tunekit.errors import ConfigError
+    from tunekit.plugin_loading import available_tuners
+
+    with pytest.raises(ConfigError) as raised:
+        resolve(TuningConfig.from_pairs([pair]), available_tuners())
+    message = str(raised.value)
+    assert cut in message and len(message) < 160, message

@@ -92,7 +92,7 @@ def captured(request) -> tuple[str, HFModel, ModelGraph, int]:
     model = HFModel(cls(config)).eval()  # capture must switch to training mode itself
     inputs = _inputs(request.param)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    graph = trace_model(model, (inputs,))
+    graph = trace_model(model, inputs)
     assert not model.training, "the model's own mode is restored"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     return request.param, model, graph, _reference_flops(cls, config, before, inputs)
@@ -176,8 +176,37 @@ def test_layers_of_an_export_graph_are_timed_one_by_one(captured):
         pytest.skip("one model is enough for the layer runner")
     from tunekit.observe.layer_profile import profile_layers
 
-    profile = profile_layers(model, (_inputs(name),), graph, warmup=0, repeats=1)
+    profile = profile_layers(model, _inputs(name), graph, warmup=0, repeats=1)
     computing = {n for n, lay in graph.layers.items() if lay.kind not in ("input", "output")}
     assert set(profile.layers) == computing
     scores = next(n.layer for n in _attention_matmuls(graph))
     assert profile.layers[scores].forward_s > 0 and profile.layers[scores].backward_s > 0
+
+
+def test_the_docs_say_what_tunekit_counts_beyond_a_plain_flop_counter_for_llama():
+    """docs/workloads.md: on a CPU, FlopCounterMode counts fused attention as 0 FLOPs; tunekit
+    counts its matmuls. The figure the page gives for its Llama example is this one."""
+    import re
+    from pathlib import Path
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "workloads.md"
+    text = doc.read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "LlamaConfig" in b)
+    names: dict = {}
+    exec(code, names)
+    wl = names["workload"]()
+    torch.manual_seed(0)
+    model = wl.model()
+    inputs, _ = wl.example_batch(wl.batch_size)
+    tunekit_flops = trace_model(model, inputs).total_flops()
+    model.train()
+    with torch.no_grad(), FlopCounterMode(display=False) as plain:
+        model(inputs)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as math:
+        model(inputs)
+    assert tunekit_flops == pytest.approx(math.get_total_flops(), rel=0.01)
+    ratio = tunekit_flops / plain.get_total_flops()
+    assert ratio > 1.01  # attention's matmuls, which the plain counter leaves out
+    assert f"tunekit's total is {ratio:.3f}× that of a plain `FlopCounterMode`" in text

@@ -1,5 +1,6 @@
-"""Where a node is (flags, torchrun's and SLURM's variables), the node token, signed values on
-the coordinator's store, and a node's files packed for it (tunekit.trials.nodes)."""
+"""Where a node is (flags, torchrun's and SLURM's variables), the node token, sealed values on
+the coordinator's store (read and written by a second client, as another local user would),
+and a node's files packed for it (tunekit.trials.nodes)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from torch.distributed import TCPStore
 
 from tunekit.runtime.dist import free_port
 from tunekit.trials.nodes import (
+    PREFIX,
     Channel,
+    Coordinator,
     Endpoint,
     NodesError,
+    Refusals,
+    _Watch,
     first_host,
     make_token,
     node_place,
@@ -110,29 +115,117 @@ def store():
     )
 
 
-def test_signed_values_round_trip_and_forgeries_are_refused(store):
-    ours = Channel(store, "secret-1")
-    ours.put("job/0", {"kind": "trial", "spec": {"workload": "example:cnn"}})
-    assert Channel(store, "secret-1").get("job/0") == {
+def other_client(store) -> TCPStore:
+    """Another process's view of the port: a second client, no token."""
+    return TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def plant(spy: TCPStore, key: str, value) -> None:
+    """Write as another client, then read it back on that client: a set is not answered, so
+    without the read another connection's next get may reach the server first."""
+    spy.set(key, value)
+    assert spy.get(key) == (value.encode() if isinstance(value, str) else value)
+
+
+def test_a_reader_of_the_port_lists_the_keys_but_reads_no_value(store):
+    said: list[str] = []
+    ours = Channel(store, "secret-1", run="run-a", refusals=Refusals(said.append))
+    ours.put("job/0", {"kind": "trial", "spec": {"workload": "private/train.py:fn"}})
+    assert Channel(store, "secret-1", run="run-a").get("job/0") == {
         "kind": "trial",
-        "spec": {"workload": "example:cnn"},
+        "spec": {"workload": "private/train.py:fn"},
     }
     assert ours.get("job/1") is None  # nothing there yet: no wait
-    # Another token sees other keys: it cannot find ours...
-    assert Channel(store, "secret-2").get("job/0") is None
-    # ...and a value written at our key without our token is refused, not run.
-    body = json.dumps({"kind": "trial", "spec": {"workload": "evil.py:fn"}})
-    store.set(ours.prefix + "job/1", json.dumps({"body": body, "mac": "0" * 64}))
-    with pytest.raises(NodesError, match="not signed with this study's node token"):
-        ours.get("job/1")
-    # A value moved to another key does not verify there either (the key is signed too).
-    store.set(ours.prefix + "job/2", store.get(ours.prefix + "job/0"))
-    with pytest.raises(NodesError, match="not signed"):
-        ours.get("job/2")
-    store.set(ours.prefix + "job/3", "not json")
-    with pytest.raises(NodesError, match="not tunekit's"):
-        ours.get("job/3")
-    assert ours.bump("beat") == 1 and ours.bump("beat") == 2 and ours.count("beat") == 2
+    spy = other_client(store)
+    assert spy.list_keys() == [PREFIX + "job/0"]  # the names are there to see ...
+    raw = spy.get(PREFIX + "job/0")
+    assert (
+        b"private" not in raw and b"trial" not in raw and b"workload" not in raw
+    )  # ... not what they hold
+    assert not said
+
+
+def test_forged_moved_replayed_and_foreign_values_are_ignored_counted_and_said(store):
+    said: list[str] = []
+    refusals = Refusals(said.append)
+    ours = Channel(store, "secret-1", run="run-a", refusals=refusals)
+    spy = other_client(store)
+    ours.put("job/0", {"kind": "trial"})
+    # Plain text where a sealed value belongs.
+    plant(spy, PREFIX + "job/1", json.dumps({"kind": "trial", "spec": {"workload": "evil.py:fn"}}))
+    assert ours.get("job/1") is None
+    # A sealed value of ours moved to another key.
+    plant(spy, PREFIX + "job/2", spy.get(PREFIX + "job/0"))
+    assert ours.get("job/2") is None
+    # Written with another token, or for another run of the study with ours.
+    Channel(spy, "secret-2", run="run-a").put("job/3", {"kind": "end"})
+    assert spy.get(PREFIX + "job/3")  # answered: the put reached the server
+    assert ours.get("job/3") is None
+    Channel(spy, "secret-1", run="run-b").put("job/4", {"kind": "end"})
+    assert spy.get(PREFIX + "job/4")
+    assert ours.get("job/4") is None
+    # An earlier value of this very key and run, written again after a newer one was read.
+    old = spy.get(PREFIX + "job/0")
+    ours.put("job/0", {"kind": "end"})
+    assert ours.get("job/0") == {"kind": "end"}
+    plant(spy, PREFIX + "job/0", old)
+    assert ours.get("job/0") is None
+    assert refusals.count == 5 and len(said) == 5
+    assert "not a tunekit value" in said[0] and "replay" in said[-1]
+    assert all(s.startswith("ignored the value at job/") for s in said)
+    # Read again and again (a follower polls the key it waits on), each is counted once.
+    for _ in range(3):
+        assert ours.get("job/1") is None
+    assert refusals.count == 5
+    assert "5 value(s)" in refusals.summary()
+    # A deleted key reads as none, without waiting for it.
+    spy.delete_key(PREFIX + "job/2")
+    assert ours.get("job/2") is None
+
+
+def test_a_heartbeat_written_again_by_another_process_does_not_keep_a_node_alive(store):
+    beats = Channel(store, "secret-1", run="run-a")
+    watcher = Channel(store, "secret-1", run="run-a")
+    beats.put("node/1/beat", {})
+    watch = _Watch(watcher, "node/1/beat")
+    beats.put("node/1/beat", {})
+    watch.silent_s()
+    moved = watch.moved
+    spy = other_client(store)
+    last = spy.get(PREFIX + "node/1/beat")
+    for _ in range(5):  # the node is gone; another process writes its last beat again and again
+        plant(spy, PREFIX + "node/1/beat", last)
+        watch.silent_s()
+        plant(spy, PREFIX + "node/1/beat", b"1")
+        watch.silent_s()
+    assert watch.moved == moved  # it stood still since its last real beat
+    beats.put("node/1/beat", {})
+    watch.silent_s()
+    assert watch.moved > moved
+
+
+def test_a_new_run_of_the_coordinator_ignores_what_the_last_one_wrote():
+    """Same token, same port, after --resume: a value of the earlier run is not this one's."""
+    token, port = "0123456789abcdef" * 4, free_port()
+    first = Coordinator(parse_endpoint(f"127.0.0.1:{port}"), 2, token)
+    first.stop(0)
+    spy = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    captured = {k: spy.get(k) for k in (PREFIX + "job/0/stop", PREFIX + "run")}
+    del spy
+    first.beat.stop()
+    first.beat.thread.join()
+    del first
+    said: list[str] = []
+    second = Coordinator(parse_endpoint(f"127.0.0.1:{free_port()}"), 2, token, say=said.append)
+    spy = TCPStore(
+        "127.0.0.1", second.endpoint.port, is_master=False, timeout=timedelta(seconds=10)
+    )
+    for key, value in captured.items():
+        spy.set(key, value)
+    follower_view = Channel(spy, token, run=second.run, refusals=second.refusals)
+    assert follower_view.get("job/0/stop") is None
+    assert said and "job/0/stop" in said[0]
+    second.beat.stop()
 
 
 def test_a_nodes_files_travel_packed_and_cannot_leave_the_trial_folder(tmp_path):
@@ -192,3 +285,21 @@ def test_the_slowest_node_is_named_from_its_ranks_compute():
     assert describe_slowest(node_summary({0: hellos[0]}, 2, compute, {})) == ""
     alike = node_summary(hellos, 2, {0: 0.100, 1: 0.100, 2: 0.103, 3: 0.103}, {})
     assert "computed alike" in describe_slowest(alike)
+
+
+def test_the_docs_give_every_follower_its_token_and_name_every_slurm_variable_read():
+    """Issue 34, item 9: the live job's follower line had no token (it failed as written), and
+    the SLURM section did not name SLURM_STEP_ID, without which each task studies alone."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from tunekit.trials import nodes
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "multinode.md").read_text()
+    follows = [ln for ln in doc.splitlines() if ln.strip().startswith("tunekit follow ")]
+    assert len(follows) >= 2 and all("--token-file" in ln for ln in follows), follows
+    slurm = doc.split("\n## SLURM")[1].split("\n## ")[0]
+    read = set(re.findall(r"SLURM_[A-Z_]+", inspect.getsource(nodes.node_place)))
+    assert "SLURM_STEP_ID" in read and read <= set(re.findall(r"SLURM_[A-Z_]+", slurm))
+    assert "TUNEKIT_NODE_TOKEN" in slurm

@@ -90,6 +90,29 @@ def test_cnn_example_graph_and_batch_override():
     assert g32.graph_hash() != g.graph_hash()
 
 
+def test_layers_are_labelled_by_their_modules():
+    """Issue 35: the TUI named layers "_3", "_6" (fx's node names for ``model[3]``)."""
+    w = cnn.workload()
+    g = trace_model(w.model(), w.example_batch(2)[0])
+    labels = g.layer_labels()
+    assert (
+        labels["_0"] == "0 Conv2d" and labels["_3"] == "3 Conv2d" and labels["_10"] == "10 Linear"
+    )
+    assert labels["input_1"] == "input_1"  # not a module call: its own name
+
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.features(x).mean((2, 3))) + 1
+
+    g = trace_model(Named(), torch.randn(2, 3, 8, 8))
+    assert {"features.0 Conv2d", "head Linear", "add"} <= set(g.layer_labels().values())
+
+
 def test_to_dict_round_trip_is_json_and_keeps_the_hash():
     w = cnn.workload()
     g = trace_model(w.model(), w.example_batch(2)[0])

@@ -217,3 +217,23 @@ def test_cli_exit_code_two_once_registered(tmp_path):
     bad.write_text('name = "x"\n')
     assert cli_main.main(["hardware", "show", str(bad)]) == 2
     assert cli_main.main(["hardware", "show", "k80x16"]) == 0
+
+
+def test_a_baseline_trials_probe_read_back_from_its_rank_file_fits_as_the_probe_does():
+    """Issue 35: the first baseline trial's ranks time the collectives (no ranks of their own);
+    rank 0's timings come back through JSON, sizes as strings, and fit this machine."""
+    from tunekit.observe.probe import probe_result
+
+    sizes = [4096 * 4**i for i in range(5)]
+    timings = {
+        "backend": "gloo",
+        "all_reduce": {n: [1e-4 + n / 1e9] * 5 for n in sizes},
+        "p2p": {n: [5e-5 + n / 3e9] * 5 for n in sizes},
+        "wall_s": 1.5,
+    }
+    result = probe_result(json.loads(json.dumps(timings)), 2, "cpu", 1.5)
+    fits = {f.op: f for f in result.hardware.collectives}
+    assert set(fits) == {"all_reduce", "p2p"} and result.wall_s == 1.5
+    assert fits["all_reduce"].latency == pytest.approx(1e-4, rel=1e-3)
+    assert fits["all_reduce"].bandwidth == pytest.approx(1e9, rel=1e-3)
+    assert fits["p2p"].bandwidth == pytest.approx(3e9, rel=1e-3)

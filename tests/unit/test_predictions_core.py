@@ -152,6 +152,10 @@ def test_scripted_trial_results_change_the_order_of_what_runs_next():
     first, _ = choose_next(raw, set(), 6, 0.01)
     assert [r.entry.config_id for r in first] == ["a1", "b1", "c1", "d1", "a2", "b2"]
     assert next(r for r in raw if r.entry.config_id == "c1").gain == pytest.approx(0.05)
+    # Under a time budget, which may hold a trial or two, by gain alone: a's second (25%) goes
+    # before b's best (20%); one too long for the budget gives its place to the next best.
+    first, _ = choose_next(raw, set(), 6, 0.01, by_gain=True)
+    assert [r.entry.config_id for r in first] == ["a1", "a2", "b1", "b2", "c1", "d1"]
 
     # a1 ran: no gain at all; a's other candidate is now predicted no better than the baseline.
     after = Corrector(base, [Outcome("a", 0.070, 0.101)])

@@ -10,6 +10,7 @@ from tunekit.trials.decide import (
     decide,
     leader_to_confirm,
     schedule,
+    still_unclear,
 )
 from tunekit.trials.stats import compare_runs, slowest_rank_steps, summarize
 
@@ -155,3 +156,162 @@ def test_batch_candidates_are_judged_by_throughput_not_step_time():
     assert d["winner_config"] == TuningConfig(big).to_dict()
     assert d["speedup"] == pytest.approx(4 / 3, rel=0.03)
     assert d["winner_global_batch"] == 128 and d["baseline_global_batch"] == 64
+
+
+def _steps(rng, median, n=12, sd=0.01):
+    return list(median * rng.normal(1, sd, n))
+
+
+def _unclear(rows):
+    return still_unclear(decide(rows, 0.01), rows, 0.01)
+
+
+def test_a_decision_is_clear_once_its_winner_has_two_runs_beyond_noise():
+    rng = np.random.default_rng(3)
+    fast = {"p": {"x": 1}}
+    rows = [_row(0, BASELINE, {}, _steps(rng, 0.1)), _row(1, CANDIDATE, fast, _steps(rng, 0.08))]
+    assert [r["description"] for r in _unclear(rows).rows] == ["p(x=1)"]  # one run: confirm it
+    rows += [_row(2, BASELINE, {}, _steps(rng, 0.1)), _row(3, "confirm", fast, _steps(rng, 0.08))]
+    assert _unclear(rows) is None
+
+
+def test_a_leader_whose_interval_holds_no_gain_is_measured_again_and_a_flat_one_is_not():
+    rng = np.random.default_rng(4)
+    looks = [
+        _row(0, BASELINE, {}, _steps(rng, 0.100, sd=0.2)),
+        _row(1, CANDIDATE, {"p": {}}, _steps(rng, 0.093, sd=0.2)),
+        _row(2, BASELINE, {}, _steps(rng, 0.100, sd=0.2)),
+    ]
+    d = decide(looks, 0.01)
+    assert d["winner"] == "baseline" and d["candidates"][0]["comparison"]["speedup"] > 1.01
+    unclear = still_unclear(d, looks, 0.01)
+    assert unclear.rows[0]["plugin"] == "p" and "holds no gain" in unclear.why
+    flat = [_row(0, BASELINE, {}, [0.1] * 8), _row(1, CANDIDATE, {"p": {}}, [0.1] * 8)]
+    assert _unclear(flat) is None
+    # ... even on a drifting baseline: more runs would not make it a winner (the decision says
+    # the machine was too noisy).
+    drifted = flat + [_row(2, BASELINE, {}, [0.075] * 8)]
+    assert _unclear(drifted) is None
+
+
+def test_two_winners_within_each_others_noise_are_measured_side_by_side():
+    rng = np.random.default_rng(5)
+    a, b = {"p": {"x": 1}}, {"q": {"y": 1}}
+    close = [
+        _row(0, BASELINE, {}, _steps(rng, 0.100)),
+        _row(1, CANDIDATE, a, _steps(rng, 0.080, sd=0.05)),
+        _row(2, CANDIDATE, b, _steps(rng, 0.081, sd=0.05)),
+        _row(3, BASELINE, {}, _steps(rng, 0.100)),
+        _row(4, "confirm", a, _steps(rng, 0.080, sd=0.05)),
+    ]
+    unclear = _unclear(close)
+    assert [r["description"] for r in unclear.rows] == ["p(x=1)", "q(y=1)"]
+    assert "within each other's noise" in unclear.why
+    apart = [r for r in close if r.id != 2] + [_row(2, CANDIDATE, b, _steps(rng, 0.095))]
+    assert _unclear(apart) is None
+
+
+def test_a_winner_on_a_drifting_baseline_needs_a_third_run():
+    rng = np.random.default_rng(6)
+    fast = {"p": {}}
+    rows = [
+        _row(0, BASELINE, {}, _steps(rng, 0.10)),
+        _row(1, CANDIDATE, fast, _steps(rng, 0.06)),
+        _row(2, BASELINE, {}, _steps(rng, 0.13)),
+        _row(3, "confirm", fast, _steps(rng, 0.06)),
+        _row(4, BASELINE, {}, _steps(rng, 0.11)),
+    ]
+    assert decide(rows, 0.01)["winner"] == "p()"
+    assert "drifted" in _unclear(rows).why
+    rows += [_row(5, "confirm", fast, _steps(rng, 0.06)), _row(6, BASELINE, {}, _steps(rng, 0.12))]
+    assert _unclear(rows) is None
+
+
+def test_a_winner_that_changes_the_batch_is_tried_with_the_best_sync_config_of_its_study():
+    """On example:cnn two_chunk gains nothing at batch 32 and 4% at batch 128: judged at the
+    job's batch only it never meets the batch it pays at (docs/benchmarks.md, tuner_vs_grid)."""
+    from tunekit.contract import Aspect, Knob, Tuner
+    from tunekit.orchestrator import batch_partner
+
+    def tuner(name, aspect, *knobs, layout=None):
+        declared = [Knob(k, "int", 0) if k != "plan" else Knob(k, "str", "") for k in knobs]
+        cls = type(name, (Tuner,), {"name": name, "title": name, "aspect": aspect,
+                                    "knobs": lambda self: declared, "diagnose": None,
+                                    "plan": None, "apply": None,
+                                    "layout": lambda self, knobs: layout})  # fmt: skip
+        cls.__abstractmethods__ = frozenset()
+        return cls()
+
+    tuners = {
+        "batch": tuner("batch", Aspect.BATCH, "batch_size"),
+        "sync": tuner("sync", Aspect.GRAD_SYNC, "k", "cap"),
+        "place": tuner("place", Aspect.PLACEMENT, "plan"),
+    }
+    rng = np.random.default_rng(7)
+    big = {"batch": {"batch_size": 128}}
+    two_chunk, buckets = {"sync": {"k": 8}}, {"sync": {"cap": 100}}
+
+    def row(i, role, cfg, median, batch):
+        r = _row(i, role, cfg, _steps(rng, median))
+        r.result["ranks"] = [{"global_batch": batch}]
+        return r
+
+    rows = [
+        row(0, BASELINE, {}, 0.100, 64),
+        row(1, CANDIDATE, big, 0.320, 256),  # 1.25x per sample
+        row(2, CANDIDATE, two_chunk, 0.100, 64),  # nothing at the job's batch
+        row(3, CANDIDATE, {"place": {"plan": "owt"}}, 0.090, 64),
+        row(4, BASELINE, {}, 0.100, 64),
+    ]
+    decision = decide(rows, 0.01)
+    leader = next(r for r in decision["candidates"] if r["plugin"] == "batch")
+    pool = [
+        {"plugin": "sync", "config": TuningConfig(buckets).to_dict(), "config_id": "b",
+         "predicted_s": 0.090, "global_batch": None},
+    ]  # fmt: skip
+    # Tried and not slower: its measured 1.0x beats a prediction of 1.11x never tried; the
+    # placement, faster at the job's batch, replaces the step the batch runs in.
+    assert batch_partner(leader, decision, pool, tuners, 0.01) == TuningConfig(two_chunk).to_dict()
+    # Nothing of another aspect tried: the best predicted, unless predicted slower.
+    untried = decide([r for r in rows if r.id != 2], 0.01)
+    assert batch_partner(leader, untried, pool, tuners, 0.01) == TuningConfig(buckets).to_dict()
+    slow = [{**pool[0], "predicted_s": 0.2}]
+    assert batch_partner(leader, untried, slow, tuners, 0.01) is None
+    # A winner at the job's own batch meets other aspects only where they won themselves.
+    sync_leader = next(r for r in decision["candidates"] if r["plugin"] == "sync")
+    assert batch_partner(sync_leader, decision, pool, tuners, 0.01) is None
+    # A layout that shards with FSDP, planned with the larger batch as one candidate
+    # (Candidate.combined_with): FSDP reduces its own gradients, so no sync config joins it.
+    tuners["shard"] = tuner("shard", Aspect.LAYOUT, "fsdp", layout={"sharding": "fsdp"})
+    sharded = {"shard": {"fsdp": 1}, **big}
+    rows[1] = row(1, CANDIDATE, sharded, 0.320, 256)
+    decision = decide(rows, 0.01)
+    leader = next(r for r in decision["candidates"] if r["plugin"] == "shard")
+    assert batch_partner(leader, decision, pool, tuners, 0.01) is None
+
+
+def test_a_search_that_kept_every_default_found_nothing_to_weigh_against_the_baseline():
+    from tunekit.orchestrator import found_config
+
+    class Batch:
+        def defaults(self):
+            return {"batch_size": 0, "knee": 0.05}
+
+        def validate(self, knobs):
+            return {**self.defaults(), **knobs}
+
+    tuners = {"b": Batch()}
+    assert found_config(TuningConfig({"b": {"batch_size": 0}}).to_dict(), tuners) == (
+        TuningConfig().to_dict()
+    )
+    moved = TuningConfig({"b": {"batch_size": 64}}).to_dict()
+    assert found_config(moved, tuners) == moved
+    rng = np.random.default_rng(8)
+    rows = [
+        _row(0, BASELINE, {}, _steps(rng, 0.10)),
+        _row(1, "search", {}, _steps(rng, 0.09)),  # recorded with the baseline's config
+        _row(2, BASELINE, {}, _steps(rng, 0.10)),
+    ]
+    d = decide(rows, 0.01)
+    assert d["candidates"] == [] and d["winner"] == "baseline"
+    assert still_unclear(d, rows, 0.01) is None

@@ -10,6 +10,13 @@ import threading
 
 import pytest
 import torch
+from harness_tuners import (
+    DetachesBesideAHarmlessKnob,
+    DetachesBlockInputs,
+    Harmless,
+    NeverPlansItsKnob,
+    SaysItChangesTheMath,
+)
 
 from tunekit import API_VERSION
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, Tuner
@@ -23,6 +30,7 @@ from tunekit.testing import (
     MemoryCache,
     check_conformance,
     check_declaration,
+    check_equivalence,
     check_runtime,
     compare_states,
     snapshot_session,
@@ -30,9 +38,11 @@ from tunekit.testing import (
     synthetic_observation,
     synthetic_telemetry,
     tiny_dataset_workload,
+    tiny_gpt_workload,
     tiny_hardware,
     tiny_workload,
 )
+from tunekit.testing.equivalence import equivalence_cases
 from tunekit.workload import load_workload
 
 # -- the pieces ------------------------------------------------------------------------------
@@ -131,6 +141,19 @@ def test_session_snapshots_see_what_a_hook_changes():
 
 # -- conformance of the built-in tuners --------------------------------------------------------
 
+ONE_RANK = (1,)
+"""The float64 equivalence on one rank, in this process (two ranks: the slow tests below)."""
+OVERLAP_KNOBS = [
+    {
+        "mode": "ddp_buckets",
+        "bucket_cap_mb": 1,
+        "first_bucket_mb": 0.5,
+        "gradient_as_bucket_view": True,
+    },
+    {"mode": "two_chunk", "k": 2, "f": 1},
+]
+CGDP_KNOBS = [{"chunk_size": 2}, {"chunk_size": 1, "offload_optimizer": True}]
+
 
 def builtin(name: str) -> Tuner:
     (record,) = load_named([name])
@@ -144,15 +167,8 @@ def test_overlap_chunking_conforms_in_both_modes():
     report = check_conformance(
         tuner,
         synthetic_observation(nproc=2),
-        knob_sets=[
-            {
-                "mode": "ddp_buckets",
-                "bucket_cap_mb": 1,
-                "first_bucket_mb": 0.5,
-                "gradient_as_bucket_view": True,
-            },
-            {"mode": "two_chunk", "k": 2, "f": 1},
-        ],
+        equivalence_ranks=ONE_RANK,
+        knob_sets=OVERLAP_KNOBS,
     )
     assert report.diagnosis.applies and report.candidates
     assert all(math.isfinite(x) for run in report.losses for x in run)
@@ -160,7 +176,10 @@ def test_overlap_chunking_conforms_in_both_modes():
 
 def test_batch_ps_sizing_conforms_with_its_search():
     report = check_conformance(
-        builtin("batch_ps_sizing"), synthetic_observation(nproc=2), search_steps=6
+        builtin("batch_ps_sizing"),
+        synthetic_observation(nproc=2),
+        search_steps=6,
+        equivalence_ranks=ONE_RANK,
     )
     assert report.diagnosis.applies
     assert {k["batch_size"] for k in report.knob_sets} <= {16, 32, 64}
@@ -172,20 +191,25 @@ def test_cgdp_conforms_on_one_rank():
     report = check_conformance(
         builtin("cgdp"),
         synthetic_observation(nproc=2),
-        knob_sets=[{"chunk_size": 2}, {"chunk_size": 1, "offload_optimizer": True}],
+        knob_sets=CGDP_KNOBS,
+        equivalence_ranks=ONE_RANK,
     )
     assert not report.diagnosis.applies
 
 
 def test_layer_split_conforms_with_its_planned_splits():
-    report = check_conformance(builtin("layer_split"), synthetic_observation(nproc=2))
+    report = check_conformance(
+        builtin("layer_split"), synthetic_observation(nproc=2), equivalence_ranks=ONE_RANK
+    )
     assert report.diagnosis.applies
     assert len(report.knob_sets) == 2
 
 
 def test_hybrid_mp_conforms_on_one_rank_without_model_parallelism():
     # mp_degree > 1 needs as many ranks: see the two-rank test below.
-    report = check_conformance(builtin("hybrid_mp"), synthetic_observation(nproc=2))
+    report = check_conformance(
+        builtin("hybrid_mp"), synthetic_observation(nproc=2), equivalence_ranks=ONE_RANK
+    )
     assert not report.diagnosis.applies and "chain" in report.diagnosis.summary
 
 
@@ -387,12 +411,141 @@ def test_a_tuner_that_undoes_its_changes_passes():
             torch.backends.cudnn.benchmark = True
             session.on_reset(lambda: setattr(torch.backends.cudnn, "benchmark", flag))
 
-    report = check_conformance(
-        Clean(), synthetic_observation(nproc=1), workload=tiny_dataset_workload()
+    report = check_conformance(  # a class inside a function: spawned ranks cannot build it
+        Clean(),
+        synthetic_observation(nproc=1),
+        workload=tiny_dataset_workload(),
+        equivalence_ranks=ONE_RANK,
     )
     assert report.knob_sets == [{"level": 1}, {"level": 2}]
     assert len(report.losses) == 2 and all(len(run) == 2 for run in report.losses)
     assert check_declaration(Clean()) == []
+
+
+# -- workloads with a schedule, and hooks that change the math (issue 33) ----------------------
+
+
+def test_a_reset_restores_the_learning_rate_where_the_schedule_has_moved_it():
+    session = Session(tiny_gpt_workload())  # warm-up + cosine: the rate moves every step
+    try:
+        fresh = snapshot_session(session)
+        for _ in range(3):
+            session.train_step()
+        session.set_lr(2 * session.workload.lr)  # as a hook may: the schedule's base doubles
+        changed = compare_states(fresh, snapshot_session(session))
+        assert any(d.startswith("optimizer.lr per group, as a multiple") for d in changed)
+        session.reset()
+        assert compare_states(fresh, snapshot_session(session)) == []
+    finally:
+        session.close()
+
+
+def test_a_correct_plugin_passes_on_a_workload_with_a_scheduler():
+    report = check_conformance(
+        Harmless(), synthetic_observation(tiny_gpt_workload(), nproc=1), equivalence_ranks=ONE_RANK
+    )
+    assert report.knob_sets == [{"x": 0}, {"x": 1}]
+    assert [(c.knobs, c.ranks, c.outcome) for c in report.equivalence] == [({"x": 1}, 1, "same")]
+
+
+def test_a_hook_that_changes_the_math_is_caught_naming_the_knob_and_the_first_parameter():
+    # Caught on one rank, so the two-rank run is never started.
+    with pytest.raises(ConformanceError) as err:
+        check_conformance(
+            DetachesBlockInputs(), synthetic_observation(tiny_gpt_workload(), nproc=1)
+        )
+    message = str(err.value)
+    assert (
+        "knob 'checkpoint_blocks' (not marked changes_math) changes the training: "
+        "{'checkpoint_blocks': True} trained 3 steps on 1 rank in float64" in message
+    )
+    # The first parameter in the model's order: the token embedding loses the blocks' gradient.
+    assert "parameter 'tokens.weight' differs by" in message
+    assert "the loss differs from step 1 on" in message
+
+
+def test_the_knob_that_changes_the_math_is_named_among_harmless_ones():
+    with pytest.raises(ConformanceError) as err:
+        check_conformance(
+            DetachesBesideAHarmlessKnob(), synthetic_observation(tiny_gpt_workload(), nproc=1)
+        )
+    assert "knob 'checkpoint_blocks' (not marked changes_math)" in str(err.value)
+    assert "'verbose' (not marked" not in str(err.value)
+
+
+def test_a_bool_knob_the_plan_never_moves_is_tried_by_the_harness():
+    with pytest.raises(ConformanceError, match="knob 'checkpoint_blocks' .* changes the training"):
+        check_conformance(
+            NeverPlansItsKnob(),
+            synthetic_observation(tiny_gpt_workload(), nproc=1),
+            expect_candidates=False,
+        )
+
+
+def test_a_knob_marked_changes_math_is_not_held_to_the_untuned_job():
+    report = check_conformance(
+        SaysItChangesTheMath(), synthetic_observation(tiny_gpt_workload(), nproc=1)
+    )
+    assert report.equivalence == [] and report.unchecked_knobs == []
+
+
+def test_the_equivalence_cases_are_the_knob_sets_without_their_math_and_each_untried_value():
+    class Mixed(Base):
+        name = "mixed"
+
+        def knobs(self):
+            return [
+                Knob("batch", "int", 0, "samples", low=0, high=64, changes_math=True),
+                Knob("level", "int", 0, "how much", low=0, high=3),
+                Knob("pin", "bool", False, "pinned"),
+                Knob("mode", "choice", "a", "how", choices=("a", "b", "c")),
+                Knob("plan", "str", "", "a layout"),
+            ]
+
+    cases, unchecked = equivalence_cases(Mixed(), [{"batch": 32}, {"batch": 32, "level": 2}])
+    base = {"batch": 0, "level": 0, "pin": False, "mode": "a", "plan": ""}
+    assert cases == [
+        ({**base, "level": 2}, False),  # the first set is the defaults once its batch is put back
+        ({**base, "pin": True}, True),
+        ({**base, "mode": "b"}, True),
+        ({**base, "mode": "c"}, True),
+    ]
+    assert unchecked == ["plan"]
+
+
+@pytest.mark.slow
+def test_a_correct_plugin_passes_on_two_ranks_in_one_rank_group():
+    # Runtime and equivalence share the two ranks; one rank runs here.
+    report = check_conformance(
+        Harmless(),
+        synthetic_observation("tunekit.testing:tiny_gpt_workload", nproc=2),
+        nproc=2,
+    )
+    assert sorted((c.ranks, c.outcome) for c in report.equivalence) == [(1, "same"), (2, "same")]
+
+
+def _two_rank_knob_sets(name: str) -> list[dict]:
+    if name == "overlap_chunking":
+        return OVERLAP_KNOBS
+    if name == "cgdp":
+        return CGDP_KNOBS
+    if name == "batch_ps_sizing":
+        return [{"batch_size": 32, "cudnn_benchmark": True}]
+    if name == "hybrid_mp":
+        return [{"mp_degree": 2, "placer": "pipeline"}]
+    return [c.knobs for c in builtin(name).plan(synthetic_observation(nproc=2), 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"]
+)
+def test_built_in_knobs_keep_the_math_on_two_ranks(name):
+    problems, checks, _ = check_equivalence(
+        builtin(name), _two_rank_knob_sets(name), "tunekit.testing:tiny_workload", ranks=(2,)
+    )
+    assert problems == []
+    assert checks and all(c.ranks == 2 and c.outcome in ("same", "refused") for c in checks)
 
 
 # -- on a GPU -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 import math
+import sys
 
 import pytest
 import torch
@@ -141,3 +142,30 @@ def test_transformer_examples_train_as_people_train_them(name):
         assert float(w.loss(w.model()(x), y)) == pytest.approx(
             math.log(8192), rel=0.05
         )  # initialised small
+
+
+def test_a_file_that_extends_sys_path_keeps_its_entry_for_later_imports(tmp_path):
+    # The file puts its own library folder first and imports from it only when the model
+    # is built; the loader must take out its own entry, not whatever sits at index 0.
+    lib = tmp_path / "mylib"
+    lib.mkdir()
+    (lib / "gptlib_issue32.py").write_text("from torch import nn\nWIDTH = 4\n")
+    (tmp_path / "job.py").write_text(
+        "from __future__ import annotations\n\nimport sys\nfrom dataclasses import dataclass\nfrom pathlib import Path\n\n"
+        "import torch\nfrom tunekit import Workload\n\n"
+        "sys.path.insert(0, str(Path(__file__).parent / 'mylib'))\n\n\n"
+        "@dataclass\nclass Config:  # a dataclass in a workload file (nanoGPT's GPTConfig)\n"
+        "    width: int = 4\n\n\n"
+        "def model():\n    import gptlib_issue32\n\n"
+        "    return gptlib_issue32.nn.Linear(Config().width, gptlib_issue32.WIDTH)\n\n\n"
+        "def workload():\n    return Workload(name='lazy', model=model,\n"
+        "        make_batch=lambda n, g: (torch.randn(n, 4, generator=g), torch.zeros(n).long()))\n"
+    )
+    before = list(sys.path)
+    try:
+        wl = load_workload(f"{tmp_path / 'job.py'}:workload")
+        assert str(tmp_path) not in sys.path  # the loader's own entry is gone
+        assert wl.model().out_features == 4  # and the file's is still there for this import
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("gptlib_issue32", None)

@@ -100,6 +100,8 @@ class ApplyScreen(TunekitScreen):
         else:
             line.append("to apply: ", style="bold")
             line.append(view.target.label, style="" if view.target.significant else "yellow")
+            if view.target.caveat:
+                line.append(f"\nthe decision: {view.target.caveat}", style="bold yellow")
             line.append(
                 "  a applies (asks first) · r rolls back · b takes the best again", style="dim"
             )

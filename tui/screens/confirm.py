@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -18,7 +19,7 @@ class ConfirmScreen(ModalScreen[bool]):
         Binding("escape", "answer(False)", "Cancel", show=False),
     ]
 
-    def __init__(self, question: str, detail: str = ""):
+    def __init__(self, question: str, detail: str | Text = ""):
         super().__init__()
         self.question = question
         self.detail = detail

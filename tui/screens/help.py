@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from rich.markdown import Markdown
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import Markdown
+from textual.widgets import Static
 
 from tunekit.tui.screens.base import TunekitScreen
 
@@ -21,9 +22,9 @@ real trials, and apply the winner to the job that is running now.
 | `t` | everywhere | start a tuning with the enabled tuners (trials run as separate processes; the UI never waits) |
 | `x` | tuners, trials | cancel the tuning (the study stays resumable) |
 | `p` | profile | profiled run: step breakdown, per-layer times, py-spy hot spots |
-| `s` / click a header | profile | sort the layer table (again: reverse) |
+| `s` / click a header | profile | sort the layer table by the column under the cursor (`←` `→` move it); again: reverse |
 | `space` | tuners | enable or disable the highlighted tuner |
-| `d` | tuners | diagnose and plan with the enabled tuners now, without trials |
+| `d` | tuners | diagnose and plan with the enabled tuners now, without trials (the tuners screen says which tuner runs and what it measures) |
 | `a` | trials | apply the highlighted trial's config (asks first) |
 | `enter` | trials | make the highlighted trial's config the one to apply |
 | `a` | apply | apply the config on the right to the live job (asks first) |
@@ -36,6 +37,11 @@ state carry over. It is then watched for a window of steps: slower beyond
 noise, and it rolls back by itself. When the tuning's decision kept the
 baseline, the best *measured* candidate is offered instead, marked in yellow.
 
+**Charts** are drawn on their quantity's own scale where it has one (CPU and GPU
+utilisation 0–100%, memory up to the device's), else between the minimum and the
+maximum written beside them. ▲ marks an apply, ↺ a rollback; each config the job
+ran has its own colour (a step at batch 64 is not a step at batch 32).
+
 **Without a GPU** the live screen shows host metrics only (CPU and memory per
 rank) and says so once.
 
@@ -46,8 +52,9 @@ job keep going.
 
 
 class HelpScreen(TunekitScreen):
-    """See the module docstring."""
+    """See the module docstring. The text is one Rich renderable, not Textual's Markdown
+    widget (a widget per table cell: its first visit took seconds on a busy machine)."""
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="help-body"):
-            yield Markdown(HELP)
+            yield Static(Markdown(HELP), id="help-text")

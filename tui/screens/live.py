@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import ScrollableContainer, Vertical
 from textual.widget import Widget
 from textual.widgets import Label, Static
 
@@ -16,6 +16,7 @@ from tunekit.tui.screens.apply import rolled_back_on_request, watch_verdict
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import DeviceView, LiveView
 from tunekit.tui.widgets import ConfigPanel, MetricRow
+from tunekit.tui.widgets.chart import Series
 
 STATUS_STYLE = {
     "running": "bold green",
@@ -76,21 +77,51 @@ def watch_line(watch) -> Text:
     return text
 
 
+GIB = 2**30
+
+
+def percent(values: Sequence[float]) -> Series:
+    """A percentage on its own scale, 0–100% (above it only when a process uses several cores)."""
+    return Series(tuple(values), lo=0.0, hi=100.0, unit="%")
+
+
+def per_gib(values: Sequence[float], unit: str, top: float | None = None) -> Series:
+    """Bytes (or bytes/s) in GiB from 0, up to ``top`` bytes when the quantity has a ceiling."""
+    return Series(
+        tuple(v / GIB for v in values), lo=0.0, hi=None if top is None else top / GIB, unit=unit
+    )
+
+
 class DevicePanel(Vertical):
     """One GPU: utilisation, memory, power, PCIe and NVLink throughput."""
 
-    ROWS: tuple[tuple[str, str, Callable[[DeviceView], tuple[Sequence[float], str]]], ...] = (
-        ("util", "utilisation", lambda d: (d.util_pct, pct(_p(d.util_pct)))),
+    ROWS: tuple[tuple[str, str, Callable[[DeviceView], tuple[Series, str]]], ...] = (
+        ("util", "utilisation", lambda d: (percent(d.util_pct), pct(_p(d.util_pct)))),
         (
             "mem",
             "memory",
-            lambda d: (d.mem_used, f"{size(_last(d.mem_used))} / {size(d.mem_total)}"),
+            lambda d: (
+                per_gib(d.mem_used, "G", d.mem_total),
+                f"{size(_last(d.mem_used))} / {size(d.mem_total)}",
+            ),
         ),
-        ("power", "power", lambda d: (d.power_w, f"{number(_last(d.power_w), 0)} W")),
-        ("pcie-tx", "PCIe tx", lambda d: (d.pcie_tx, rate(_last(d.pcie_tx)))),
-        ("pcie-rx", "PCIe rx", lambda d: (d.pcie_rx, rate(_last(d.pcie_rx)))),
-        ("nvlink-tx", "NVLink tx", lambda d: (d.nvlink_tx, rate(_last(d.nvlink_tx)))),
-        ("nvlink-rx", "NVLink rx", lambda d: (d.nvlink_rx, rate(_last(d.nvlink_rx)))),
+        (
+            "power",
+            "power",
+            lambda d: (Series(d.power_w, lo=0.0, unit="W"), f"{number(_last(d.power_w), 0)} W"),
+        ),
+        ("pcie-tx", "PCIe tx", lambda d: (per_gib(d.pcie_tx, "G/s"), rate(_last(d.pcie_tx)))),
+        ("pcie-rx", "PCIe rx", lambda d: (per_gib(d.pcie_rx, "G/s"), rate(_last(d.pcie_rx)))),
+        (
+            "nvlink-tx",
+            "NVLink tx",
+            lambda d: (per_gib(d.nvlink_tx, "G/s"), rate(_last(d.nvlink_tx))),
+        ),
+        (
+            "nvlink-rx",
+            "NVLink rx",
+            lambda d: (per_gib(d.nvlink_rx, "G/s"), rate(_last(d.nvlink_rx))),
+        ),
     )
 
     def __init__(self, name: str):
@@ -116,10 +147,35 @@ class DevicePanel(Vertical):
         self._pending = None
         title.update(f"GPU {device.index} {device.name}".rstrip())
         for key, _, get in self.ROWS:
-            values, text = get(device)
+            series, text = get(device)
             self.query_one(f".metric-{key}", MetricRow).show(
-                values, text if values else "not reported"
+                series, text if series.values else "not reported"
             )
+
+
+def along_steps(
+    view: LiveView, values: Sequence[float], unit: str = "", segmented: bool = True
+) -> Series:
+    """A per-step series with the job's applies and rollbacks marked; ``segmented``: each
+    config's stretch in its own colour (a step time at another batch is another line)."""
+    aligned = len(values) == len(view.step_configs)
+    return Series(
+        tuple(values),
+        unit=unit,
+        segments=view.step_configs if aligned and segmented else (),
+        marks=view.changes if aligned else (),
+    )
+
+
+def training_title(view: LiveView) -> Text:
+    """The section's name, and the legend of its marks once there are any."""
+    text = Text("training")
+    if view.changes:
+        text.append("  ▲", style="bold yellow")
+        text.append(" apply  ", style="not bold dim")
+        text.append("↺", style="bold magenta")
+        text.append(" rollback · a colour per config", style="not bold dim")
+    return text
 
 
 def _p(values: Sequence[float]) -> float | None:
@@ -144,16 +200,17 @@ class LiveScreen(TunekitScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="job-line")
-        with Horizontal(id="live-body"):
-            with VerticalScroll(id="training"):
-                yield Label("training", classes="section")
+        # Two columns side by side; one column, scrolled as a whole, on a narrow terminal.
+        with ScrollableContainer(id="live-body"):
+            with Vertical(id="training"):
+                yield Label("training", classes="section", id="training-title")
                 yield MetricRow("step time", id="step-time")
                 yield MetricRow("samples/s", id="throughput")
                 yield MetricRow("loss", id="loss")
                 yield Label("config now", classes="section")
                 yield ConfigPanel(id="current-config")
                 yield Static(id="watch-line")
-            with VerticalScroll(id="hardware"):
+            with Vertical(id="hardware"):
                 yield Label("devices (NVML)", classes="section")
                 yield Static(id="no-gpu")
                 yield Vertical(id="devices")
@@ -176,14 +233,23 @@ class LiveScreen(TunekitScreen):
             view.status not in ("running", "starting", "relaunching", "paused"), "-stopped"
         )
         self.query_one("#job-line", Static).update(job_line(view))
-        self.query_one("#step-time", MetricRow).show(view.step_ms, ms(view.step_s))
-        self.query_one("#throughput", MetricRow).show(view.samples_rate, number(view.samples_per_s))
-        self.query_one("#loss", MetricRow).show(view.losses, number(view.loss, 4))
+        self.query_one("#training-title", Label).update(training_title(view))
+        self.query_one("#step-time", MetricRow).show(
+            along_steps(view, view.step_ms, "ms"), ms(view.step_s)
+        )
+        self.query_one("#throughput", MetricRow).show(
+            along_steps(view, view.samples_rate), number(view.samples_per_s)
+        )
+        self.query_one("#loss", MetricRow).show(
+            along_steps(view, view.losses, segmented=False), number(view.loss, 4)
+        )
         self.query_one("#current-config", ConfigPanel).show(view.config)
         self.query_one("#watch-line", Static).update(watch_line(view.watch))
         gpu_notice = next((n for n in view.notices if "GPU" in n or "NVML" in n), "no GPU sampled")
         self.query_one("#no-gpu", Static).update(Text(gpu_notice, style="yellow"))
-        self.query_one("#system-cpu", MetricRow).show(view.system_cpu, pct(_p(view.system_cpu)))
+        self.query_one("#system-cpu", MetricRow).show(
+            percent(view.system_cpu), pct(_p(view.system_cpu))
+        )
 
         panels = await sync_children(
             self.query_one("#devices", Vertical),
@@ -199,4 +265,4 @@ class LiveScreen(TunekitScreen):
             lambda n: MetricRow(f"rank {n[5:]} CPU", name=n),
         )
         for row, r in zip(rows, view.ranks, strict=False):
-            row.show(r.cpu_pct, f"{number(_last(r.cpu_pct), 0)}% · {size(r.rss_bytes)}")
+            row.show(percent(r.cpu_pct), f"{number(_last(r.cpu_pct), 0)}% · {size(r.rss_bytes)}")

@@ -11,86 +11,100 @@ from textual.widgets import DataTable, Label, Static
 from tunekit.tui.formatting import ms, number, pct, size
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import HotSpots, LayerRow, ProfileView
-from tunekit.tui.widgets import BreakdownBar
+from tunekit.tui.widgets import BreakdownBar, Column, FitTable
 
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("layer", "name"),
-    ("kind", "kind"),
-    ("forward", "forward_s"),
-    ("backward", "backward_s"),
-    ("total", "total_s"),
-    ("share", "total_s"),
-    ("activations", "activation_bytes"),
-    ("GFLOP fwd", "flops"),
-)
-"""(header, LayerRow attribute it sorts by)."""
+SORT_BY = {
+    "layer": "name",
+    "kind": "kind",
+    "forward": "forward_s",
+    "backward": "backward_s",
+    "total": "total_s",
+    "share": "total_s",
+    "activations": "activation_bytes",
+    "flops": "flops",
+}
+"""Column key -> the LayerRow attribute it sorts by."""
 
 
-class LayerTable(DataTable):
-    """Per-layer times; ``s`` or a click on a header sorts by that column (again: reversed)."""
+class LayerTable(FitTable):
+    """Per-layer times. ``s`` sorts by the column under the cursor (←/→ move it), and again
+    reverses; a click on a header does the same. The sorted column's header carries ▼
+    (largest first) or ▲."""
 
-    BINDINGS = [Binding("s", "sort_next", "Sort")]
+    BINDINGS = [Binding("s", "sort", "Sort/reverse")]
+    COLUMNS = (
+        Column("layer", "layer", grow=True, min_width=12),
+        Column("kind", "kind", priority=3),
+        Column("forward", "forward", priority=1),
+        Column("backward", "backward", priority=1),
+        Column("total", "total"),
+        Column("share", "share"),
+        Column("activations", "activations", priority=2),
+        Column("flops", "GFLOP fwd", priority=2),
+    )
 
     def __init__(self, **kwargs):
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
-        self.sort_column = 4  # total, largest first
+        super().__init__(cursor_type="column", zebra_stripes=True, **kwargs)
+        self.sort_key = "total"  # largest first
         self.descending = True
-        self._rows: tuple[LayerRow, ...] = ()
+        self._layers: tuple[LayerRow, ...] = ()
+        self._cursor_placed = False
 
     def show(self, layers: tuple[LayerRow, ...]) -> None:
-        self._rows = layers
+        self._layers = layers
         self._fill()
 
     @property
     def sorted_by(self) -> str:
         """``total ▼``: the column the rows are sorted by, and which way."""
-        return f"{COLUMNS[self.sort_column][0]} {'▼' if self.descending else '▲'}"
+        header = next(c.header for c in self.COLUMNS if c.key == self.sort_key)
+        return f"{header} {'▼' if self.descending else '▲'}"
 
     def _fill(self) -> None:
-        self.clear(columns=True)  # the sorted column's header carries the arrow
-        for i, (header, _) in enumerate(COLUMNS):
-            sorted_here = i == self.sort_column
-            self.add_column(
-                Text(
-                    self.sorted_by if sorted_here else header, style="bold" if sorted_here else ""
-                ),
-                key=header,
-            )
-        attr = COLUMNS[self.sort_column][1]
-        known = [r for r in self._rows if getattr(r, attr) is not None]
+        attr = SORT_BY[self.sort_key]
+        known = [r for r in self._layers if getattr(r, attr) is not None]
         rows = sorted(known, key=lambda r: getattr(r, attr), reverse=self.descending)
-        rows += [r for r in self._rows if getattr(r, attr) is None]
-        compute = sum(r.total_s for r in self._rows) or 1.0
-        for r in rows:
-            self.add_row(
-                r.name,
-                r.kind,
-                ms(r.forward_s, 2),
-                ms(r.backward_s, 2),
-                ms(r.total_s, 2),
-                pct(r.total_s / compute),
-                size(r.activation_bytes) if r.activation_bytes else "—",
-                number(r.flops / 1e9, 2) if r.flops else "—",
-                key=r.name,
-            )
+        rows += [r for r in self._layers if getattr(r, attr) is None]
+        compute = sum(r.total_s for r in self._layers) or 1.0
+        self.set_rows(
+            [
+                (
+                    r.name,
+                    {
+                        "layer": r.name,
+                        "kind": r.kind,
+                        "forward": ms(r.forward_s, 2),
+                        "backward": ms(r.backward_s, 2),
+                        "total": ms(r.total_s, 2),
+                        "share": pct(r.total_s / compute),
+                        "activations": size(r.activation_bytes) if r.activation_bytes else "—",
+                        "flops": number(r.flops / 1e9, 2) if r.flops else "—",
+                    },
+                )
+                for r in rows
+            ],
+            headers={self.sort_key: Text(self.sorted_by, style="bold")},
+        )
+        if not self._cursor_placed and self.sort_key in self.shown_columns:
+            self._cursor_placed = True  # the cursor starts on the sorted column: s reverses it
+            self.move_cursor(column=self.shown_columns.index(self.sort_key))
 
-    def sort_by(self, column: int) -> None:
-        """Sort by ``column``; the same column again flips the order."""
-        if column == self.sort_column:
+    def sort_by(self, key: str) -> None:
+        """Sort by column ``key``; the same column again flips the order."""
+        if key == self.sort_key:
             self.descending = not self.descending
         else:
-            self.sort_column, self.descending = column, COLUMNS[column][1] not in ("name", "kind")
+            self.sort_key, self.descending = key, key not in ("layer", "kind")
         self._fill()
 
-    def action_sort_next(self) -> None:
-        self.sort_by((self.sort_column + 1) % len(COLUMNS))
-
-    def on_mount(self) -> None:
-        self._fill()
+    def action_sort(self) -> None:
+        shown = self.shown_columns
+        if shown:
+            self.sort_by(shown[min(self.cursor_column, len(shown) - 1)])
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
-        self.sort_by(event.column_index)
+        self.sort_by(str(event.column_key.value))
 
 
 def hotspot_text(spots: tuple[HotSpots, ...], source: str) -> Text:
@@ -166,7 +180,8 @@ class ProfileScreen(TunekitScreen):
     def show_hotspots(self, live: tuple[HotSpots, ...]) -> None:
         profile = self.tk.profile_view
         if live:
-            spots, source = live, "live job, all samples so far"
+            n = max(s.samples for s in live)
+            spots, source = live, f"live job, its last {n} samples per rank"
         else:
             spots, source = (profile.hotspots if profile else ()), "profiled run"
         self.query_one("#hotspots", Static).update(hotspot_text(spots, source))

@@ -1,24 +1,28 @@
-"""One metric: its name, a sparkline of its recent values, and the latest value in words."""
+"""One metric: its name, a chart of its recent values with their scale, and the latest value in words."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from textual.app import ComposeResult
 from textual.widget import Widget
-from textual.widgets import Label, Sparkline
+from textual.widgets import Label
+
+from tunekit.tui.widgets.chart import Chart, Series
 
 
 class MetricRow(Widget):
-    """``name  ▁▂▃▅▇▆▅  value`` on one line."""
+    """``name  62–97%┤▁▂▃▅▇▆▅  value``: one line, or taller where the screen has the rows.
+
+    The value is drawn whole (its label is as wide as its text); the chart takes what
+    is left. The row's height is the screen's business (its stylesheet).
+    """
 
     DEFAULT_CSS = """
     MetricRow { layout: horizontal; height: 1; }
     MetricRow > .metric-name { width: 14; color: $text-muted; }
-    MetricRow > Sparkline { width: 1fr; margin: 0 1; }
-    MetricRow > .metric-value { width: 24; text-align: right; }
-    MetricRow.-empty > Sparkline { display: none; }
-    MetricRow.-empty > .metric-value { width: 1fr; color: $text-muted; }
+    MetricRow > Chart { width: 1fr; height: 1fr; margin: 0 1; }
+    MetricRow > .metric-value { width: auto; min-width: 8; text-align: right; }
+    MetricRow.-empty > Chart { display: none; }
+    MetricRow.-empty > .metric-value { width: 1fr; color: $text-muted; text-align: left; }
     """
 
     def __init__(
@@ -31,21 +35,34 @@ class MetricRow(Widget):
     ):
         super().__init__(name=name, id=id, classes=classes)
         self.metric_name = label
-        self._shown: tuple[list[float], str] = ([], "—")
+        self._shown: tuple[Series, str] = (Series(), "—")
 
     def compose(self) -> ComposeResult:
         yield Label(self.metric_name, classes="metric-name")
-        yield Sparkline([], summary_function=max)
+        yield Chart()
         yield Label("—", classes="metric-value")
 
     def on_mount(self) -> None:
-        self.show(*self._shown)
+        self._draw()
 
-    def show(self, values: Sequence[float], text: str) -> None:
-        """Plot ``values`` (oldest first) and print ``text`` beside them."""
-        self._shown = (list(values), text)
-        if not self.is_mounted:
-            return  # on_mount shows it
-        self.set_class(not values, "-empty")
-        self.query_one(Sparkline).data = list(values)
+    @property
+    def series(self) -> Series:
+        return self._shown[0]
+
+    @property
+    def value_text(self) -> str:
+        return self._shown[1]
+
+    def show(self, series: Series, text: str) -> None:
+        """Chart ``series`` and print ``text`` beside it."""
+        if self._shown == (series, text):
+            return  # an unchanged poll redraws nothing
+        self._shown = (series, text)
+        if self.is_mounted:  # else on_mount draws it
+            self._draw()
+
+    def _draw(self) -> None:
+        series, text = self._shown
+        self.set_class(not series.values, "-empty")
+        self.query_one(Chart).series = series
         self.query_one(".metric-value", Label).update(text)

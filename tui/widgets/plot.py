@@ -1,13 +1,21 @@
-"""Predicted against measured step time, one point per trial, with the diagonal where they agree."""
+"""Every trial of a tuning, measured and predicted, in samples/s, each labelled by its number.
+
+x: the trials in the order they ran (their numbers under the axis); y: samples per
+second, the measure the decision compares. A measured trial is ●, its prediction ○
+(the dotted stretch between them is the prediction's error); a trial that failed
+is ✕ on the axis; the baseline's samples/s is a dashed line across.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-Point = tuple[float, float, str, str]
-"""(predicted seconds, measured seconds, marker, role)."""
+from tunekit.tui.formatting import scale_numbers
+from tunekit.tui.widgets.chart import styled_lines
 
 ROLE_STYLE = {
     "baseline": "bold cyan",
@@ -18,56 +26,92 @@ ROLE_STYLE = {
 }
 
 
-def scale(value: float, low: float, high: float, cells: int) -> int:
-    if high <= low:
-        return cells // 2
-    return min(cells - 1, max(0, round((value - low) / (high - low) * (cells - 1))))
+@dataclass(frozen=True)
+class TrialPoint:
+    seq: int
+    role: str
+    measured: float | None
+    """Samples/s measured (None: not measured, or not yet)."""
+    predicted: float | None = None
+    """Samples/s predicted (None: no prediction, a baseline)."""
+    failed: bool = False
 
 
-class PredictedVsMeasured(Widget):
-    """A scatter plot in text cells: x = predicted, y = measured, both in ms on one scale.
+def row_of(value: float, lo: float, hi: float, rows: int) -> int:
+    """The row (0 at the top) where ``value`` is drawn on a scale from ``lo`` to ``hi``."""
+    if hi <= lo:
+        return rows // 2
+    return rows - 1 - min(rows - 1, max(0, round((value - lo) / (hi - lo) * (rows - 1))))
 
-    Points on the dotted diagonal were predicted exactly; above it the trial
-    ran slower than predicted. Each point is drawn with its trial's number.
-    """
+
+def render_trials(
+    points: tuple[TrialPoint, ...], baseline: float | None, width: int, height: int
+) -> Text:
+    values = [v for p in points for v in (p.measured, p.predicted) if v]
+    if baseline:
+        values.append(baseline)
+    if not points or not values:
+        return Text("trials: none measured yet", style="dim")
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.08 or hi * 0.05
+    lo, hi = max(0.0, lo - pad), hi + pad
+    low, high = scale_numbers(lo, hi)
+    label_w = max(len(low), len(high))
+    plot_w = max(width - label_w - 1, 4)
+    rows = max(height - 3, 3)  # a legend above, the axis and the trial numbers below
+    slot = max(plot_w // max(len(points), 1), 3)
+    shown = points[-(plot_w // slot) :]  # as many trials as fit, the newest
+    grid: list[list[tuple[str, str]]] = [[(" ", "")] * plot_w for _ in range(rows)]
+    if baseline:
+        r = row_of(baseline, lo, hi, rows)
+        grid[r] = [("┄", "cyan dim")] * plot_w
+    for i, p in enumerate(shown):
+        col = i * slot + slot // 2
+        style = ROLE_STYLE.get(p.role, "bold")
+        m = row_of(p.measured, lo, hi, rows) if p.measured else None
+        q = row_of(p.predicted, lo, hi, rows) if p.predicted else None
+        if m is not None and q is not None:
+            for r in range(min(m, q) + 1, max(m, q)):
+                grid[r][col] = ("┆", "dim")
+        if q is not None:
+            grid[q][col] = ("○", "dim")
+        if m is not None:
+            grid[m][col] = ("◉" if m == q else "●", style)
+        elif p.failed:
+            grid[rows - 1][col] = ("✕", "bold red")
+    lines: list[list[tuple[str, str]]] = [
+        [
+            ("samples/s per trial  ", "bold"),
+            ("● measured  ○ predicted  ┄ baseline  ✕ failed", "dim"),
+        ]
+    ]
+    for r, cells in enumerate(grid):
+        label = high if r == 0 else low if r == rows - 1 else ""
+        lines.append([(f"{label:>{label_w}}" + ("┤" if label else "│"), "dim"), *cells])
+    lines.append([(" " * label_w + "└" + "─" * plot_w, "dim")])
+    numbers = [" "] * plot_w
+    for i, p in enumerate(shown):
+        label = str(p.seq)
+        start = i * slot + slot // 2 - (len(label) - 1) // 2
+        if (
+            start >= 0
+            and start + len(label) <= plot_w
+            and all(c == " " for c in numbers[max(start - 1, 0) : start + len(label)])
+        ):
+            numbers[start : start + len(label)] = list(label)
+    lines.append([(" " * (label_w + 1) + "".join(numbers), "dim")])
+    return styled_lines(lines)
+
+
+class TrialsPlot(Widget):
+    """Draws :func:`render_trials` over the widget's size."""
 
     DEFAULT_CSS = """
-    PredictedVsMeasured { height: 1fr; min-height: 8; }
+    TrialsPlot { height: 1fr; min-height: 7; }
     """
 
-    points: reactive[tuple[Point, ...]] = reactive(())
+    points: reactive[tuple[TrialPoint, ...]] = reactive(())
+    baseline: reactive[float | None] = reactive(None)
 
     def render(self) -> Text:
-        pts = [p for p in self.points if p[0] and p[1]]
-        if not pts:
-            return Text("predicted vs measured: no trial with both yet", style="dim")
-        label_w = 9
-        width = max(self.size.width - label_w - 1, 8)
-        height = max(self.size.height - 3, 3)
-        values = [v for p in pts for v in p[:2]]
-        low, high = min(values), max(values)
-        pad = (high - low) * 0.1 or high * 0.05
-        low, high = max(0.0, low - pad), high + pad
-        grid: list[list[tuple[str, str]]] = [[(" ", "")] * width for _ in range(height)]
-        for col in range(width):  # the diagonal: measured == predicted
-            x = low + (high - low) * col / max(width - 1, 1)
-            row = height - 1 - scale(x, low, high, height)
-            grid[row][col] = ("·", "dim")
-        for predicted, measured, marker, role in pts:
-            col = scale(predicted, low, high, width)
-            row = height - 1 - scale(measured, low, high, height)
-            grid[row][col] = (marker[-1:] or "●", ROLE_STYLE.get(role, "bold"))
-        text = Text("measured ↑", style="dim")
-        text.append("\n")
-        for r, cells in enumerate(grid):
-            value = high - (high - low) * r / max(height - 1, 1)
-            label = f"{value * 1e3:.0f} ms" if r in (0, height - 1) else ""
-            text.append(f"{label:>{label_w}}│", style="dim")
-            for ch, style in cells:
-                text.append(ch, style=style)
-            text.append("\n")
-        text.append(" " * label_w + "└" + "─" * width + "\n", style="dim")
-        left, right = f"{low * 1e3:.0f} ms", f"{high * 1e3:.0f} ms  predicted →"
-        gap = max(1, width - len(left) - len(right))
-        text.append(" " * (label_w + 1) + left + " " * gap + right, style="dim")
-        return text
+        return render_trials(self.points, self.baseline, self.size.width, self.size.height)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import shlex
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from click.core import ParameterSource
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
 from tunekit.cli.common import (
     DURATION,
@@ -18,12 +28,17 @@ from tunekit.cli.common import (
     Table,
     console,
     ensure_writable,
+    marked_headline,
     split_names,
+    stops_on_sigterm,
+    styled,
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig
+from tunekit.diagnosis_text import body_points, headline_of, outcomes
 from tunekit.events import (
     BUDGET_SKIP,
+    NOTHING_RAN,
     Decided,
     Diagnosed,
     Notice,
@@ -38,14 +53,15 @@ from tunekit.events import (
     TrialProgress,
     TrialStarted,
 )
-from tunekit.examples import DEFAULT_EXAMPLE
+from tunekit.examples import DEFAULT_EXAMPLE, examples_help
 from tunekit.observe.truth import PART_LABELS
 from tunekit.runtime.rundir import RunDir
+from tunekit.timings import total
 from tunekit.workload_spec import resolve_spec
 
 
 @click.command("auto")
-@click.argument("workload", default=f"example:{DEFAULT_EXAMPLE}")
+@click.argument("workload", required=False)
 @click.option(
     "--nproc", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks per node."
 )
@@ -110,6 +126,14 @@ from tunekit.workload_spec import resolve_spec
     help="A trial whose steps stop for this long (and 10x its slowest step) is a hang [default: 1m].",
 )
 @click.option(
+    "--measure-rounds",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Paired rounds (the leader, and a rival it cannot be told from, beside the baseline) "
+    "a decision not yet clear may add; 0: none.",
+)
+@click.option(
     "--min-effect",
     type=click.FloatRange(min=0, max=1),
     default=0.01,
@@ -160,6 +184,12 @@ from tunekit.workload_spec import resolve_spec
     help="Run the tuners' plans in their own order: no re-ranking by corrected predictions, nothing dropped.",
 )
 @click.option(
+    "-v",
+    "--explain",
+    is_flag=True,
+    help="Print each diagnosis in full (its points, after its headline), each plan, and where the time went.",
+)
+@click.option(
     "--search-steps",
     type=click.IntRange(min=4),
     default=60,
@@ -167,6 +197,7 @@ from tunekit.workload_spec import resolve_spec
     help="Steps an in-job search may use.",
 )
 @MEMORY_CAP_OPTION
+@stops_on_sigterm
 def auto_cmd(
     workload,
     nproc,
@@ -180,6 +211,7 @@ def auto_cmd(
     warmup,
     timeout_s,
     stall_s,
+    measure_rounds,
     min_effect,
     device,
     hardware,
@@ -195,10 +227,14 @@ def auto_cmd(
     keep_running,
     no_probe,
     no_rerank,
+    explain,
     search_steps,
     memory_cap,
 ):
-    """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).
+    """Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME).
+
+    Without WORKLOAD, the demo: example:cnn in about a minute (a 55 s budget), the
+    tuners' best planned candidates tried (no in-job searches), 8 measured steps a trial.
 
     Measures a baseline, asks every tuner for a diagnosis and a plan, verifies
     the best candidates with short torchrun trials, and writes report.md,
@@ -207,6 +243,16 @@ def auto_cmd(
     """
     if trials is not None and budget is not None:
         raise click.UsageError("give --trials or --budget, not both")
+    demo = workload is None
+    if demo:  # what the user left at its default takes the demo's value
+        workload = f"example:{DEFAULT_EXAMPLE}"
+        given = click.get_current_context().get_parameter_source
+        if trials is None and budget is None:
+            budget = DEMO_BUDGET_S
+        if given("steps") is ParameterSource.DEFAULT:
+            steps = DEMO_STEPS
+        if given("warmup") is ParameterSource.DEFAULT:
+            warmup = DEMO_WARMUP
     from tunekit.trials.nodes import node_place, read_token
 
     place = node_place(nnodes, node_rank, rdzv_endpoint)
@@ -240,10 +286,12 @@ def auto_cmd(
         timeout_s=timeout_s,
         stall_s=stall_s,
         min_effect=min_effect,
+        measure_rounds=measure_rounds,
         device=device,
         hardware=hardware,
         probe=not no_probe,
         search_steps=search_steps,
+        in_job_search=not demo,
         rerank=not no_rerank,
         pause_run=None if keep_running else run_dir,
         launch=LaunchOptions(
@@ -257,15 +305,44 @@ def auto_cmd(
         node_token=read_token(token_file),
         join_timeout_s=join_timeout_s,
         memory_cap_bytes=memory_cap,
+        clock_from=process_started(),
     )
+    if demo and not as_json:
+        console.print(
+            f"demo: {workload} within {budget:g} s, the tuners' best candidates, {steps} steps a "
+            f"trial (`tunekit auto {workload}` tunes it in full)"
+            if budget is not None
+            else f"demo: {workload}, {steps} steps a trial (`tunekit auto {workload}` tunes it in full)"
+        )
     try:
-        decision = asyncio.run(_drive(settings, as_json))
+        decision = asyncio.run(_drive(settings, as_json, explain))
     except KeyboardInterrupt:  # the study is stored as interrupted: say how to go on
-        raise Interrupted(
-            f"interrupted; the study is saved: continue it with `{resume_command()}`"
+        raise Interrupted.saying(
+            f"the study is saved: continue it with `{resume_command()}`"
         ) from None
     if run_dir is not None:
         _apply_winner(run_dir, decision, as_json)
+
+
+def process_started() -> float:
+    """This process's start on the ``time.monotonic()`` clock: a budget counts from it."""
+    import time
+
+    import psutil
+
+    return time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+
+
+DEMO_BUDGET_S = 55.0
+"""The demo's time budget (``tunekit auto`` without a workload): observing, diagnosing and
+trials, a confirmation kept room for, what does not fit skipped and said; with starting
+tunekit and writing the report, the command's minute."""
+DEMO_STEPS, DEMO_WARMUP = 8, 2
+"""The demo's measured and warm-up steps a trial (where a decision is unclear, more paired
+rounds measure more, within the budget)."""
+
+# `tunekit auto --help` lists the examples (docs/workloads.md sends readers there)
+auto_cmd.help = f"{inspect.cleandoc(auto_cmd.help or '')}\n\n{examples_help()}"
 
 
 def resume_command() -> str:
@@ -275,7 +352,8 @@ def resume_command() -> str:
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         if isinstance(param, click.Argument):
-            parts.append(shlex.quote(str(value)))
+            if value is not None:  # None: the demo
+                parts.append(shlex.quote(str(value)))
         elif param.name != "resume" and value not in (None, (), False) and value != param.default:
             opt = max(param.opts, key=len)
             values = value if param.multiple else [value]
@@ -291,7 +369,7 @@ def _quiet_cancellation(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     loop.default_exception_handler(context)
 
 
-async def _drive(settings, as_json: bool) -> dict | None:
+async def _drive(settings, as_json: bool, explain: bool = False) -> dict | None:
     from tunekit.orchestrator import run_auto
 
     asyncio.get_running_loop().set_exception_handler(_quiet_cancellation)
@@ -302,7 +380,7 @@ async def _drive(settings, as_json: bool) -> dict | None:
             if isinstance(ev, Decided):
                 decision = ev.decision
         return decision
-    view = _ProgressView()
+    view = _ProgressView(explain)
     with view.progress:
         async for ev in run_auto(settings):
             view.handle(ev)
@@ -338,36 +416,43 @@ def _ms(x):
 class _ProgressView:
     """Renders orchestrator events as lines and one progress bar per running trial."""
 
-    def __init__(self):
+    def __init__(self, explain: bool = False):
+        self.explain = explain
+        """Bodies of diagnoses, plans and the timings too (``-v``)."""
+        self.diagnoses: dict[str, dict] = {}
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"),
+            TextColumn("{task.fields[last]}", markup=False),
             TimeElapsedColumn(),
             console=console,
             transient=True,
         )
-        self.tasks: dict[int, int] = {}
+        self.tasks: dict[int, TaskID] = {}
         self.budget_skipped: list[int] = []
         """Trials skipped for time: one line at the end, not one each."""
-        self.decision = None
-        self.paths = None
-        self.finished = None
+        self.decision: dict | None = None
+        self.paths: dict[str, str] | None = None
+        self.finished: StudyFinished | None = None
 
-    def say(self, text: str) -> None:
-        self.progress.console.print(text)
+    def say(self, *parts: str | Text) -> None:
+        self.progress.console.print(*parts)
 
     def handle(self, ev) -> None:
         if isinstance(ev, StudyStarted):
             extra = f" (resumed: {ev.finished_trials} trial(s) already done)" if ev.resumed else ""
             self.say(
-                f"[bold]study {ev.study_id}[/] · {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}"
+                styled("[bold]study {}[/]", ev.study_id),
+                f"· {ev.workload} · {ev.nproc} rank(s)/node{f' × {ev.nnodes} nodes' if ev.nnodes > 1 else ''} · hardware {ev.hardware}{extra}",
             )
         elif isinstance(ev, Notice):
-            self.say(("[yellow]note:[/] " if ev.level == "warning" else "") + ev.message)
+            self.say(
+                styled("[yellow]note:[/] {}", ev.message) if ev.level == "warning" else ev.message
+            )
         elif isinstance(ev, PluginProblem):
-            self.say(f"[yellow]plugin {ev.plugin} {ev.status}:[/] {ev.error}")
+            where = "; traceback in the report's Problems" if ev.traceback else ""
+            self.say(styled("[yellow]plugin {} {}:[/] {}{}", ev.plugin, ev.status, ev.error, where))
         elif isinstance(ev, Observed):
             s = ev.summary
             self.say(
@@ -384,10 +469,14 @@ class _ProgressView:
             if line := memory_line(s.get("memory")):
                 self.say(f"  {line}")
         elif isinstance(ev, Diagnosed):
-            mark = "[green]applies[/]" if ev.applies else "[dim]does not apply[/]"
-            self.say(f"  {ev.plugin}: {mark} — {ev.summary}")
+            self.diagnoses[ev.plugin] = ev.to_dict()
+            self.say(styled("  {}: ", ev.plugin) + marked_headline(headline_of(ev), ev.applies))
+            if self.explain:
+                for point in body_points(ev.summary):
+                    self.say(styled("    [dim]·[/] {}", point))
         elif isinstance(ev, Planned):
-            self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
+            if self.explain:
+                self.say(f"  {ev.plugin}: planned {len(ev.candidates)} candidate(s)")
         elif isinstance(ev, TrialStarted):
             pred = _prediction(ev.predicted_s, ev.corrected_s)
             pred = f", predicted {pred}" if pred else ""
@@ -405,6 +494,8 @@ class _ProgressView:
                 self.progress.remove_task(task)
             if ev.status == "skipped" and ev.error == BUDGET_SKIP:
                 self.budget_skipped.append(ev.seq)
+            elif ev.status == "skipped" and ev.error == NOTHING_RAN:
+                pass  # bookkeeping of the skips above
             elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(
@@ -413,15 +504,25 @@ class _ProgressView:
                 )
             else:
                 self.say(
-                    f"  trial {ev.seq} {ev.role} {ev.description}: [red]{ev.status}[/] {ev.error or ''}"
+                    styled(
+                        "  trial {} {} {}: [red]{}[/] {}",
+                        ev.seq,
+                        ev.role,
+                        ev.description,
+                        ev.status,
+                        ev.error or "",
+                    )
                 )
         elif isinstance(ev, Reranked):
             learnt = "; ".join(f"{p}: {c['text']}" for p, c in ev.corrections.items())
-            if learnt:
-                self.say(f"  [dim]feedback — {learnt}[/]")
+            if learnt and self.explain:  # after every trial, every tuner's: -v only
+                self.say(styled("  [dim]feedback — {}[/]", learnt))
             if ev.dropped:
                 self.say(
-                    f"  [dim]dropped {len(ev.dropped)} candidate(s) now predicted slower than the baseline[/]"
+                    styled(
+                        "  [dim]dropped {} candidate(s) now predicted slower than the baseline[/]",
+                        len(ev.dropped),
+                    )
                 )
         elif isinstance(ev, Decided):
             self.decision = ev.decision
@@ -434,11 +535,17 @@ class _ProgressView:
         if self.budget_skipped:
             console.print(
                 f"skipped {len(self.budget_skipped)} planned trial(s) that did not fit the time budget "
-                f"(#{', #'.join(map(str, self.budget_skipped))})"
+                f"({_ranges(self.budget_skipped)})"
             )
         if self.decision is not None:
             console.print(result_table(self.decision))
             console.print(f"decision: {self.decision.get('reason', '')}")
+            # Where a verdict and what its trials measured differ, the line that says why.
+            for o in outcomes(self.diagnoses, self.decision):
+                if o.note:
+                    console.print(styled("  {}: {}", o.plugin, o.note))
+        if self.explain and self.finished is not None and self.finished.timings:
+            console.print(timings_table(self.finished.timings))
         if self.paths:
             console.print(
                 f"report: {self.paths['report_md']} · best config: {self.paths['best_config']}"
@@ -469,6 +576,33 @@ def memory_line(memory: dict | None) -> str:
         f"memory per rank ({memory['layout']}): {head}{cap}; at the {predicted['moment']} "
         f"peak: {what}"
     )
+
+
+def _ranges(seqs: list[int]) -> str:
+    """``#4–#9, #12``: trial numbers, runs of consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for n in sorted(seqs):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}–#{r[-1]}" for r in runs)
+
+
+def timings_table(stages: list[dict]) -> Table:
+    """Where the study's time went: every stage's wall and CPU seconds, in order."""
+    table = Table(
+        title="where the time went (CPU: every process that worked on it)", title_justify="left"
+    )
+    for col in ("stage", "wall", "CPU", "what"):
+        table.add_column(col)
+    for s in stages:
+        cpu = "—" if s.get("cpu_s") is None else f"{s['cpu_s']:.1f} s"
+        name = f"  {s['stage']}" if s.get("part_of") else s["stage"]  # within the row after it
+        table.add_row(name, f"{s['wall_s']:.1f} s", cpu, s.get("detail", ""))
+    wall, cpu_s = total(stages)
+    table.add_row("total", f"{wall:.1f} s", f"{cpu_s:.1f} s", "")
+    return table
 
 
 def _prediction(raw: float | None, corrected: float | None) -> str:

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar, cast
 
 import click
 import rich.table
 from rich.console import Console
+from rich.text import Text
 
 from tunekit.errors import TunekitError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 PIPE_WIDTH = 240
 """Columns tables may use when the output is not a terminal (a file, a pipe, a CI log):
@@ -28,8 +37,36 @@ def _width(stream) -> int | None:
     return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
 
 
-console = Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
-err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=_width(sys.stderr))
+# markup=False: a string is printed as it is. Messages quote logs, errors and user input
+# ("[/__w/pytorch/…/pair.cc:545]", "[rank0]:"), which rich would read as markup, lose or die on
+# (MarkupError). Styling is explicit: :func:`styled`.
+console = Console(highlight=False, soft_wrap=True, markup=False, width=_width(sys.stdout))
+err_console = Console(
+    stderr=True, highlight=False, soft_wrap=True, markup=False, width=_width(sys.stderr)
+)
+
+
+_SLOT = re.compile("\ue000(\\d+)\ue001")
+
+
+def styled(template: str, *values: object) -> Text:
+    """``template``'s rich markup with each ``{}`` filled by a value taken literally.
+
+    The values never pass through the markup parser (escaping them would still double a
+    trailing backslash): the template is parsed with a placeholder in each slot, and each
+    placeholder is replaced by its value in the style the template gave that slot."""
+    marked = Text.from_markup(template.format(*(f"\ue000{i}\ue001" for i in range(len(values)))))
+    out = Text(end=marked.end)
+    at = 0
+    for m in _SLOT.finditer(marked.plain):
+        out.append_text(marked[at : m.start()])
+        value = Text(str(values[int(m.group(1))]))
+        for span in marked[m.start() : m.end()].spans:
+            value.stylize(span.style)
+        out.append_text(value)
+        at = m.end()
+    out.append_text(marked[at:])
+    return out
 
 
 class Table(rich.table.Table):
@@ -42,9 +79,63 @@ class Table(rich.table.Table):
 
 
 class Interrupted(TunekitError):
-    """Ctrl-C: said in one line with the command that continues the work."""
+    """Ctrl-C (or SIGTERM): said in one line with the command that continues the work."""
 
     exit_code = 130
+
+    @classmethod
+    def saying(cls, what_now: str) -> Interrupted:
+        """``interrupted; WHAT_NOW`` (exit 130), or ``interrupted by SIGTERM; ...`` (exit 143)."""
+        said, code = interruption()
+        exc = cls(f"{said}; {what_now}")
+        exc.exit_code = code
+        return exc
+
+
+_terminated: list[int] = []
+"""SIGTERMs received by this process (see :func:`stops_on_sigterm`)."""
+
+
+def interruption() -> tuple[str, int]:
+    """``("interrupted", 130)``, or ``("interrupted by SIGTERM", 143)`` when SIGTERM did it."""
+    return ("interrupted by SIGTERM", 143) if _terminated else ("interrupted", 130)
+
+
+def stops_on_sigterm(command: F) -> F:
+    """Make SIGTERM stop ``command`` as Ctrl-C does (the same cleanup and the same one line).
+
+    SIGTERM is what `timeout`, SLURM, systemd and a bare `kill` send first. Left to its default
+    it ends the process at once: `tunekit run` would leave its job training with nobody
+    supervising it, `tunekit auto` a study marked running. Here it calls whatever handles
+    SIGINT now (asyncio's, inside ``asyncio.run``: the running task is cancelled), and SIGINT
+    gets Python's handler even where the shell that started us ignored it (``cmd &``).
+    """
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return command(*args, **kwargs)
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            _terminated.append(signum)
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)
+            else:
+                raise KeyboardInterrupt
+
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        if not callable(before[0]):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return command(*args, **kwargs)
+        finally:
+            for signum, handler in zip((signal.SIGINT, signal.SIGTERM), before, strict=True):
+                if handler is not None:
+                    signal.signal(signum, handler)
+
+    return cast(F, wrapper)
 
 
 def ensure_writable(folder: Path, what: str) -> Path:
@@ -151,6 +242,14 @@ STORE_OPTION = click.option(
     show_default=True,
     help="Study store folder (studies, cached probes and profiles, runs/).",
 )
+
+
+def marked_headline(headline: str, applies: bool, muted: str = "dim") -> Text:
+    """A diagnosis's headline, its verdict coloured (green where the tuner applies, ``muted``
+    where not), the rest taken literally."""
+    verdict, sep, rest = headline.partition(" · ")
+    style = "green" if applies else muted
+    return styled(f"[{style}]{{}}[/]{{}}{{}}", verdict, sep, rest)
 
 
 def _ms(x: float | None) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import DURATION, STORE_OPTION, console, ensure_writable
+from tunekit.cli.common import DURATION, STORE_OPTION, console, ensure_writable, stops_on_sigterm
 
 
 def node_options(command):
@@ -72,6 +72,7 @@ JOIN_TIMEOUT_OPTION = click.option(
 @TOKEN_FILE_OPTION
 @STORE_OPTION
 @JOIN_TIMEOUT_OPTION
+@stops_on_sigterm
 def follow_cmd(endpoint, node_rank, token_file, store_dir, join_timeout_s):
     """Follow the coordinator at HOST:PORT: run this node's torchrun agent for every trial it announces."""
     from tunekit.trials.nodes import node_place

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tunekit.cli.common import STORE_OPTION, Table, console, ensure_writable
+from tunekit.cli.common import STORE_OPTION, Table, console, ensure_writable, styled
 from tunekit.hardware import GB, CollectiveFit, Hardware, list_profiles, load_profile
 
 
@@ -140,7 +140,8 @@ def local_hardware(nproc: int, device: str, store_dir: Path) -> Hardware:
             hw = describe_local_machine(nproc, device_type, tuple(CollectiveFit(**f) for f in fits))
     if not hw.collectives:
         console.print(
-            "[dim]no collective fits cached for this machine: `tunekit hardware probe` measures them[/]"
+            "no collective fits cached for this machine: `tunekit hardware probe` measures them",
+            style="dim",
         )
     return hw
 
@@ -159,7 +160,7 @@ def list_cmd():
 
 def print_hardware(hw: Hardware) -> None:
     """Devices, links and fits of ``hw`` as tables."""
-    console.print(f"[bold]{hw.name}[/] — {hw.description or 'no description'}")
+    console.print(styled("[bold]{}[/] — {}", hw.name, hw.description or "no description"))
     console.print(
         f"host: {hw.host.cores} cores, {hw.host.memory_bytes / GB:.0f} GB"
         + (f", sockets {', '.join(hw.host.sockets)}" if hw.host.sockets else "")

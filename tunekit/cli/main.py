@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
 import click
-from rich.markup import escape
 
 from tunekit import __version__
-from tunekit.cli.common import err_console
+from tunekit.cli.common import err_console, interruption, styled
+from tunekit.effort import measure_effort
 from tunekit.errors import TunekitError
 
 COMMANDS = {
@@ -43,7 +44,7 @@ COMMANDS = {
 
 SUMMARIES = {
     "apply": "Apply CONFIG (PLUGIN.knob=value pairs, best_config.json or inline JSON) to the live RUN at its next step boundary.",
-    "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME; default example:cnn).",
+    "auto": "Tune WORKLOAD (path/file.py:fn, package.module:fn or example:NAME).",
     "follow": "Follow the coordinator at HOST:PORT: run this node's torchrun agent for every trial it announces.",
     "hardware": "Hardware models: measure this machine or validate and print a profile.",
     "new-plugin": "Create a tuner plugin package called NAME (a lower-case identifier, e.g. my_tuner).",
@@ -114,9 +115,29 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="tunekit")
 def cli() -> None:
     """Profiler-driven auto-tuner for distributed PyTorch training."""
+    measure_effort()  # a bad $TUNEKIT_MEASURE_EFFORT is one line before any work
+
+
+SHARED_OUTPUT = {"new-plugin"}
+"""Commands whose files are for others: a plugin scaffold is source code to share. Every other
+command creates what it writes private (see :func:`main`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    # Studies, trial folders, followers' node files, reports and logs hold configs, results and
+    # the workload's output: nobody else's business. Umask 077 makes every file and folder this
+    # process and the ones it starts (torchrun, ranks, the workload's child) create private
+    # (0600/0700), whoever created the folder above them.
+    user_umask = os.umask(0o077) if not args or args[0] not in SHARED_OUTPUT else None
+    try:
+        return _main(argv)
+    finally:
+        if user_umask is not None:
+            os.umask(user_umask)
+
+
+def _main(argv: list[str] | None) -> int:
     # Commands that profile start torch.profiler themselves, once their input is known to be good.
     try:
         cli.main(args=argv, prog_name="tunekit", standalone_mode=False)
@@ -127,23 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         exc.show()
         return exc.exit_code
     except TunekitError as exc:
-        # escaped: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
+        # literal: a message naming an extra (pip install 'tunekit[hf]') is not rich markup
         err_console.print(
-            f"{'' if exc.exit_code == 130 else '[bold red]error:[/] '}{escape(str(exc))}",
-            highlight=False,
+            str(exc) if exc.exit_code in (130, 143) else styled("[bold red]error:[/] {}", exc)
         )
         return exc.exit_code
     except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return 130
+        said, code = interruption()
+        err_console.print(said)
+        return code
     except OSError as exc:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise  # anything else is a bug in tunekit: keep its traceback
         where = f": {exc.filename}" if exc.filename else ""
-        err_console.print(
-            f"[bold red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}",
-            highlight=False,
-        )
+        err_console.print(styled("[bold red]error:[/] {}{}", exc.strerror or exc, where))
         return 2
     return 0
 

@@ -15,9 +15,12 @@ from tunekit.cli.common import (
     STORE_OPTION,
     Table,
     console,
+    marked_headline,
+    styled,
     trials_table,
 )
 from tunekit.config import TuningConfig
+from tunekit.diagnosis_text import body_points, headline_of
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.plugin_loading import load_all, select
 from tunekit.store import Store
@@ -52,6 +55,12 @@ from tunekit.workload_spec import resolve_spec
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis and candidates as JSON.")
 @click.option(
+    "--always-plan",
+    is_flag=True,
+    help="Plan even when the diagnosis does not apply; such candidates are marked "
+    "'not applying' (`tunekit auto` never tries them).",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=DURATION,
@@ -59,15 +68,34 @@ from tunekit.workload_spec import resolve_spec
     help="Limit on each step in the workload's process (observing it, the tuner's diagnose and plan); "
     "past it, a hang [default: 5m].",
 )
+@click.option(
+    "-v",
+    "--explain",
+    is_flag=True,
+    help="Print the diagnosis in full (its points, after its headline).",
+)
 @STORE_OPTION
 @MEMORY_CAP_OPTION
 def plan_cmd(
-    plugin, workload, nproc, hardware, limit, out_dir, as_json, store_dir, timeout_s, memory_cap
+    plugin,
+    workload,
+    nproc,
+    hardware,
+    limit,
+    out_dir,
+    as_json,
+    always_plan,
+    explain,
+    store_dir,
+    timeout_s,
+    memory_cap,
 ):
     """Print PLUGIN's diagnosis and ranked candidates for WORKLOAD with predicted step times.
 
-    Runs no trials. A baseline measured by an earlier `tunekit auto` with the
-    same settings is used when the store has one. Each candidate comes with a
+    Runs no trials. Predictions are calibrated on the latest baseline an earlier
+    `tunekit auto` measured for this model on this machine with as many ranks (and the
+    same --memory-cap), whatever its --steps/--warmup (the output says which study); without one, every
+    figure is the tuner's model alone and is marked uncalibrated. Each candidate comes with a
     command that applies it to a live run (`tunekit apply RUN PLUGIN.knob=value …`);
     a config too long for a command line is written to --out and named by its path.
 
@@ -82,9 +110,18 @@ def plan_cmd(
 
     store = Store.open_default(store_dir)
     try:
-        static, study, obs, diag, candidates = asyncio.run(
+        static, study, base_row, obs, diag, candidates = asyncio.run(
             _observe_and_plan(
-                tuner, workload, nproc, hardware, limit, store, store_dir, timeout_s, memory_cap
+                tuner,
+                workload,
+                nproc,
+                hardware,
+                limit,
+                store,
+                store_dir,
+                timeout_s,
+                always_plan,
+                memory_cap,
             )
         )
         tried = []
@@ -96,6 +133,7 @@ def plan_cmd(
     finally:
         store.close()
     rows = ranked_candidates(tuner, candidates, obs.global_batch)
+    status = "applying" if diag.applies else "not applying"
     apply_args = [
         _apply_args(r["config"], tuner.defaults(), out_dir / "plan" / f"{tuner.name}-{i}.json")
         for i, r in enumerate(rows, 1)
@@ -109,11 +147,20 @@ def plan_cmd(
                     "nproc": nproc,
                     "hardware": static.hardware.name,
                     "applies": diag.applies,
+                    "headline": headline_of(diag),
                     "summary": diag.summary,
+                    "points": body_points(diag.summary),
                     "expected_gain": diag.expected_gain,
                     "baseline_step_s": truth.step_s if truth is not None else None,
+                    "baseline": baseline_source(study, base_row) if base_row else None,
+                    "calibrated": truth is not None,
                     "candidates": [
-                        {**r, "config": r["config"].to_dict(), "apply": f"tunekit apply RUN {a}"}
+                        {
+                            **r,
+                            "config": r["config"].to_dict(),
+                            "apply": f"tunekit apply RUN {a}",
+                            "status": status,
+                        }
                         for r, a in zip(rows, apply_args, strict=True)
                     ],
                 },
@@ -123,40 +170,38 @@ def plan_cmd(
         )
         return
     console.print(
-        f"[bold]{tuner.name}[/] — {tuner.title} · {static.spec} on {nproc} × {static.hardware.name}"
+        styled(
+            "[bold]{}[/] — {} · {} on {} × {}",
+            tuner.name,
+            tuner.title,
+            static.spec,
+            nproc,
+            static.hardware.name,
+        )
     )
     if truth is None:
         console.print(
-            "[dim]no measured baseline in the store for these settings (run `tunekit auto` first); "
-            "predictions use the model alone[/]"
+            styled(
+                "[yellow]no measured baseline[/] in the store for this model on this hardware with "
+                "{} rank(s) (run `tunekit auto` first): every figure below is the tuner's model "
+                "alone, [bold]uncalibrated[/], and may be far from a real step",
+                nproc,
+            )
         )
     else:
-        console.print(f"measured baseline (study {study.id}): {truth.describe()}")
+        console.print(f"measured baseline ({baseline_source(study, base_row)}): {truth.describe()}")
     from tunekit.cli.auto import memory_line
     from tunekit.orchestrator import memory_summary
 
     if line := memory_line(memory_summary(obs)):
         console.print(line)
-    console.print(
-        ("[green]applies[/]: " if diag.applies else "[yellow]does not apply[/]: ") + diag.summary
-    )
+    console.print(marked_headline(headline_of(diag), diag.applies, muted="yellow"))
+    if explain:
+        for point in body_points(diag.summary):
+            console.print(styled("  [dim]·[/] {}", point))
     if not rows:
         return
-    table = Table(
-        title="candidates, fastest predicted first (samples/s: time per sample, whatever the batch)",
-        title_justify="left",
-    )
-    for col in ("#", "config", "predicted step", "samples/s", "why"):
-        table.add_column(col)
-    for i, r in enumerate(rows, 1):
-        table.add_row(
-            str(i),
-            r["description"],
-            _ms(r["predicted_step_s"]),
-            _rate(r["predicted_samples_per_s"]),
-            r["rationale"],
-        )
-    console.print(table)
+    console.print(candidates_table(rows, calibrated=truth is not None, applies=diag.applies))
     console.print(
         "apply one to a live run (`tunekit run`); `tunekit trial` takes the same arguments:"
     )
@@ -233,11 +278,13 @@ async def _observe_and_plan(
     store: Store,
     store_dir: Path,
     timeout_s: float,
+    always_plan: bool = False,
     memory_cap: int | None = None,
 ):
-    """The workload observed and the tuner's diagnose (and plan, where it applies) run in one
-    process of the workload's own; returns what was observed, the stored study, the diagnosis
-    and the candidates. A tuner that fails is one line (PluginError)."""
+    """The workload observed and the tuner's diagnose (and plan, where it applies or
+    ``always_plan``) run in one process of the workload's own; returns what was observed, the
+    stored study, the diagnosis and the candidates. A tuner that fails is one line
+    (PluginError) saying where in the plugin it raised; the traceback is in observe.log."""
     from tunekit.errors import PluginError
     from tunekit.observe.observation import Measurement
     from tunekit.observe.static import observe_in_child
@@ -274,30 +321,93 @@ async def _observe_and_plan(
         if base_row is not None:
             obs.breakdown, obs.telemetry = observed_baseline(base_row)
         diag, candidates = None, []
-        async for step in diagnose_and_plan({tuner.name: tuner}, ChildHooks(child, obs), limit):
+        hooks = ChildHooks(child, obs)
+        async for step in diagnose_and_plan({tuner.name: tuner}, hooks, limit, always_plan):
             if isinstance(step, TunerFailed):
-                raise PluginError(f"{tuner.name}'s {step.hook} failed: {step.problem}")
+                where = f" (at {step.where}; traceback in {child.log_path})" if step.where else ""
+                raise PluginError(f"{tuner.name}'s {step.hook} failed: {step.problem}{where}")
             diag = step.diagnosis
             if isinstance(step, TunerPlanned):
                 candidates = step.candidates
-    return static, study, obs, diag, candidates
+    return static, study, base_row, obs, diag, candidates
+
+
+SAME_JOB = ("nproc", "world_size", "hardware", "memory_cap_bytes", "layout")
+"""Study settings a baseline must share to be this job's (the model and the machine are in
+the graph hash and the hardware fingerprint; a layout other than plain DDP and a memory cap
+change the job). Steps, warm-up, seed and tuners change how a study measured, not what: a
+baseline of another ``--steps`` is still this job's step."""
 
 
 def _stored_baseline(
     store: Store, static, nproc: int, hardware: str | None, memory_cap: int | None = None
 ):
-    """The newest study with the same model, hardware and settings, and its first successful
-    baseline trial (None, None when there is none)."""
-    from tunekit.orchestrator import AutoSettings, study_key_of
+    """The newest study of this model on this hardware with as many ranks, the same layout and
+    memory cap, whatever its ``--steps``/``--warmup``, and its latest successful baseline trial
+    that was profiled (its step breakdown comes with it; a study profiles its first), else its
+    latest. (None, None) when there is none."""
+    from tunekit.orchestrator import AutoSettings, job_settings
 
-    settings = AutoSettings(
-        workload=static.spec, nproc=nproc, hardware=hardware, memory_cap_bytes=memory_cap
+    want = job_settings(
+        static,
+        AutoSettings(
+            workload=static.spec, nproc=nproc, hardware=hardware, memory_cap_bytes=memory_cap
+        ),
     )
-    key = study_key_of(static, settings)
-    study = store.latest_study(key)
-    if study is None:
-        return None, None
-    for t in store.trials(study.id):
-        if t.role == "baseline" and t.status == "ok" and t.result and t.result.get("measurement"):
-            return study, t
+    fingerprint = static.hardware.fingerprint()
+    for study in reversed(store.studies()):
+        if study.graph_hash != static.graph_hash or study.hw_fingerprint != fingerprint:
+            continue
+        if any(study.settings.get(k) != want.get(k) for k in SAME_JOB):
+            continue
+        baselines = [
+            t
+            for t in store.trials(study.id)
+            if t.role == "baseline" and t.status == "ok" and (t.result or {}).get("measurement")
+        ]
+        profiled = [t for t in baselines if _profiled(t)]
+        if baselines:
+            return study, (profiled or baselines)[-1]
     return None, None
+
+
+def _profiled(trial) -> bool:
+    where = (trial.result or {}).get("trial_dir")
+    return isinstance(where, str) and bool(where) and (Path(where) / "traces").is_dir()
+
+
+def baseline_source(study, row) -> str:
+    """Which measurement the figures are calibrated on: its study, trial and how it was timed."""
+    s = study.settings
+    timed = f"--steps {s['steps']} --warmup {s['warmup']}" if "steps" in s else "its own settings"
+    return f"study {study.id}, baseline trial #{row.seq}, measured with {timed}"
+
+
+def candidates_table(rows: list[dict], calibrated: bool, applies: bool = True) -> Table:
+    """The ranked candidates. Uncalibrated figures (no measured baseline: the tuner's model
+    alone) say so in every column that shows one, so no column reads as a prediction; a
+    plan shown although its diagnosis does not apply (``--always-plan``) says so too."""
+    mark = "" if calibrated else "≈"
+    title = (
+        "candidates, fastest predicted first (samples/s: time per sample, whatever the batch)"
+        if calibrated
+        else "candidates by the tuner's model alone, UNCALIBRATED (no measured baseline; ≈: "
+        "the model's own figure, not a prediction of this job's step)"
+    )
+    if not applies:
+        title += " — not applying: the diagnosis says the tuner does not help"
+    table = Table(title=title, title_justify="left")
+    step_col = "predicted step" if calibrated else "model step (uncalibrated)"
+    rate_col = "samples/s" if calibrated else "model samples/s (uncalibrated)"
+    for col in ("#", "config", step_col, rate_col, "why"):
+        table.add_column(col)
+    for i, r in enumerate(rows, 1):
+        step, rate = _ms(r["predicted_step_s"]), _rate(r["predicted_samples_per_s"])
+        table.add_row(
+            str(i),
+            r["description"],
+            step if step == "—" else mark + step,
+            rate if rate == "—" else mark + rate,
+            r["rationale"],
+        )
+    return table

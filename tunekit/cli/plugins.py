@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tunekit.cli.common import Table, console
+from tunekit.cli.common import Table, console, styled
 from tunekit.plugin_loading import load_all, slow_imports
 
 
@@ -17,11 +17,11 @@ def plugins_cmd(knobs: bool) -> None:
     for col in ("name", "aspect", "title", "package", "status"):
         table.add_column(col, no_wrap=col in ("name", "aspect"))
     for r in records:
-        status = "[green]ok[/]" if r.ok else f"[red]{r.status}[/]: {r.error}"
+        status = styled("[green]ok[/]") if r.ok else styled("[red]{}[/]: {}", r.status, r.error)
         table.add_row(r.name, r.aspect or "—", r.title or "—", r.package, status)
     console.print(table)
     for line in slow_imports(records):
-        console.print(f"[yellow]slow:[/] {line}")
+        console.print(styled("[yellow]slow:[/] {}", line))
     if knobs:
         for r in records:
             if not r.ok or r.tuner is None:

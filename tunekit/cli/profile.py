@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tunekit.cli.common import DURATION, Table, console, ensure_writable
+from tunekit.cli.common import DURATION, Table, console, ensure_writable, styled
 from tunekit.examples import DEFAULT_EXAMPLE
 from tunekit.observe.breakdown import PARTS
 from tunekit.workload_spec import resolve_spec
@@ -101,12 +101,13 @@ def print_report(report: dict[str, Any]) -> None:
     """The tables of ``tunekit profile`` for a report from :func:`profile_job`."""
     g = report["graph"]
     console.print(
-        f"[bold]{report['workload']}[/] on {report['nproc']} rank(s) · graph by {g['method']}: "
+        styled("[bold]{}[/]", report["workload"]),
+        f"on {report['nproc']} rank(s) · graph by {g['method']}: "
         f"{g['layers']} layers, {g['params']:,} parameters, "
-        f"{g['forward_flops'] / 1e9:.2f} GFLOP forward at batch {g['batch_size']}"
+        f"{g['forward_flops'] / 1e9:.2f} GFLOP forward at batch {g['batch_size']}",
     )
     for notice in report["notices"]:
-        console.print(f"[yellow]notice:[/] {notice}")
+        console.print(styled("[yellow]notice:[/] {}", notice))
     _breakdown_table(report["breakdown"])
     _layers_table(report["top_layers"], report["device"])
     if report.get("blocks"):
@@ -251,6 +252,6 @@ def _telemetry_tables(tel: dict[str, Any]) -> None:
         )
         console.print(f"stack samples: {cats}")
         for flag in spy["flags"]:
-            console.print(f"[yellow]flag:[/] {flag}")
+            console.print(styled("[yellow]flag:[/] {}", flag))
     if tel.get("errors"):
-        console.print(f"[dim]telemetry sample errors: {tel['errors']}[/]")
+        console.print(f"telemetry sample errors: {tel['errors']}", style="dim")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from tunekit.cli.auto import result_table
-from tunekit.cli.common import STORE_OPTION, Table, console, trials_table
+from tunekit.cli.common import STORE_OPTION, Table, console, styled, trials_table
 from tunekit.orchestrator import load_study
 from tunekit.plugin_loading import available_tuners
 from tunekit.report import report_data, write_report
@@ -60,7 +60,13 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
             return
         st = data["study"]
         console.print(
-            f"[bold]study {st['id']}[/] · {st['workload']} · {st['nproc']} rank(s) · {st['status']}"
+            styled(
+                "[bold]study {}[/] · {} · {} rank(s) · {}",
+                st["id"],
+                st["workload"],
+                st["nproc"],
+                st["status"],
+            )
         )
         console.print(trials_table(data["trials"]))
         if data["decision"]:

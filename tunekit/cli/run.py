@@ -16,10 +16,13 @@ from tunekit.cli.common import (
     Interrupted,
     console,
     ensure_writable,
+    stops_on_sigterm,
+    styled,
 )
 from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_options, run_follower
 from tunekit.config import TuningConfig, check_batch
-from tunekit.errors import ConfigError
+from tunekit.errors import ConfigError, shown
+from tunekit.locks import holder_if_held
 from tunekit.runtime.client import apply_to_run
 from tunekit.runtime.control import JobNotRunning
 from tunekit.runtime.rundir import RunDir
@@ -49,10 +52,10 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
     if len(args) == 1:
         text = args[0]
         if "(" in text and text.rstrip().endswith(")"):  # `tunekit plan`'s description, pasted
-            raise ConfigError(f"{text!r} is a description, not a config. " + CONFIG_FORMS)
+            raise ConfigError(f"{shown(text)} is a description, not a config. " + CONFIG_FORMS)
         return TuningConfig.load(text)
     bad = next(a for a in args if not ("=" in a and "." in a.partition("=")[0]))
-    raise ConfigError(f"{bad!r} is not PLUGIN.knob=value. " + CONFIG_FORMS)
+    raise ConfigError(f"{shown(bad)} is not PLUGIN.knob=value. " + CONFIG_FORMS)
 
 
 @click.command("run")
@@ -96,6 +99,7 @@ def read_config(args: str | tuple[str, ...] | list[str]) -> TuningConfig:
 @JOIN_TIMEOUT_OPTION
 @STORE_OPTION
 @MEMORY_CAP_OPTION
+@stops_on_sigterm
 def run_cmd(
     workload,
     nproc,
@@ -157,16 +161,15 @@ def run_cmd(
     with supervising(rd):  # one supervisor and one job per run, or a one-line refusal
         if resume:
             ckpt = prepare_resume(rd)
-            console.print(f"resuming run [bold]{rd.run_id}[/] from {ckpt.name}")
+            console.print(styled("resuming run [bold]{}[/] from {}", rd.run_id, ckpt.name))
         else:
-            console.print(f"run [bold]{rd.run_id}[/] in {rd.path}")
+            console.print(styled("run [bold]{}[/] in {}", rd.run_id, rd.path))
         with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
             code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()
-    console.print(  # markup=False: an error quotes gloo's "[/.../pair.cc:561]"
+    console.print(
         f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
-        + (f": {st['error']}" if st.get("error") else ""),
-        markup=False,
+        + (f": {st['error']}" if st.get("error") else "")
     )
     raise SystemExit(code)
 
@@ -180,7 +183,9 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
         return
     from tunekit.trials.nodes import describe_hello, host_coordinator, read_token
 
-    nodes, hint = host_coordinator(place.endpoint, place.nnodes, read_token(token_file), store_dir)
+    nodes, hint = host_coordinator(
+        place.endpoint, place.nnodes, read_token(token_file), store_dir, console.print
+    )
     try:
         console.print(nodes.how_to_follow(hint))
         nodes.wait_for_followers(
@@ -189,15 +194,17 @@ def coordinating(place, token_file: Path | None, store_dir: Path, join_timeout_s
         yield nodes
     finally:
         nodes.close()
+        if refused := nodes.refusals.summary():
+            console.print(refused)
 
 
 def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
     total = rd.read_run().get("steps")
     progress = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
+        TextColumn("{task.fields[info]}", markup=False),
         TimeElapsedColumn(),
         console=console,
     )
@@ -216,18 +223,15 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
         events = rd.read_events()
         for ev in events[seen_events[0] :]:
             if ev["kind"] == "memory":
-                progress.console.print(f"  {ev['line']}", markup=False)
+                progress.console.print(f"  {ev['line']}")
             elif ev["kind"] not in ("started",):
-                # markup=False: an error quotes logs ("[/.../pair.cc:545]"), which rich would
-                # read as a closing tag and end the supervisor with a MarkupError.
                 progress.console.print(
                     f"  {ev['kind']}: "
                     + ", ".join(
                         f"{k}={v}"
                         for k, v in ev.items()
                         if k in ("step", "nproc", "reason", "error")
-                    ),
-                    markup=False,
+                    )
                 )
         seen_events[0] = len(events)
 
@@ -235,10 +239,22 @@ def _supervise_with_progress(rd: RunDir, nodes=None) -> int:
         with progress:
             return supervise(rd, on_tick=tick, nodes=nodes)
     except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted; the run checkpointed and stopped: continue it with "
-            f"`tunekit run --resume {rd.run_id}`"
+        raise Interrupted.saying(
+            f"the run checkpointed and stopped: continue it with `tunekit run --resume {rd.run_id}`"
         ) from None
+
+
+ENDED = ("stopped", "finished", "crashed")
+
+
+def died_without_a_word(rd: RunDir, status: dict) -> bool:
+    """Whether the job's status says it lives (running, paused, starting, relaunching) while
+    nothing of it does: neither its supervisor nor its rank 0 holds its lock (the kernel drops a
+    lock with its holder, so a job killed with ``kill -9``, or one whose status could not be
+    written on a full disk, leaves none)."""
+    if status.get("status") in ENDED:
+        return False
+    return holder_if_held(rd.supervisor_lock) is None and holder_if_held(rd.rank0_lock) is None
 
 
 def _find(run: str, store_dir: Path) -> RunDir:
@@ -283,6 +299,18 @@ def status_cmd(run, as_json, store_dir):
         st = client(rd, timeout_s=10).request("status")
     except JobNotRunning:
         st = rd.read_status()  # not running: the last status it wrote
+        if died_without_a_word(rd, st):
+            said = (
+                f"run {rd.run_id}: not running (last seen at step {st.get('step', 0)}, died without "
+                f"a word); `tunekit run --resume {rd.run_id}` continues it from its newest checkpoint"
+            )
+            if as_json:
+                click.echo(
+                    json.dumps({**st, "status": "died", "said": said}, indent=2, default=str)
+                )
+            else:
+                console.print(said)
+            raise SystemExit(1) from None
     if as_json:
         click.echo(json.dumps(st, indent=2, default=str))
         return
@@ -290,6 +318,8 @@ def status_cmd(run, as_json, store_dir):
     console.print(
         f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)"
     )
+    if st.get("error"):
+        console.print(f"  error: {st['error']}")
     if last:
         console.print(f"  last step {last['step_s'] * 1e3:.1f} ms, loss {last['loss']:.4f}")
     rate = throughput(read_metrics_tail(rd.metrics_file), st.get("config_id"))

@@ -42,6 +42,13 @@ EXAMPLES: dict[str, tuple[str, str, str]] = {
 }
 
 
+def examples_help() -> str:
+    """The examples as a paragraph of a command's ``--help`` (kept as written: ``\\b``)."""
+    width = max(map(len, EXAMPLES)) + len("example:")
+    rows = [f"  {'example:' + name:<{width}}  {desc}" for name, (_, _, desc) in EXAMPLES.items()]
+    return "\b\nBuilt-in example workloads (synthetic data):\n" + "\n".join(rows)
+
+
 def example_factory(name: str) -> Callable:
     """The function that builds example ``name``."""
     if name not in EXAMPLES:

@@ -11,6 +11,7 @@ device supports it (a CUDA GPU with bf16; CPUs run fp32).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -161,19 +162,12 @@ def _sharded_text(n: int, generator: torch.Generator):
 def gpt_sharded() -> Workload:
     """A GPT trained as large models are: FSDP2 over the ranks (each block, then the root;
     parameters resharded after forward) and every block's activations checkpointed."""
-    return Workload(
+    return replace(
+        gpt(),
         name="gpt-sharded",
         model=lambda: GPTModel(**GPT_SHARDED),
         make_batch=_sharded_text,
-        loss=_lm_loss,
-        optimizer=_adamw,
         batch_size=8,
-        lr=6e-4,
-        lr_scaling="sqrt",
-        batch_range=(1, 64),
-        precision=_precision(),
-        scheduler=warmup_cosine,
-        clip_grad_norm=1.0,
         sharding="fsdp",
         reshard_after_forward=True,
         checkpointing="full",
@@ -182,7 +176,6 @@ def gpt_sharded() -> Workload:
             f"{GPT_SHARDED['width']} wide, sequence {GPT_SHARDED['seq']}, vocabulary "
             f"{GPT_SHARDED['vocab']}"
         ),
-        extra={"family": "transformer"},
     )
 
 

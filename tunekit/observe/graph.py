@@ -204,6 +204,20 @@ class ModelGraph:
             notice=d.get("notice", ""),
         )
 
+    def layer_label(self, name: str) -> str:
+        """The layer as the model names it: its module's path and class (``features.3 Conv2d``,
+        ``3 Conv2d`` in a bare Sequential) for a module call, the traced op's name otherwise
+        (``add_1``). The layer's own name is the traced node's (``_3`` for ``model[3]``)."""
+        layer = self.layers.get(name)
+        anchor = self.nodes.get(layer.nodes[0]) if layer is not None and layer.nodes else None
+        if anchor is None or anchor.module_type is None:
+            return name
+        return f"{anchor.target} {anchor.module_type}" if anchor.target else anchor.module_type
+
+    def layer_labels(self) -> dict[str, str]:
+        """:meth:`layer_label` of every layer, by layer name."""
+        return {name: self.layer_label(name) for name in self.layers}
+
     def summary(self) -> dict[str, Any]:
         """A few numbers for reports: counts, parameters, FLOPs, method."""
         kinds: dict[str, int] = {}
@@ -393,6 +407,12 @@ def _resize_batch(value, batch: int):
     if isinstance(value, dict):
         return {k: _resize_batch(v, batch) for k, v in value.items()}
     return value
+
+
+def model_args(inputs: Any) -> tuple:
+    """The positional arguments the model is called with: the batch's inputs as ONE argument,
+    whatever they are (a tuple of tensors is not spread), as the training step calls it."""
+    return (inputs,)
 
 
 def _batch_of(args: tuple) -> int:
@@ -780,17 +800,19 @@ def trace_model(
 ) -> ModelGraph:
     """Trace ``model`` on ``example_inputs`` into a :class:`ModelGraph`.
 
-    ``example_inputs`` is the model's input: a tensor, or a tuple of positional
-    arguments. With ``batch_size`` the inputs are resized along dim 0 (rows
-    repeated or dropped) so shapes, bytes and FLOPs are recorded at that batch.
+    ``example_inputs`` is the batch's inputs, passed to the model as ONE argument,
+    as the training ranks pass them (``model(inputs)``): a tensor, or a tuple, list
+    or dict of tensors the model unpacks itself. With ``batch_size`` the inputs are
+    resized along dim 0 (rows repeated or dropped) so shapes, bytes and FLOPs are
+    recorded at that batch.
     The model runs in training mode, as it trains (batch norms in eval: the same
     ops, statistics untouched, and a batch of 1 works), without gradients; its modes, parameters, buffers and the global RNG state are
     as they were afterwards.
     Tries ``torch.fx``, then ``torch.export``, then leaf-module hooks.
     """
-    args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     if batch_size is not None:
-        args = tuple(_resize_batch(a, batch_size) for a in args)
+        example_inputs = _resize_batch(example_inputs, batch_size)
+    args = model_args(example_inputs)
     batch = _batch_of(args)
     modes = [(m, m.training) for m in model.modules()]
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}

@@ -74,12 +74,54 @@ def _sdpa_math(
     return torch.matmul(probs, value)
 
 
+def _restride(out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``out``'s values laid out with ``stride`` (a dense layout: a permutation of dims)."""
+    if tuple(out.stride()) == tuple(stride):
+        return out
+    order = sorted(range(out.dim()), key=lambda d: (-stride[d], d))  # outermost dim first
+    back = sorted(range(out.dim()), key=order.__getitem__)
+    return out.permute(order).contiguous().permute(back)
+
+
+def _sdpa_as_exported(ep: torch.export.ExportedProgram):
+    """:func:`_sdpa_math` with its output laid out as the exported op's was.
+
+    The export recorded attention's output with the strides of the fused kernel's
+    (CPU flash attention: ``(B, T, H, D)`` memory seen as ``(B, H, T, D)``), and
+    dropped the model's ``.transpose(1, 2).contiguous()`` as a no-op on that layout;
+    the matmuls' contiguous output would break the ``.view(B, T, C)`` that follows
+    (nanoGPT's attention). The recorded layout is looked up by the call's query, key
+    and value layouts (what decides it); a call not recorded keeps the matmuls' layout.
+    """
+    target = torch.ops.aten.scaled_dot_product_attention.default
+    layouts: dict[tuple, tuple[int, ...]] = {}
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and n.target is target and "val" in n.meta:
+            qkv = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in n.args[:3]]
+            layouts[_layout_key(*qkv)] = tuple(n.meta["val"].stride())
+
+    def decompose(query, key, value, *args, **kwargs):
+        out = _sdpa_math(query, key, value, *args, **kwargs)
+        stride = layouts.get(_layout_key(query, key, value))
+        return out if stride is None else _restride(out, stride)
+
+    return decompose
+
+
+def _layout_key(*tensors: Any) -> tuple:
+    return tuple(
+        (tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else None
+        for t in tensors
+    )
+
+
 def export_module(model: nn.Module, args: tuple) -> torch.fx.GraphModule:
     """``model`` (in its current mode) exported to an ATen-level GraphModule, attention
-    decomposed and nodes named after their modules. Raises whatever ``torch.export`` raises."""
+    decomposed and nodes named after their modules. Raises whatever ``torch.export`` raises.
+    ``args``: the model's positional arguments (tunekit passes the batch's inputs as one)."""
     ep = torch.export.export(_TensorOutputs(model), args, strict=False)
     aten = torch.ops.aten
-    ep = ep.run_decompositions({aten.scaled_dot_product_attention.default: _sdpa_math})
+    ep = ep.run_decompositions({aten.scaled_dot_product_attention.default: _sdpa_as_exported(ep)})
     gm = ep.module()
     _rename(gm)
     return gm

@@ -55,7 +55,7 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_arg
 
-from tunekit.observe.graph import ModelGraph, layer_output, trace_model
+from tunekit.observe.graph import ModelGraph, layer_output, model_args, trace_model
 from tunekit.observe.step_timing import intra_op_threads
 from tunekit.runtime.data import to_device
 
@@ -539,11 +539,11 @@ def _profile_layers(
     hardware_fingerprint: str,
 ) -> LayerProfile:
     device = torch.device(device)
-    args = tuple(example_inputs) if isinstance(example_inputs, tuple | list) else (example_inputs,)
     if graph is None or (graph.method == "export" and graph.module is None):
-        graph = trace_model(model, args)  # an export graph from the store: capture it again
+        # an export graph from the store: capture it again
+        graph = trace_model(model, example_inputs)
     model.to(device)
-    args = to_device(args, device)
+    args = model_args(to_device(example_inputs, device))
     runner = LayerRunner(model, graph, device)
     env = runner.capture_env(args)
     model.train()

@@ -13,11 +13,14 @@
   addresses of a step's buffers in the next step (measured: FSDP's per-step peaks on 2 gloo
   ranks stay within one block's gathered size), but it owes us nothing: a large block
   freed elsewhere is seldom handed out again (glibc serves the next one from another
-  place), so a session also restarts the total at every step boundary from a count of what
-  it holds (parameters or their shards, buffers, optimizer state, gradients, the gradient
-  strategy's buffers: DDP's buckets), which is exact there (FSDP has resharded every block).
-  A plugin's strategy that does not say what it holds (``GradSync.resident_bytes``) leaves
-  the total as it is. Within a step a measured peak is an upper bound
+  place), so a sharded session restarts the total at every step boundary from a count of
+  what it holds (parameter shards, buffers, optimizer state, gradients, tensors kept on the
+  session, the gradient strategy's buffers), which is exact there (FSDP has resharded every
+  block; checked on its parameter groups). What a runtime hook of such a job holds
+  elsewhere (in a closure) is not counted. A replicated session is not restarted (every
+  allocation a hook made stays counted); DDP's start-up broadcast, which packs every
+  parameter into one buffer gloo frees in its thread, is done in place instead
+  (``tunekit.runtime.sync.sync_replicas``). Within a step a measured peak is an upper bound
   by what gloo freed unseen since the step began (at most a block's gathered parameters or
   two, measured). Frees of tensors that existed before the tracker started are not
   subtracted (it never counted them).

@@ -70,7 +70,8 @@ class ModelSummary:
 
 
 def summarize_model(model: nn.Module, example_inputs: Any) -> ModelSummary:
-    """Parameters and leaf layers in the order the forward pass runs them."""
+    """Parameters and leaf layers in the order the forward pass runs them.
+    ``example_inputs``: the batch's inputs, passed to the model as one argument."""
     order: list[LayerInfo] = []
     seen: set[str] = set()
     handles = []
@@ -108,7 +109,10 @@ def summarize_model(model: nn.Module, example_inputs: Any) -> ModelSummary:
         for h in handles:
             h.remove()
     params = list(model.parameters())
-    batch = example_inputs.shape[0] if isinstance(example_inputs, torch.Tensor) else 0
+    from tunekit.observe.graph import _tensors
+
+    first = next(iter(_tensors(example_inputs)), None)  # a tuple or dict of inputs too
+    batch = int(first.shape[0]) if first is not None and first.dim() else 0
     return ModelSummary(
         num_params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),

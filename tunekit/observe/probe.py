@@ -52,6 +52,8 @@ __all__ = [
     "fit_latency_bandwidth",
     "hardware_to_toml",
     "probe_hardware",
+    "probe_result",
+    "sweep_rank",
 ]
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
@@ -111,8 +113,10 @@ class ProbeResult:
 # -- what each rank runs ---------------------------------------------------------------------
 
 
-def _sweep_rank(rank: int, world: int, sizes: list[int], repeats: int, use_cuda: bool) -> dict:
-    """Time all-reduce (and p2p, copies) at each size on this rank (run by run_ranks)."""
+def sweep_rank(rank: int, world: int, sizes: list[int], repeats: int, use_cuda: bool) -> dict:
+    """Time all-reduce (and p2p, copies) at each size on this rank, in the default process
+    group: run by :func:`probe_hardware`'s ranks, or by a study's baseline trial after its
+    measured steps (its ranks are up already; see ``TrialSpec.probe``)."""
     group = None
     device = torch.device("cpu")
     backend = "gloo"
@@ -153,8 +157,16 @@ def probe_hardware(
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     use_cuda = device_type == "cuda"
     start = time.perf_counter()
-    results = run_ranks(_sweep_rank, nproc, (list(sizes), repeats, use_cuda), timeout_s=timeout_s)
-    first = results[0]  # all-reduce and ping-pong samples are the same on every rank
+    results = run_ranks(sweep_rank, nproc, (list(sizes), repeats, use_cuda), timeout_s=timeout_s)
+    return probe_result(results[0], nproc, device_type, time.perf_counter() - start)
+
+
+def probe_result(first: dict[str, Any], nproc: int, device_type: str, wall_s: float) -> ProbeResult:
+    """Rank 0's :func:`sweep_rank` timings (all-reduce and ping-pong samples are the same on
+    every rank) fitted, as this machine's :class:`Hardware`. Sizes may come as JSON's strings."""
+    first = {
+        k: {int(n): t for n, t in v.items()} if isinstance(v, dict) else v for k, v in first.items()
+    }
     backend = first["backend"]
     measured = [
         ("all_reduce", backend, nproc),
@@ -168,7 +180,7 @@ def probe_hardware(
         if first.get(op)
     ]
     hw = describe_local_machine(nproc, device_type, tuple(s.fit for s in sweeps))
-    return ProbeResult(hw, sweeps, time.perf_counter() - start)
+    return ProbeResult(hw, sweeps, wall_s)
 
 
 # -- TOML ------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ def profile_job(
         ],
         "blocks": profile_blocks(graph, layers),
         "layer_profile": layers.to_dict() if layers is not None else None,
+        "layer_labels": graph.layer_labels(),
         "measurement": outcome.measurement.to_dict() if outcome.measurement else None,
         "breakdown": breakdown.to_dict(),
         "telemetry": telemetry["summary"],

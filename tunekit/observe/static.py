@@ -8,14 +8,17 @@ Both cache the layer profile and this machine's collective fits in the store.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from tunekit.effort import effort_repeats
 from tunekit.errors import ConfigError, WorkloadError
 from tunekit.hardware import CollectiveFit, Hardware, load_profile
 from tunekit.memory import MemoryFacts
+from tunekit.observe.first_step import try_first_step
 from tunekit.observe.graph import ModelGraph, trace_model
 from tunekit.observe.layer_profile import LayerProfile, profile_layers
 from tunekit.observe.local import describe_local_machine
@@ -30,6 +33,7 @@ from tunekit.observe.workload_process import (
 )
 from tunekit.runtime.sharding import check_layout
 from tunekit.store import Store, StudyCache
+from tunekit.timings import Timings
 from tunekit.trials.launcher import rank_threads
 from tunekit.workload import Workload, load_workload, resolve_spec
 
@@ -143,38 +147,48 @@ async def observe_in_child(
     timeout_s: float = 300.0,
     log_dir: Path = Path(".tunekit"),
     child: WorkloadProcess | None = None,
+    timings: Timings | None = None,
 ) -> StaticObservation:
     """:func:`observe_static` with the workload's code in a child process (``WorkloadProcess``):
     a workload that crashes, hangs or exits while it is built, traced or timed fails with
     :class:`ObservationFailed` (one line, classified as a trial is), and tunekit lives on.
 
     ``child``: the caller's, left running but idle (the model dropped) for the tuners' hooks
-    later; without it, a child of its own, ended before this returns.
+    later; without it, a child of its own, ended before this returns. ``timings``: where the
+    stages (building and tracing the model, the probe, timing the layers) are recorded.
     """
+    timings = timings or Timings()
     spec = resolve_spec(workload)
     device_type = resolve_device_type(device)
     own = child is None
     child = child or WorkloadProcess(Path(log_dir) / OBSERVE_LOG, timeout_s)
     try:
-        seen = await observe_call(
-            child, "observe", "building and tracing the model", workload=spec, seed=seed
-        )
+        with timings.stage("observe: build and trace the model") as stage:
+            seen = await observe_call(
+                child, "observe", "building and tracing the model", workload=spec, seed=seed
+            )
+            stage.cpu_s = child.take_cpu_s()
         graph = ModelGraph.from_dict(seen["graph"])
-        hw, notices = await asyncio.to_thread(
-            describe_hardware, world_size, device_type, hardware, store, probe
-        )
+        with timings.stage("observe: the hardware"):
+            hw, notices = await asyncio.to_thread(
+                describe_hardware, world_size, device_type, hardware, store, probe
+            )
         if graph.notice:
             notices.append(graph.notice)
         profile = None
         if time_layers and not hardware:
-            profile = await _layer_profile(
-                child, graph, hw, device_type, store, world_size, threads_per_rank, notices
-            )
+            with timings.stage("observe: time the layers") as stage:
+                profile = await _layer_profile(
+                    child, graph, hw, device_type, store, world_size, threads_per_rank, notices
+                )
+                stage.cpu_s = child.take_cpu_s()
         memory = None
         if time_layers:
-            memory = await _memory_facts(
-                child, spec, graph, device_type, store, world_size, threads_per_rank, notices
-            )
+            with timings.stage("observe: the memory model's facts") as stage:
+                memory = await _memory_facts(
+                    child, spec, graph, device_type, store, world_size, threads_per_rank, notices
+                )
+                stage.cpu_s = child.take_cpu_s()
         if not own:
             await observe_call(child, "idle", "dropping the model")
     finally:
@@ -242,6 +256,7 @@ async def _layer_profile(
         "profile_layers",
         "timing the model's layers",
         device=device_type,
+        repeats=effort_repeats(3, 1),
         threads=rank_threads(world_size, threads_per_rank),
         hardware_fingerprint=hw.fingerprint(),
     )
@@ -262,26 +277,34 @@ def observe_static(
     threads_per_rank: int | None = None,
     time_layers: bool = True,
     probe: bool = False,
+    on_stage: Callable[[str], None] | None = None,
 ) -> StaticObservation:
     """Load the workload here (to fail early and clearly), trace it, time its layers, describe the hardware.
 
     Runs the workload's code in this process (the TUI); ``tunekit auto`` and ``tunekit plan``
     use :func:`observe_in_child`. Layers are timed with the thread count each rank gets,
     so that their times add up to a rank's compute; the profile is cached in the store.
+    ``on_stage`` hears what it does now, in words ("timing 11 layers standalone").
     """
+    stage = on_stage or (lambda _: None)
     spec = resolve_spec(workload)
+    stage(f"loading {spec}")
     wl = load_workload(spec)
     device_type = resolve_device_type(device)
+    stage("describing the hardware")
     hw, notices = describe_hardware(world_size, device_type, hardware, store, probe)
+    stage("tracing the model graph")
     model = wl.model()
     try:
         blocks = check_layout(model, wl.layout())
     except ConfigError as exc:
         raise WorkloadError(f"workload {wl.name!r}: {exc}") from None
-    example = wl.example_batch(wl.batch_size, seed=seed)[0]
+    batch = wl.example_batch(wl.batch_size, seed=seed)
+    example = batch[0]
     graph = trace_model(
         model, example
     )  # first: a forward pass that fails is one WorkloadError line
+    try_first_step(wl, model, batch)  # a loss that cannot train fails here, not in a trial
     summary = summarize_model(model, example)
     if graph.notice:
         notices.append(graph.notice)
@@ -290,8 +313,10 @@ def observe_static(
         key = _layer_profile_key(graph, hw, device_type)
         cached = store.cache_get(key)
         if cached:
+            stage("the layer times, from the study store's cache")
             profile = LayerProfile.from_dict(cached)
         else:
+            stage(f"timing {len(graph.layers)} layers standalone (forward and backward)")
             threads = rank_threads(world_size, threads_per_rank)
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -302,7 +327,7 @@ def observe_static(
                     graph,
                     device=device_type,
                     warmup=1,
-                    repeats=3,
+                    repeats=effort_repeats(3, 1),
                     hardware_fingerprint=hw.fingerprint(),
                 )
             except (

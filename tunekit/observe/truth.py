@@ -88,15 +88,16 @@ class StepTruth:
         value = self.part(name)
         return None if value is None or self.step_s <= 0 else value / self.step_s
 
-    def phrase(self, name: str) -> str:
-        """``exposed communication 13% of the step (4.8 ms, measured)`` — how tuners quote a part."""
+    def phrase(self, name: str, short: bool = False) -> str:
+        """``exposed communication 13% of the step (4.8 ms, measured)`` — how tuners quote a part;
+        ``short``: ``exposed communication 13% of the step``, for a headline."""
         frac = self.fraction(name)
         if frac is None:
-            return f"{PART_LABELS[name]} unknown (the baseline was not profiled)"
-        return (
-            f"{PART_LABELS[name]} {frac:.0%} of the step "
-            f"({self.parts_s[name] * 1e3:.1f} ms, measured)"
-        )
+            return f"{PART_LABELS[name]} unknown" + (
+                "" if short else " (the baseline was not profiled)"
+            )
+        text = f"{PART_LABELS[name]} {frac:.0%} of the step"
+        return text if short else f"{text} ({self.parts_s[name] * 1e3:.1f} ms, measured)"
 
     def describe(self) -> str:
         """One line: the step and every part's share."""

@@ -8,15 +8,16 @@ stdout it was started with; everything the workload prints (to ``sys.stdout``
 or straight to file descriptor 1 or 2) goes to its stderr, which the parent
 keeps in a capped log. Requests, in the order the parent sends them:
 
-* ``observe``: load the workload, build the model, summarise and trace it;
+* ``observe``: load the workload, build the model, trace it, try one training step's
+  forward, loss and backward on the example batch, summarise it;
 * ``profile_layers``: time every layer of that model;
 * ``memory_facts``: measure what the memory model needs on a fresh copy of it;
 * ``idle``: drop that model (the process then waits out the baseline trial);
 * ``observation``: set up what tuners read (the parts of an ``Observation``);
 * ``diagnose`` / ``plan``: run one tuner's hook on it.
 
-Replies are ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": ...}``
-for an exception. JSON both ways, never pickle: a reply is plain data the
+Replies are ``{"ok": true, "result": ..., "cpu_s": ...}`` (the CPU seconds the request took,
+for the study's timings) or ``{"ok": false, "error": ...}`` for an exception. JSON both ways, never pickle: a reply is plain data the
 parent rebuilds (``ModelGraph.from_dict`` ...), and nothing the workload
 defines crosses over.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +93,7 @@ class _State:
 
 def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
     from tunekit.errors import ConfigError, WorkloadError
+    from tunekit.observe.first_step import try_first_step
     from tunekit.observe.graph import trace_model
     from tunekit.observe.observation import summarize_model
     from tunekit.observe.workload_process import workload_facts
@@ -102,9 +105,11 @@ def observe(state: _State, req: dict[str, Any]) -> dict[str, Any]:
         blocks = check_layout(state.model, wl.layout())
     except ConfigError as exc:
         raise WorkloadError(f"workload {wl.name!r}: {exc}") from None
-    state.example = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))[0]
+    batch = wl.example_batch(wl.batch_size, seed=req.get("seed", 0))
+    state.example = batch[0]
     # Traced first: a forward pass that fails is then a WorkloadError in one line ("cannot trace ...").
     state.graph = trace_model(state.model, state.example)
+    try_first_step(wl, state.model, batch)  # a loss that cannot train fails here, not in a trial
     summary = summarize_model(state.model, state.example)
     return {
         "workload": workload_facts(wl),
@@ -246,13 +251,19 @@ HANDLERS = {
 }
 
 
-def describe_error(exc: BaseException) -> dict[str, Any]:
-    """An exception as plain data: its type decides how the parent classifies it."""
+def describe_error(exc: BaseException, owner: type | None = None) -> dict[str, Any]:
+    """An exception as plain data: its type decides how the parent classifies it; its
+    traceback and where it was raised (in ``owner``'s package, a plugin) go with it."""
+    from tunekit.failures import Failure
+
+    failure = Failure.of(exc, owner)
     return {
         "type": type(exc).__name__,
         "message": str(exc),
         "oom": is_oom(exc),
         "tunekit_error": type(exc).__name__ if isinstance(exc, TunekitError) else None,
+        "where": failure.where,
+        "traceback": failure.traceback,
     }
 
 
@@ -260,10 +271,19 @@ def serve(requests, replies) -> None:
     state = _State()
     for line in requests:
         req = json.loads(line)
+        cpu = time.process_time()
         try:
-            reply = json.dumps({"ok": True, "result": HANDLERS[req["op"]](state, req)})
+            result = HANDLERS[req["op"]](state, req)
+            reply = json.dumps({"ok": True, "result": result, "cpu_s": time.process_time() - cpu})
         except BaseException as exc:  # noqa: BLE001 - the workload's sys.exit() too: the parent classifies
-            reply = json.dumps({"ok": False, "error": describe_error(exc)})
+            tuner = state.tuners.get(req.get("plugin", ""))
+            error = describe_error(exc, type(tuner) if tuner is not None else None)
+            if tuner is not None:  # into this process's log, beside what the plugin printed
+                print(
+                    f"plugin {req['plugin']}'s {req['op']} raised:\n{error['traceback']}",
+                    file=sys.stderr,
+                )
+            reply = json.dumps({"ok": False, "error": error})
         replies.write(reply + "\n")
         replies.flush()
 

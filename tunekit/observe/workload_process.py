@@ -54,6 +54,9 @@ class ChildRaised(Exception):
         self.message = error.get("message", "")
         self.oom = bool(error.get("oom"))
         self.tunekit_error = error.get("tunekit_error")
+        self.where = error.get("where", "")
+        """Where it was raised (``file:line in function``), in the plugin when a plugin's hook raised."""
+        self.traceback = error.get("traceback", "")
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
@@ -87,6 +90,7 @@ class WorkloadProcess:
         self._log: CappedLog | None = None
         self._needs_setup = False
         self._children = 0
+        self._cpu_s = 0.0
 
     async def __aenter__(self) -> WorkloadProcess:
         return self
@@ -115,6 +119,11 @@ class WorkloadProcess:
                 exc.setup = True
                 raise
         return await self._request({"op": op, **args}, doing)
+
+    def take_cpu_s(self) -> float:
+        """CPU seconds the child spent on the requests it answered since the last take (timings)."""
+        cpu, self._cpu_s = self._cpu_s, 0.0
+        return cpu
 
     async def start(self) -> None:
         """Start a child now, unless one runs: it imports torch before it reads a request, so its
@@ -168,6 +177,7 @@ class WorkloadProcess:
             await self.close(kill=True)
             raise ObservationFailed(CRASH, f"{how} while {doing}{self._see_log()}")
         reply = json.loads(line)
+        self._cpu_s += reply.get("cpu_s") or 0.0
         if reply.get("ok"):
             return reply["result"]
         raised = ChildRaised(reply.get("error") or {})
@@ -243,6 +253,7 @@ def workload_facts(wl: Workload) -> dict[str, Any]:
         "clip_grad_norm": wl.clip_grad_norm,
         "scheduler": wl.scheduler is not None,
         "layout": wl.layout().to_dict(),
+        "scheduler_name": getattr(wl.scheduler, "__name__", None) if wl.scheduler else None,
     }
 
 
@@ -254,6 +265,14 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         raise RuntimeError(f"workload {facts['name']!r} runs in its own process, not in tunekit's")
 
     batch_range = tuple(facts["batch_range"]) if facts.get("batch_range") else None
+    scheduler = None
+    if facts.get("scheduler"):
+
+        def scheduler(*_args: Any) -> Any:
+            return runs_in_its_own_process()
+
+        # named as the factory it stands for: best_config.md's snippet names it
+        scheduler.__name__ = facts.get("scheduler_name") or "scheduler"
     return Workload(
         name=facts["name"],
         model=runs_in_its_own_process,
@@ -269,7 +288,7 @@ def stand_in_workload(facts: dict[str, Any]) -> Workload:
         grad_scaler=facts.get("grad_scaler"),
         accumulation=facts.get("accumulation", 1),
         clip_grad_norm=facts.get("clip_grad_norm"),
-        scheduler=runs_in_its_own_process if facts.get("scheduler") else None,
+        scheduler=scheduler,
         **(facts.get("layout") or {}),
     )
 

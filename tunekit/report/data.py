@@ -9,10 +9,12 @@ from typing import Any
 
 from tunekit.config import TuningConfig
 from tunekit.contract import Candidate, Tuner
+from tunekit.diagnosis_text import body_points, outcomes
 from tunekit.store import Store
 from tunekit.trials.decide import decide
 from tunekit.trials.feedback import measured_peak, predicted_peaks, relative_error
 from tunekit.trials.launcher import LaunchOptions
+from tunekit.trials.stats import ranks_global_batch
 
 
 def report_data(
@@ -33,11 +35,14 @@ def report_data(
     decision = study.decision or decide(trials, study.settings.get("min_effect", 0.01), describe)
     obs = study.observation or {}
     peaks = predicted_peaks(obs)
+    planned = _planned_candidates(obs)
+    job_batch = (obs.get("summary") or {}).get("global_batch")
     rows = []
     for t in trials:
         m = (t.result or {}).get("measurement") or {}
         ranks = (t.result or {}).get("ranks") or []
         rs = [r["overlap_R"] for r in ranks if r.get("overlap_R") is not None]
+        candidate = planned.get(t.config_id, {})
         rows.append(
             {
                 "id": t.id,
@@ -54,6 +59,8 @@ def report_data(
                 "median_s": t.median_s,
                 "spread_s": t.spread_s,
                 "samples_per_s": t.samples_per_s,
+                "global_batch": _global_batch(ranks, t.role, candidate, job_batch),
+                "rationale": candidate.get("rationale", ""),
                 "step_s": m.get("step_s"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,
                 "error": t.error,
@@ -71,6 +78,8 @@ def report_data(
     best_batch = decision.get("winner_global_batch") or base_batch
     base_med = decision.get("baseline_median_s")
     best_med = decision.get("winner_median_s") or base_med
+    diagnoses = obs.get("diagnoses", {})
+    verdicts = outcomes(diagnoses, decision)
     return {
         "study": {
             "id": study.id,
@@ -84,7 +93,12 @@ def report_data(
             "finished": study.finished,
         },
         "observation": summary,
-        "diagnoses": obs.get("diagnoses", {}),
+        "diagnoses": {
+            name: {**d, "headline": o.headline, "points": body_points(d.get("summary", ""))}
+            for (name, d), o in zip(diagnoses.items(), verdicts, strict=True)
+        },
+        "tuners": [o.to_dict() for o in verdicts],
+        "problems": obs.get("problems", []),
         "plans": obs.get("plans", {}),
         "trials": rows,
         "prediction_errors": prediction_errors(rows),
@@ -113,9 +127,44 @@ def report_data(
             launch,
             (summary.get("batch_size") or 0) or None,
             config_path=config_path,
+            training=summary.get("training"),
         ),
         "explanation": explanation(decision, obs.get("plans", {}), tuners),
+        "timings": obs.get("timings", []),
     }
+
+
+def _planned_candidates(obs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each planned candidate by config id: its rationale and the global batch it trains
+    (the pool lists a tuner's candidates in the order of its plan)."""
+    out: dict[str, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
+    plans = obs.get("plans", {})
+    for entry in obs.get("pool", []):
+        plugin = entry["plugin"]
+        i = seen[plugin] = seen.get(plugin, -1) + 1
+        cands = plans.get(plugin, [])
+        out.setdefault(
+            entry["config_id"],
+            {
+                "config_id": entry["config_id"],
+                "rationale": cands[i].get("rationale", "") if i < len(cands) else "",
+                "global_batch": entry.get("global_batch"),
+            },
+        )
+    return out
+
+
+def _global_batch(
+    ranks: list[dict[str, Any]], role: str, candidate: dict[str, Any], job_batch: int | None
+) -> int | None:
+    """Samples one step of a trial trains over all ranks: as its ranks reported it, else as
+    its candidate was planned (None there: the job's own)."""
+    if ranks:
+        return ranks_global_batch(ranks)
+    if candidate:
+        return candidate.get("global_batch") or job_batch
+    return job_batch if role == "baseline" else None
 
 
 def prediction_errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -169,9 +218,12 @@ def snippet(
     launch: LaunchOptions,
     batch_size: int | None = None,
     config_path: str = "best_config.json",
+    training: Mapping[str, Any] | None = None,
 ) -> str:
     """Ready-to-use instructions for the winning config, as Markdown; the commands name
-    the config file by ``config_path`` (a path that works from where tunekit ran)."""
+    the config file by ``config_path`` (a path that works from where tunekit ran).
+    ``training``: the workload's :func:`~tunekit.workload.prepare_arguments`, from which the
+    ``tunekit.prepare(...)`` call is written so that it trains the job that was tuned."""
     nodes = (
         ["--standalone"]
         if launch.nnodes == 1
@@ -216,17 +268,15 @@ def snippet(
     if best.is_baseline:
         lines += ["Nothing to change: the baseline (PyTorch's defaults) was fastest.", ""]
     else:
-        batch = batch_size if batch_size else "YOUR_PER_RANK_BATCH"
         lines += [
             "`tunekit.prepare` applies the config to your model, optimizer and loss, and gives you "
-            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md):",
+            "a `step` that trains exactly as `tunekit run` would (see docs/workloads.md, "
+            '"Your own training loop"):',
             "",
             "```python",
             "import tunekit",
             "",
-            "model, optimizer, step = tunekit.prepare(",
-            f'    model, optimizer, loss_fn, config="{config_path}", batch_size={batch}',
-            ")",
+            *prepare_call(config_path, batch_size, training),
             "for inputs, targets in loader:  # a loader of step.batch_size samples per rank",
             "    loss = step(inputs, targets)",
             "```",
@@ -236,3 +286,59 @@ def snippet(
             lines += ["Or, in plain PyTorch without tunekit:", "", "```python", *code, "```", ""]
     lines += ["Launch it as before:", "", "```sh", torchrun, "```", ""]
     return "\n".join(lines)
+
+
+def prepare_call(
+    config_path: str, batch_size: int | None, training: Mapping[str, Any] | None
+) -> list[str]:
+    """``tunekit.prepare(...)`` with every argument that makes it train as the tuned workload:
+    its batch, learning-rate rule, precision, accumulation, scheduler and clipping. Each is
+    written out, the defaults too, so the call does not lean on ``prepare``'s defaults (which
+    are not the workload's: ``lr_scaling`` is linear there, sqrt for a Hugging Face workload);
+    a sharded or checkpointed workload's layout fields follow (plain DDP's are left out)."""
+    batch = batch_size or (training or {}).get("batch_size") or "YOUR_PER_RANK_BATCH"
+    if not training:  # a study stored before the workload's training facts were kept
+        return [
+            "model, optimizer, step = tunekit.prepare(",
+            f'    model, optimizer, loss_fn, config="{config_path}", batch_size={batch}',
+            ")",
+        ]
+    lines = []
+    if training.get("lr") is not None:
+        lines.append(
+            f"# optimizer: built with lr={training['lr']!r}, the workload's at batch {batch} "
+            "(prepare rescales it by lr_scaling when the config changes the batch)"
+        )
+    scheduler = training.get("scheduler")
+    if scheduler is None:
+        sched = "None,"
+    elif scheduler.isidentifier():
+        sched = f"{scheduler}(optimizer),  # the workload's scheduler, on this optimizer"
+    else:
+        sched = "scheduler,  # what the workload's scheduler factory builds on this optimizer"
+    clip = training.get("clip_grad_norm")
+    lines += [
+        "model, optimizer, step = tunekit.prepare(",
+        "    model,",
+        "    optimizer,",
+        "    loss_fn,",
+        f'    config="{config_path}",',
+        f"    batch_size={batch},",
+        f'    lr_scaling="{training.get("lr_scaling", "linear")}",',
+        f'    precision="{training.get("precision", "fp32")}",',
+        f"    accumulation={int(training.get('accumulation') or 1)},",
+        f"    clip_grad_norm={clip!r},",
+        *(
+            f"    {name}={_literal(value)},"
+            for name, value in (training.get("layout") or {}).items()
+        ),
+        f"    scheduler={sched}",
+        ")",
+    ]
+    return lines
+
+
+def _literal(value: Any) -> str:
+    """A layout field as Python source (``checkpoint_blocks``, a list in JSON, as the tuple
+    ``prepare`` takes)."""
+    return repr(tuple(value)) if isinstance(value, list) else repr(value)

@@ -34,39 +34,35 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
         f"a winner must beat it by more than {dec.get('min_effect', 0.01):.0%} with 95% confidence.",
         "",
     ]
+    out += _problems_section(data.get("problems") or [])
     out += _observation_section(obs)
     out += [
         "## Diagnoses",
         "",
     ]
     if data["diagnoses"]:
-        out += ["| tuner | applies | expected gain | diagnosis |", "| --- | --- | --- | --- |"]
+        out += [
+            "Each tuner's verdict, the gain its model expects (with its range) and the measured "
+            "figure it rests on; beside it, the best its own trials measured (samples/s over the "
+            "baseline) and what came of it.",
+            "",
+            "| tuner | diagnosis | measured | outcome |",
+            "| --- | --- | --- | --- |",
+        ]
+        for t in data["tuners"]:
+            outcome = "won" if t["won"] and not t["note"] else t["note"] or "—"
+            out.append(
+                f"| {t['plugin']} | {_cell(t['headline'])} | {t['measured']} | {_cell(outcome)} |"
+            )
+        out.append("")
         for name, d in data["diagnoses"].items():
-            gain = "—" if d.get("expected_gain") is None else f"{d['expected_gain']:.0%}"
-            out.append(f"| {name} | {'yes' if d['applies'] else 'no'} | {gain} | {d['summary']} |")
+            out += [f"### {name}", ""]
+            out += [f"- {_cell(p)}" for p in d["points"]] or ["- (no text)"]
+            out.append("")
     else:
         out.append("No tuner diagnosed this job.")
-    out += [
-        "",
-        "## Trials",
-        "",
-        "Per step. *Predicted*: the tuner's cost model, calibrated on the measured baseline; "
-        "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
-        "|prediction − measured| / measured, raw → corrected. *Peak/rank*: memory per rank, "
-        "predicted (core memory model) → measured (the largest rank's).",
-        "",
-        "| # | role | config | status | steps | predicted | corrected | measured (median ± IQR) | error | peak/rank | R | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for t in data["trials"]:
-        measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
-        r = "—" if t.get("overlap_R") is None else f"{t['overlap_R']:.0f}"
-        note = (t.get("note") or "").replace("|", "/")[:200]
-        out.append(
-            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
-            f"{_ms(t['predicted_s'])} | "
-            f"{_ms(t.get('corrected_s'))} | {measured} | {_errors(t)} | {_peaks(t)} | {r} | {note} |"
-        )
+    out.append("")
+    out += _trials_section(data["trials"])
     out += _prediction_section(data)
     out += [
         "",
@@ -77,6 +73,67 @@ def render_markdown(data: dict[str, Any], plot_name: str = "trials.png") -> str:
     if data.get("explanation"):
         out += ["## The winning plan in detail", "", data["explanation"], ""]
     return "\n".join(out) + "\n"
+
+
+def _trials_section(trials: list[dict[str, Any]]) -> list[str]:
+    """Every trial: what it trained (its global batch), each prediction, what was measured
+    per step and per sample, and the tuner's reason for it."""
+    out = [
+        "## Trials",
+        "",
+        "*Predicted*: the tuner's cost model, calibrated on the measured baseline, per step; "
+        "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
+        "|prediction − measured| / measured, raw → corrected. A step over a larger global "
+        "batch takes longer: compare trials of different batches by *samples/s*. *Peak/rank*: "
+        "memory per rank, predicted (core memory model) → measured (the largest rank's).",
+        "",
+        "| # | role | config | status | steps | global batch | predicted | corrected "
+        "| measured (median ± IQR) | samples/s | error | peak/rank | R | why | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
+    ]
+    for t in trials:
+        measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
+        r = "—" if t.get("overlap_R") is None else f"{t['overlap_R']:.0f}"
+        note = (t.get("note") or "").replace("|", "/")[:200]
+        why = (t.get("rationale") or "").replace("|", "/") or "—"
+        out.append(
+            f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
+            f"{t.get('global_batch') or '—'} | {_ms(t['predicted_s'])} | "
+            f"{_ms(t.get('corrected_s'))} | {measured} | {_num(t.get('samples_per_s'))} | "
+            f"{_errors(t)} | {_peaks(t)} | {r} | {why} | {note} |"
+        )
+    return out
+
+
+def _problems_section(problems: list[dict[str, Any]]) -> list[str]:
+    """Tuners that could not take part (a hook that raised, a plugin that did not load), each
+    with its error, where in the plugin it was raised and the traceback."""
+    if not problems:
+        return []
+    out = [
+        "## Problems",
+        "",
+        f"{len(problems)} tuner(s) could not take part in this study; the others ran without them.",
+        "",
+        "| tuner | what failed | error | where |",
+        "| --- | --- | --- | --- |",
+    ]
+    for p in problems:
+        error = p["error"].replace("|", "/").replace("\n", " ")
+        out.append(f"| {p['plugin']} | {p['what']} | {error} | {p.get('where') or '—'} |")
+    out.append("")
+    for p in problems:
+        if p.get("traceback"):
+            out += [
+                f"{p['plugin']} ({p['what']}):",
+                "",
+                "```text",
+                p["traceback"].rstrip(),
+                "```",
+                "",
+            ]
+    return out
 
 
 def _nodes_section(obs: dict[str, Any]) -> list[str]:
@@ -166,7 +223,7 @@ def _memory_section(memory: dict[str, Any] | None) -> list[str]:
     measured peak."""
     if not memory:
         return []
-    from tunekit.memory import PART_ORDER, PART_WORDS, format_bytes
+    from tunekit.memory import PART_ORDER, PART_WORDS
 
     predicted = memory["predicted"]
     measured = memory.get("measured_peak_bytes")
@@ -190,6 +247,11 @@ def _memory_section(memory: dict[str, Any] | None) -> list[str]:
         out.append(f"| (in host memory: CPU offload) | {format_bytes(predicted['host_bytes'])} | |")
     out.append("")
     return out
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell or list item: one line, no column breaks."""
+    return " ".join(text.split()).replace("|", "/")
 
 
 def _gflop(flops: float | None) -> str:

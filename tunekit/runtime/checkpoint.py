@@ -109,19 +109,8 @@ def load_sharded(session: Session, path: Path) -> dict[str, Any]:
         model_state_dict=template["model"],
         optim_state_dict=template["optimizer"],
     )
-    _load_extras(session, extras)
+    session.restore_progress(extras)
     return extras
-
-
-def _load_extras(session: Session, extras: Mapping[str, Any]) -> None:
-    session._base_group_lrs = list(extras["base_group_lrs"])
-    if session.scheduler is not None and extras.get("scheduler") is not None:
-        session.scheduler.load_state_dict(extras["scheduler"])
-    if session.scaler is not None and extras.get("scaler") is not None:
-        session.scaler.load_state_dict(extras["scaler"])
-    session.set_lr(session.lr)
-    session.step = int(extras["step"])
-    torch.set_rng_state(torch.tensor(extras["rng"], dtype=torch.uint8))
 
 
 def check_fits(template: Mapping[str, Any], path: Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -136,9 +138,13 @@ class BatchSource:
                 len(self._dataset), self.batch_size, self.rank, self.world_size, self.seed, step
             )
             opts = self.options
-            kwargs = {}
-            if opts.num_workers > 0 and opts.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = opts.prefetch_factor
+            kwargs: dict[str, Any] = {}
+            if opts.num_workers > 0:
+                # A worker builds what this process would, however it was started (a spawned
+                # or forkserver worker starts from float32, not this process's default dtype).
+                kwargs["worker_init_fn"] = partial(_as_parent, torch.get_default_dtype())
+                if opts.prefetch_factor is not None:
+                    kwargs["prefetch_factor"] = opts.prefetch_factor
             loader = DataLoader(
                 self._dataset,
                 batch_sampler=sampler,
@@ -153,6 +159,11 @@ class BatchSource:
 
     def close(self) -> None:
         self._iter = None
+
+
+def _as_parent(dtype: torch.dtype, worker_id: int) -> None:
+    """A loader worker's start: the training process's default dtype."""
+    torch.set_default_dtype(dtype)
 
 
 def to_device(x, device: torch.device):

@@ -16,8 +16,10 @@ every rank at a step boundary while a tuner's trials use the machine.
 
 What rank 0 cannot write does not stop training: a checkpoint that fails
 refuses the apply, relaunch or stop that needed it (the job keeps its last
-good checkpoint), and status, metrics and events that cannot be written are
-reported once. A change that needs new processes is watched in the relaunched
+good checkpoint), and status, metrics and events that cannot be written (a
+full disk) are reported once, keep their last good copy, and are written
+again once there is room; a rank's own output cannot fail it either
+(:class:`LossyStream`). A change that needs new processes is watched in the relaunched
 job like any other and rolled back by a relaunch.
 
 One module, though long: the control loop, the checkpoint and the rollback of
@@ -54,7 +56,7 @@ from tunekit.runtime.checkpoint import (
 )
 from tunekit.runtime.control import RESUME, ControlServer, Request
 from tunekit.runtime.dist import broadcast_bytes, ensure_group, init_from_env
-from tunekit.runtime.rundir import CheckpointError, RunDir
+from tunekit.runtime.rundir import CheckpointError, LossyStream, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
 from tunekit.workload import load_workload
@@ -608,11 +610,12 @@ class LiveJob:
         world = self.ctx.world_size
         self.lock = self._hold_run() if self.ctx.rank == 0 else None
         pids = rd.path / "pids"  # telemetry samples these processes
-        pids.mkdir(mode=0o700, exist_ok=True)
-        for stale in pids.glob("rank*"):
-            if int(stale.name.removeprefix("rank")) >= world:
-                stale.unlink(missing_ok=True)
-        (pids / f"rank{self.ctx.rank}").write_text(str(os.getpid()))
+        with contextlib.suppress(OSError):  # a full disk: telemetry misses this rank, no more
+            pids.mkdir(mode=0o700, exist_ok=True)
+            for stale in pids.glob("rank*"):
+                if int(stale.name.removeprefix("rank")) >= world:
+                    stale.unlink(missing_ok=True)
+            (pids / f"rank{self.ctx.rank}").write_text(str(os.getpid()))
         # Control traffic rides a gloo group even when training uses NCCL.
         self.control_group = dist.new_group(backend="gloo") if world > 1 else None
         self.tuners = self._load_tuners()
@@ -711,17 +714,20 @@ class LiveJob:
     # -- what rank 0 writes: a failure is said once and training goes on -----------------------
 
     def quietly(self, what: str, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``write``, or (it failed: a full disk, a read-only folder) a warning said once and
+        shown by `tunekit status` until ``what`` is written again. Training goes on."""
         try:
-            return write(*args, **kwargs)
+            result = write(*args, **kwargs)
         except OSError as exc:
             if what not in self.warned:
-                self.warned[what] = f"cannot write {what}: {exc.strerror or exc}"
-                print(
-                    f"tunekit run: {self.warned[what]}; training goes on",
-                    file=sys.stderr,
-                    flush=True,
+                self.warned[what] = (
+                    f"cannot write {what}: {exc.strerror or exc} (its last good copy stays)"
                 )
+                print(f"tunekit run: {self.warned[what]}; training goes on", file=sys.stderr)
             return None
+        if self.warned.pop(what, None) is not None:
+            print(f"tunekit run: {what} is written again", file=sys.stderr)
+        return result
 
     def log_event(self, kind: str, **payload: Any) -> None:
         self.quietly("events.jsonl", self.rd.log_event, kind, **payload)
@@ -1018,6 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m tunekit.runtime.live RUN_DIR", file=sys.stderr)
         return 2
     os.umask(0o077)  # whatever a rank writes (checkpoints, traces, plugins' files) is private
+    sys.stdout, sys.stderr = LossyStream(1), LossyStream(2)
     return LiveJob(RunDir(argv[0])).run()
 
 

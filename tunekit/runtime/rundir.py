@@ -19,7 +19,9 @@ The folder is private (0700) and every file in it is created 0600: the token
 and checkpoints steer the job. Every file is written atomically (temporary
 file, then rename) or appended a line at a time, so a crash leaves the
 directory consistent; when the folder itself has become read-only, an existing
-file is rewritten in place rather than not at all.
+file is rewritten in place rather than not at all. On a full disk a write
+fails whole: the last good file stays, no temporary file is left behind, and
+a line that did not fit is cut back off so that the lines after it still read.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -69,16 +72,36 @@ def _atomic_write(path: Path, text: str) -> None:
     try:
         with private_file(tmp) as f:
             f.write(text)
+        tmp.replace(path)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not path.exists():
-            raise
+            raise  # a full disk among them: the last good file stays as it was
         # The folder has become read-only but the file is not: rewrite it in place
         # (a reader may see it half-written once) rather than lose the update.
-        tmp.unlink(missing_ok=True)
         with private_file(path) as f:
             f.write(text)
-        return
-    tmp.replace(path)
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append ``line`` whole or not at all: what a full disk let through is cut back off."""
+    data = line.encode()
+    fd = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), PRIVATE_FILE
+    )
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def is_private_folder(path: Path) -> bool:
@@ -241,8 +264,7 @@ class RunDir:
     # -- streams -----------------------------------------------------------------------
 
     def append_metric(self, record: dict[str, Any]) -> None:
-        with private_file(self.metrics_file, append=True) as f:
-            f.write(json.dumps(record) + "\n")
+        _append_line(self.metrics_file, json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_file.exists():
@@ -262,8 +284,7 @@ class RunDir:
 
     def log_event(self, kind: str, **payload: Any) -> dict[str, Any]:
         event = {"t": time.time(), "kind": kind, **payload}
-        with private_file(self.events_file, append=True) as f:
-            f.write(json.dumps(event, default=str) + "\n")
+        _append_line(self.events_file, json.dumps(event, default=str) + "\n")
         return event
 
     def read_events(self) -> list[dict[str, Any]]:
@@ -355,3 +376,31 @@ class RunDir:
 
         # Tensors, numbers and strings only: nothing is unpickled beyond that.
         return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class LossyStream(io.TextIOBase):
+    """A rank's stdout or stderr, written straight to its descriptor, unbuffered.
+
+    A rank's output goes to the agent's log, a file in the run folder: on a full disk
+    ``print`` would raise in the middle of a step, and a buffer left unflushed at exit would
+    end the rank with status 120. Here a line that cannot be written is lost, not the rank.
+    """
+
+    encoding = "utf-8"
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            os.write(self._fd, text.encode(errors="replace"))
+        return len(text)

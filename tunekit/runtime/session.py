@@ -90,7 +90,12 @@ class Session:
         self.device = device or torch.device("cpu")
         self.group = group
         self.backend = backend
-        self.memory = StepPeaks(self.device, memory_cap_bytes, resident=self.resident_bytes)
+        # A sharded job's gathered parameters are freed in gloo's threads, unseen and (large)
+        # seldom reused: its steps are measured from a count of what the session holds.
+        sharded = (layout or workload.layout()).sharded
+        self.memory = StepPeaks(
+            self.device, memory_cap_bytes, resident=self.resident_bytes if sharded else None
+        )
         """Each step's peak memory on this rank (``StepRecord.metrics["peak_bytes"]``), checked
         against the cap; measured on CUDA always, on the CPU when asked or capped."""
         if track_memory or memory_cap_bytes is not None or self.device.type == "cuda":
@@ -123,7 +128,9 @@ class Session:
         except ConfigError as exc:
             raise WorkloadError(f"workload {workload.name!r}: {exc}") from None
         self.optimizer = workload.optimizer(self.model.parameters(), workload.lr)
-        self._base_group_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        # The base rates: a scheduler built before the session (tunekit.prepare's) has already
+        # moved "lr" to its first point and kept the base as "initial_lr".
+        self._base_group_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
         self.scheduler = (
             workload.scheduler(self.optimizer) if workload.scheduler is not None else None
         )
@@ -234,15 +241,23 @@ class Session:
 
     def resident_bytes(self) -> int | None:
         """Bytes this rank holds between steps: parameters (its shards), buffers, gradients
-        still alive, optimizer state and the gradient strategy's buffers; None when the
-        strategy does not say what it holds."""
+        still alive, optimizer state, tensors a runtime hook keeps on the session (an
+        attribute, a list or dict of them) and the gradient strategy's buffers; None when
+        the strategy does not say what it holds."""
         sync = self._grad_sync
         held = sync.resident_bytes() if sync is not None else None
         if held is None:
             return None
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        kept: list[torch.Tensor] = []
+        for value in vars(self).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(items, list | tuple):
+                kept += [t for t in items if isinstance(t, torch.Tensor)]
+            elif isinstance(value, torch.Tensor):
+                kept.append(value)
         return int(
-            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads])
+            storage_bytes([*self.model.parameters(), *self.model.buffers(), *grads, *kept])
             + storage_bytes(self._optimizer_state())
             + held
         )
@@ -550,6 +565,12 @@ class Session:
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self.restore_progress(state)
+
+    def restore_progress(self, state: Mapping[str, Any]) -> None:
+        """What a checkpoint holds besides the model and optimizer: the step, the learning
+        rates' bases, the scheduler's and scaler's states, the RNG (a tensor, or its bytes
+        as a list from a sharded checkpoint's JSON)."""
         # The saved groups hold the lr of the saved config; the caller re-applies
         # that config, which rescales from these bases.
         self._base_group_lrs = list(state["base_group_lrs"])
@@ -559,7 +580,10 @@ class Session:
             self.scaler.load_state_dict(state["scaler"])
         self.set_lr(self.lr)
         self.step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+        rng = state["rng"]
+        torch.set_rng_state(
+            rng if isinstance(rng, torch.Tensor) else torch.tensor(rng, dtype=torch.uint8)
+        )
 
     def close(self) -> None:
         self.grad_sync.flush()

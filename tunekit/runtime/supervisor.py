@@ -292,6 +292,10 @@ def supervise(
                 if nodes is not None and job is not None:
                     nodes.stop(job)
                     nodes.wait_for_agents(job, rd.logs, timeout_s=60.0)
+        if nodes is not None and proc.returncode != 0 and not lost:
+            # Rank 0 reports a broken connection (a gloo error quoting its source) when a
+            # follower died: by now (the wait above) its heartbeat has stood still long enough.
+            lost = nodes.lost()
         if on_tick is not None:
             on_tick(rd)
         if lost:
@@ -299,10 +303,7 @@ def supervise(
                 f"{'; '.join(lost.values())}; continue with `tunekit run --resume {rd.run_id}` once its "
                 "follower is back"
             )
-            rd.write_status(
-                {**rd.read_status(), "status": "crashed", "error": error, "launch": None}
-            )
-            rd.log_event("node_lost", nodes=sorted(lost), error=error)
+            _settle(rd, "crashed", error, "node_lost", nodes=sorted(lost))
             return 1
         plan = _take_relaunch_plan(rd)
         if plan is not None and plan.get("launch") == launch:
@@ -357,9 +358,23 @@ def supervise(
                 applied=applied[:-1],
             )
             continue
-        rd.write_status({**status, "status": "crashed", "error": error, "launch": None})
-        rd.log_event("crashed", step=status.get("step"), error=error)
+        _settle(rd, "crashed", error, "crashed", step=status.get("step"))
         return 1
+
+
+def _settle(rd: RunDir, state: str, error: str, event: str, **payload: Any) -> None:
+    """Record how the job ended in ``status.json`` and ``events.jsonl``; where the disk refuses
+    (it is full), say it on the terminal instead: one line, the job's end never unsaid."""
+    status = rd.read_status()
+    try:
+        rd.write_status({**status, "status": state, "error": error, "launch": None})
+        rd.log_event(event, error=error, **payload)
+    except OSError as exc:
+        raise TunekitError(
+            f"run {rd.run_id} {state} at step {status.get('step')}: {error}; this could not be "
+            f"recorded in {rd.path} ({exc.strerror or exc}): make room, then "
+            f"`tunekit run --resume {rd.run_id}`"
+        ) from None
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -157,6 +157,18 @@ def ddp_supports_bucket_list() -> bool:
     return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
+def sync_replicas(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank takes the group's first rank's parameters and buffers, as DDP does when it
+    wraps a model, but in place, tensor by tensor: DDP's own sync packs them into one buffer
+    that gloo may free in its own thread, where a memory tracker does not see it go."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
 class DDPSync(GradSync):
     """PyTorch DistributedDataParallel, with its bucket knobs exposed.
 
@@ -203,10 +215,12 @@ class DDPSync(GradSync):
     def attach(self, session: Session) -> None:
         super().attach(session)
         device_ids = [session.device.index] if session.device.type == "cuda" else None
+        sync_replicas(session.model, session.group)
         self.ddp = DistributedDataParallel(
             session.model,
             device_ids=device_ids,
             process_group=session.group,
+            init_sync=False,  # done above, in place
             **self.ddp_kwargs(),
         )
         if self.measure:

@@ -119,6 +119,8 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
             result["search"] = _run_search(session, config, tuners, search, progress)
         result["config"] = session.config.to_dict()
         _train(session, spec, progress, result, trial_dir)
+        if probe := spec.get("probe"):  # after every timed step: it measures nothing of them
+            result["probe"] = _probe(ctx, probe)
         result["status"] = "ok"
     except BaseException as exc:  # report every failure in the result file, then exit non-zero
         result["status"] = "oom" if is_oom(exc) else "error"
@@ -140,6 +142,21 @@ def run(spec: dict[str, Any], trial_dir: Path) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0 if result["status"] == "ok" else 1
+
+
+def _probe(ctx, probe: dict[str, Any]) -> dict[str, Any]:
+    """This machine's collectives timed in the trial's group (``TrialSpec.probe``); a probe
+    that fails is said in the result, and the trial's measurement stands."""
+    from tunekit.observe.probe import sweep_rank
+
+    start = time.monotonic()
+    try:
+        out = sweep_rank(
+            ctx.rank, ctx.world_size, probe["sizes"], probe["repeats"], ctx.device.type == "cuda"
+        )
+    except Exception as exc:  # noqa: BLE001 - the study probes again on its own
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {**out, "wall_s": time.monotonic() - start}
 
 
 def _run_search(session: Session, config: TuningConfig, tuners, search: dict, progress: _Progress):

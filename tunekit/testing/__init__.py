@@ -12,13 +12,19 @@ For plugin authors (see ``docs/plugins.md``, "Testing"):
   as the orchestrator builds it (model summary, graph, baseline measurement,
   step breakdown, telemetry summarised by the real summarisers), with the
   numbers you choose;
+* :func:`tiny_gpt_workload`, :func:`tiny_vit_workload` — toy transformers
+  trained as ``example:gpt`` and ``example:vit`` are (AdamW, a warm-up + cosine
+  schedule, clipping): for tuners of transformer blocks, and for hooks that must
+  honour a schedule;
 * :func:`check_conformance` — the contract, checked phase by phase: knobs
   declared with types and ranges, ``diagnose`` and ``plan`` return what the
-  orchestrator needs, and the runtime hook applies on a real
+  orchestrator needs, the runtime hook applies on a real
   :class:`~tunekit.runtime.session.Session`, is undone by ``session.reset()``
-  and leaks nothing into the next trial. Failures raise
+  and leaks nothing into the next trial, and every knob not marked
+  ``changes_math`` trains, in float64 on 1 and 2 ranks, what the untuned job
+  trains (:func:`check_equivalence`). Failures raise
   :class:`ConformanceError` (an ``AssertionError``) naming the plugin and
-  every problem found.
+  every problem found, with the traceback of anything the plugin raised.
 
 For multi-process tests, :func:`run_ranks` runs a function on N real
 processes joined in a gloo process group on loopback, the way torchrun would,
@@ -39,7 +45,8 @@ The helpers live in modules by concern; import them from here:
   :func:`synthetic_telemetry`, :func:`synthetic_observation`;
 * :mod:`~tunekit.testing.snapshots` — :func:`snapshot_session`,
   :func:`compare_states`: a session's state before and after a hook;
-* :mod:`~tunekit.testing.conformance` — :func:`check_conformance` and its phases.
+* :mod:`~tunekit.testing.conformance` — :func:`check_conformance` and its phases;
+* :mod:`~tunekit.testing.equivalence` — the float64 runs against the untuned job.
 """
 
 # The names marked noqa are as public as the rest (tests and plugins import them) but
@@ -51,8 +58,10 @@ from tunekit.testing.conformance import (
     check_conformance,
     check_declaration,
     check_diagnose_and_plan,
+    check_equivalence,
     check_runtime,
 )
+from tunekit.testing.equivalence import EQUIVALENCE_STEPS, EquivalenceCheck, equivalence_cases
 from tunekit.testing.fixtures import (
     TINY_CLASSES,  # noqa: F401
     TINY_FEATURES,  # noqa: F401
@@ -62,9 +71,9 @@ from tunekit.testing.fixtures import (
     TinyDataset,
     local_hardware,
     tiny_dataset_workload,
-    tiny_gpt_workload,  # noqa: F401
+    tiny_gpt_workload,
     tiny_hardware,
-    tiny_vit_workload,  # noqa: F401
+    tiny_vit_workload,
     tiny_workload,
 )
 from tunekit.testing.ranks import (
@@ -90,8 +99,10 @@ from tunekit.testing.synthetic import (
 )
 
 __all__ = [
+    "EQUIVALENCE_STEPS",
     "ConformanceError",
     "ConformanceReport",
+    "EquivalenceCheck",
     "MemoryCache",
     "SessionState",
     "TinyDataset",
@@ -99,8 +110,10 @@ __all__ = [
     "check_conformance",
     "check_declaration",
     "check_diagnose_and_plan",
+    "check_equivalence",
     "check_runtime",
     "default_dtype",
+    "equivalence_cases",
     "local_hardware",
     "run_ranks",
     "snapshot_session",
@@ -108,6 +121,8 @@ __all__ = [
     "synthetic_observation",
     "synthetic_telemetry",
     "tiny_dataset_workload",
+    "tiny_gpt_workload",
     "tiny_hardware",
+    "tiny_vit_workload",
     "tiny_workload",
 ]

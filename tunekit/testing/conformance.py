@@ -11,7 +11,9 @@ import importlib
 import inspect
 import json
 import math
+import pickle
 import re
+import textwrap
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +25,16 @@ import torch.distributed as dist
 from tunekit import API_VERSION
 from tunekit.config import TuningConfig
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
+from tunekit.failures import Failure
 from tunekit.observe.observation import Observation
 from tunekit.runtime.dist import single_rank_group
 from tunekit.runtime.session import Session
+from tunekit.testing.equivalence import (
+    EQUIVALENCE_STEPS,
+    EquivalenceCheck,
+    equivalence_cases,
+    equivalence_on_ranks,
+)
 from tunekit.testing.fixtures import tiny_workload
 from tunekit.testing.ranks import run_ranks
 from tunekit.testing.snapshots import (
@@ -58,12 +67,25 @@ class ConformanceReport:
     losses: list[list[float]] = field(default_factory=list)
     """Per checked knob set, the losses of the steps trained under it."""
     search: SearchResult | None = None
+    equivalence: list[EquivalenceCheck] = field(default_factory=list)
+    """Each knob set trained in float64 against the untuned job, per rank count."""
+    unchecked_knobs: list[str] = field(default_factory=list)
+    """Knobs not marked ``changes_math`` that no checked knob set moved and the harness could
+    not choose a value for (``int``, ``float``, ``str``): pass ``knob_sets`` to cover them."""
     problems: list[str] = field(default_factory=list)
 
     def fail_if_problems(self) -> None:
         if self.problems:
             lines = "\n".join(f"  - {p}" for p in self.problems)
             raise ConformanceError(f"plugin {self.plugin!r} breaks the tuner contract:\n{lines}")
+
+
+def _raised(exc: BaseException, tuner: Tuner) -> str:
+    """An exception from the plugin's code: its line, where in the plugin, and the traceback
+    (indented under the problem's line)."""
+    failure = Failure.of(exc, type(tuner))
+    at = f" at {failure.where}" if failure.where else ""
+    return f"{failure.line}{at}\n" + textwrap.indent(failure.traceback.rstrip(), "      ")
 
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -99,7 +121,7 @@ def check_declaration(tuner: Tuner) -> list[str]:
     try:
         knobs = list(tuner.knobs())
     except Exception as exc:
-        return [*problems, f"knobs() raised {type(exc).__name__}: {exc}"]
+        return [*problems, f"knobs() raised {_raised(exc, tuner)}"]
     names: list[Any] = [getattr(k, "name", None) for k in knobs]
     if len(set(names)) != len(names):
         problems.append(
@@ -130,7 +152,7 @@ def check_declaration(tuner: Tuner) -> list[str]:
             if tuner.validate({}) != tuner.defaults():
                 problems.append("validate({}) does not give the defaults")
         except Exception as exc:
-            problems.append(f"validate({{}}) raised {type(exc).__name__}: {exc}")
+            problems.append(f"validate({{}}) raised {_raised(exc, tuner)}")
     return problems
 
 
@@ -157,7 +179,7 @@ def check_diagnose_and_plan(
     try:
         diag = tuner.diagnose(obs)
     except Exception as exc:
-        return [f"diagnose raised {type(exc).__name__}: {exc}"], None, []
+        return [f"diagnose raised {_raised(exc, tuner)}"], None, []
     if not isinstance(diag, Diagnosis):
         return (
             [f"diagnose returned {type(diag).__name__}, not a tunekit.contract.Diagnosis"],
@@ -181,7 +203,7 @@ def check_diagnose_and_plan(
     try:
         candidates = tuner.plan(obs, limit)
     except Exception as exc:
-        return [*problems, f"plan raised {type(exc).__name__}: {exc}"], diag, []
+        return [*problems, f"plan raised {_raised(exc, tuner)}"], diag, []
     if not isinstance(candidates, list):
         return [*problems, f"plan returned {type(candidates).__name__}, not a list"], diag, []
     if len(candidates) > limit:
@@ -209,7 +231,7 @@ def check_diagnose_and_plan(
             try:
                 text = getattr(tuner, hook)(tuner.validate(c.knobs) if hook == "snippet" else arg)
             except Exception as exc:
-                problems.append(f"{hook}({where}) raised {type(exc).__name__}: {exc}")
+                problems.append(f"{hook}({where}) raised {_raised(exc, tuner)}")
                 continue
             if text is not None and not isinstance(text, str):
                 problems.append(f"{hook}({where}) returned {type(text).__name__}, not str or None")
@@ -261,7 +283,7 @@ def _one_trial(
     try:
         session.apply_config(TuningConfig({tuner.name: dict(knobs)}), {tuner.name: tuner})
     except Exception as exc:
-        return [f"apply with {label} raised {type(exc).__name__}: {exc}"], None, []
+        return [f"apply with {label} raised {_raised(exc, tuner)}"], None, []
     problems = []
     applied = snapshot_session(session)
     changed = _changed_params(before, session.model)
@@ -276,7 +298,7 @@ def _one_trial(
             losses.append(session.train_step().loss)
     except Exception as exc:
         return (
-            [*problems, f"training under {label} raised {type(exc).__name__}: {exc}"],
+            [*problems, f"training under {label} raised {_raised(exc, tuner)}"],
             applied,
             losses,
         )
@@ -288,7 +310,7 @@ def _one_trial(
         session.reset()
     except Exception as exc:
         return (
-            [*problems, f"session.reset() after {label} raised {type(exc).__name__}: {exc}"],
+            [*problems, f"session.reset() after {label} raised {_raised(exc, tuner)}"],
             applied,
             losses,
         )
@@ -393,7 +415,7 @@ def _search_problems(
     try:
         found = tuner.search(session, knobs, max_steps)
     except Exception as exc:
-        return None, [f"search raised {type(exc).__name__}: {exc}"]
+        return None, [f"search raised {_raised(exc, tuner)}"]
     problems = []
     if session.step - start > max_steps:
         problems.append(
@@ -420,19 +442,80 @@ def _runtime_rank(
     rank: int,
     world: int,
     tuner_path: str,
-    workload_spec: str,
+    workload: str | Workload,
     knob_sets: list[dict[str, Any]],
     steps: int,
     search_steps: int | None,
     device: str,
-) -> list[str]:
+    equivalence: tuple[list[tuple[dict[str, Any], bool]], int] | None = None,
+) -> tuple[list[str], list[EquivalenceCheck]]:
+    """The runtime check on one spawned rank, then (when asked and it passed on every rank)
+    the float64 equivalence cases in the same process group."""
     tuner = _load_tuner(tuner_path)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
+    wl = workload if isinstance(workload, Workload) else load_workload(workload)
     problems, _, _ = _runtime_problems(
-        tuner, load_workload(workload_spec), knob_sets, steps, search_steps, rank, world, device
+        tuner, wl, knob_sets, steps, search_steps, rank, world, device
     )
-    return problems
+    checks: list[EquivalenceCheck] = []
+    if equivalence is not None and not _any_rank(bool(problems), world):
+        cases, eq_steps = equivalence
+        checks = equivalence_on_ranks(tuner, wl, cases, eq_steps, rank, world, device)
+    return problems, checks
+
+
+def _equivalence_rank(
+    rank: int,
+    world: int,
+    tuner_path: str,
+    workload: str | Workload,
+    cases: list[tuple[dict[str, Any], bool]],
+    steps: int,
+    device: str,
+) -> list[EquivalenceCheck]:
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    wl = workload if isinstance(workload, Workload) else load_workload(workload)
+    return equivalence_on_ranks(_load_tuner(tuner_path), wl, cases, steps, rank, world, device)
+
+
+def _for_ranks(workload: Workload | str | None) -> str | Workload:
+    """The workload as spawned ranks can rebuild it: by name, or the object itself when it
+    pickles (built from module-level functions, as tunekit.testing's workloads are)."""
+    if workload is None:
+        return "tunekit.testing:tiny_workload"
+    if isinstance(workload, str):
+        return workload
+    try:
+        pickle.dumps(workload)
+    except Exception as exc:
+        raise ValueError(
+            f"workload {workload.name!r} cannot be sent to spawned ranks ({type(exc).__name__}: "
+            f"{exc}); give it by name ('module:function') instead"
+        ) from None
+    return workload
+
+
+def _importable(tuner: Tuner) -> str:
+    """Why spawned ranks could not build ``tuner`` by name (empty when they can)."""
+    cls = type(tuner)
+    if "<locals>" in cls.__qualname__:
+        return f"{cls.__qualname__} is defined inside a function: define it at module level"
+    try:
+        found = _load_tuner(_tuner_path(tuner))
+    except Exception as exc:
+        return f"{_tuner_path(tuner)} cannot be imported and built without arguments ({exc})"
+    return "" if type(found) is cls else f"{_tuner_path(tuner)} names another class"
+
+
+def _merged(per_rank: Sequence[Sequence[EquivalenceCheck]]) -> list[EquivalenceCheck]:
+    """One check per case: the first rank's that did not pass, else rank 0's."""
+    out = []
+    for checks in zip(*per_rank, strict=True):
+        failing = [c for c in checks if c.outcome in ("differs", "failed")]
+        out.append(failing[0] if failing else checks[0])
+    return out
 
 
 def check_runtime(
@@ -451,43 +534,153 @@ def check_runtime(
     ``steps`` steps, reset; apply B, train, reset; apply A again, reset. After
     every reset the session must equal a fresh one (the same model,
     parameters, optimizer and data objects; no hooks, threads or processes
-    left; grad sync, batch size, learning rate, step function, loader options
-    and torch flags back to the defaults); applying must not change parameter
-    values, nor resetting. A applied twice must give the same state, and B
-    applied after A the state B gives on a fresh session. Then, if the tuner
-    has a ``search`` and ``search_steps`` is given, the search runs for at
-    most that many steps and must settle on knobs that validate.
+    left; grad sync, batch size, learning rate — on the workload's schedule,
+    if it has one — step function, loader options and torch flags back to the
+    defaults); applying must not change parameter values, nor resetting. A
+    applied twice must give the same state, and B applied after A the state B
+    gives on a fresh session. Then, if the tuner has a ``search`` and
+    ``search_steps`` is given, the search runs for at most that many steps and
+    must settle on knobs that validate.
 
     ``nproc=1`` runs in this process inside a one-rank gloo group (so DDP and
     collectives work); ``nproc>1`` runs on real gloo ranks via
     :func:`run_ranks`, which needs the tuner class importable by name and
-    ``workload`` given by name. ``device="cuda"`` trains on the GPU (each
-    rank on GPU ``rank % count``).
+    ``workload`` given by name or built from module-level functions (so that it
+    pickles). ``device="cuda"`` trains on the GPU (each rank on GPU ``rank % count``).
     """
+    problems, losses, found, _ = _check_runtime(
+        tuner, knob_sets, workload, nproc, steps, search_steps, device, None
+    )
+    return problems, losses, found
+
+
+def _check_runtime(
+    tuner: Tuner,
+    knob_sets: Sequence[Mapping[str, Any]],
+    workload: Workload | str | None,
+    nproc: int,
+    steps: int,
+    search_steps: int | None,
+    device: str,
+    equivalence: tuple[list[tuple[dict[str, Any], bool]], int] | None,
+) -> tuple[list[str], list[list[float]], SearchResult | None, list[EquivalenceCheck]]:
+    """:func:`check_runtime`; with ``equivalence`` (cases, steps) and ``nproc > 1``, the
+    equivalence cases run after it in the same rank group."""
     knob_sets = [tuner.validate(k) for k in knob_sets]
     if not knob_sets:
         raise ValueError("check_runtime needs at least one knob set")
     if nproc > 1:
-        spec = workload if isinstance(workload, str) else "tunekit.testing:tiny_workload"
-        if workload is not None and not isinstance(workload, str):
-            raise ValueError(
-                "with nproc > 1 give the workload by name (module:fn), so ranks can build it"
-            )
         results = run_ranks(
             _runtime_rank,
             nproc,
-            (_tuner_path(tuner), spec, knob_sets, steps, search_steps, device),
+            (
+                _tuner_path(tuner),
+                _for_ranks(workload),
+                knob_sets,
+                steps,
+                search_steps,
+                device,
+                equivalence,
+            ),
             timeout_s=300,
         )
         problems = []
-        for rank, rank_problems in enumerate(results):
+        for rank, (rank_problems, _) in enumerate(results):
             problems += [f"rank {rank}: {p}" for p in rank_problems]
-        return problems, [], None
+        checks = _merged([c for _, c in results]) if equivalence is not None else []
+        return problems, [], None, checks
     wl = load_workload(workload) if isinstance(workload, str) else (workload or tiny_workload())
     with single_rank_group():
-        return _runtime_problems(
+        problems, losses, found = _runtime_problems(
             tuner, wl, knob_sets, steps, search_steps, dist.get_rank(), 1, device
         )
+    return problems, losses, found, []
+
+
+def check_equivalence(
+    tuner: Tuner,
+    knob_sets: Sequence[Mapping[str, Any]],
+    workload: Workload | str | None = None,
+    *,
+    ranks: Sequence[int] = (1, 2),
+    steps: int = EQUIVALENCE_STEPS,
+    device: str = "cpu",
+) -> tuple[list[str], list[EquivalenceCheck], list[str]]:
+    """Phase 5: every knob not marked ``changes_math`` trains what the untuned job trains.
+
+    The knob sets of :func:`~tunekit.testing.equivalence.equivalence_cases` (each of
+    ``knob_sets`` with its ``changes_math`` knobs at their defaults; each other value of a
+    ``bool`` or ``choice`` knob no set moved) are each trained for ``steps`` steps in
+    float64, on one rank in this process and on ``n`` spawned gloo ranks for each other
+    ``n`` in ``ranks``, and compared with the untuned job trained the same way: every loss
+    and, at the end, every parameter within :data:`~tunekit.testing.EQUIVALENCE_RTOL`. A
+    set that differs is retried knob by knob to name the knob that changes the training;
+    the message names it and the first parameter (in the model's order) that differs.
+    Larger rank counts run only when the smaller ones passed.
+
+    Returns the problems, the checks made and the knobs left unchecked (``int``,
+    ``float`` and ``str`` knobs no set moved). Spawned ranks need the tuner class
+    importable by name and the workload by name or picklable, as :func:`check_runtime`.
+    """
+    cases, unchecked = equivalence_cases(tuner, knob_sets)
+    problems, checks = _run_equivalence(tuner, workload, cases, ranks, steps, device, set())
+    return problems, checks, unchecked
+
+
+def _run_equivalence(
+    tuner: Tuner,
+    workload: Workload | str | None,
+    cases: list[tuple[dict[str, Any], bool]],
+    ranks: Sequence[int],
+    steps: int,
+    device: str,
+    done: set[int],
+    checks: list[EquivalenceCheck] | None = None,
+) -> tuple[list[str], list[EquivalenceCheck]]:
+    """The cases at each rank count in ``ranks`` not in ``done``, smallest first, stopping at
+    the first count with a problem; ``checks`` are those already made (at ``done``)."""
+    checks = list(checks or [])
+    problems = _problems_of(checks, steps)
+    if not cases:
+        return problems, checks
+    for world in sorted(set(ranks) - done):
+        if problems:
+            break
+        if world == 1:
+            wl = (
+                load_workload(workload)
+                if isinstance(workload, str)
+                else (workload or tiny_workload())
+            )
+            with single_rank_group():
+                found = equivalence_on_ranks(tuner, wl, cases, steps, dist.get_rank(), 1, device)
+        else:
+            why = _importable(tuner)
+            try:
+                spec = _for_ranks(workload)
+            except ValueError as exc:
+                why = why or str(exc)
+            if why:
+                problems.append(
+                    f"cannot check equivalence on {world} ranks: {why} "
+                    "(or pass equivalence_ranks=(1,) to check on one rank only)"
+                )
+                break
+            found = _merged(
+                run_ranks(
+                    _equivalence_rank,
+                    world,
+                    (_tuner_path(tuner), spec, cases, steps, device),
+                    timeout_s=300,
+                )
+            )
+        checks += found
+        problems += _problems_of(found, steps)
+    return problems, sorted(checks, key=lambda c: c.ranks)
+
+
+def _problems_of(checks: Sequence[EquivalenceCheck], steps: int) -> list[str]:
+    return [line for c in checks if (line := c.problem(steps))]
 
 
 def check_conformance(
@@ -502,24 +695,33 @@ def check_conformance(
     expect_candidates: bool | None = None,
     search_steps: int | None = 6,
     device: str = "cpu",
+    equivalence_ranks: Sequence[int] = (1, 2),
+    equivalence_steps: int = EQUIVALENCE_STEPS,
 ) -> ConformanceReport:
     """Check ``tuner`` against the contract, phase by phase; raise :class:`ConformanceError` on any problem.
 
     * declare — name, title, aspect, api_version, hook signatures; every knob
       typed, int and float knobs with both bounds, defaults valid;
     * diagnose — returns a Diagnosis with a summary, a gain in [0, 1] or
-      None, JSON-able details;
+      None, JSON-able details (a diagnose that raises is reported with its
+      traceback);
     * plan — at most ``limit`` Candidates (at least one when the diagnosis
       applies, unless ``expect_candidates=False``), each with knobs that
       validate and a predicted step time; ``snippet`` and ``explain`` return
       text or None;
     * runtime — see :func:`check_runtime`, with ``knob_sets`` (default: the
       first two candidates, or the defaults and the first candidate, or the
-      defaults alone).
+      defaults alone);
+    * equivalence — see :func:`check_equivalence`: every knob not marked
+      ``changes_math`` trains, in float64, what the untuned job trains, on
+      each rank count of ``equivalence_ranks`` (``()`` skips it).
 
     ``obs`` defaults to :func:`synthetic_observation` of ``workload`` at
-    ``nproc`` ranks; ``workload`` defaults to :func:`tiny_workload`;
-    ``device="cuda"`` runs the runtime checks on the GPU. Returns a
+    ``nproc`` ranks; ``workload`` defaults to the observation's (else
+    :func:`tiny_workload`); ``device="cuda"`` runs the runtime checks on the
+    GPU. With ``nproc > 1`` or a rank count above 1 in ``equivalence_ranks``,
+    ranks are spawned: from a script, call it under ``if __name__ ==
+    "__main__":`` (each spawned rank imports the script again). Returns a
     :class:`ConformanceReport` for further assertions.
     """
     report = ConformanceReport(getattr(type(tuner), "name", type(tuner).__name__))
@@ -536,18 +738,39 @@ def check_conformance(
         report.fail_if_problems()
     if knob_sets is None:
         proposed = [c.knobs for c in report.candidates[:2]]
-        knob_sets = proposed if len(proposed) == 2 else [tuner.defaults(), *proposed]
+        knob_sets = proposed if len(proposed) == 2 else [tuner.validate({}), *proposed]
     report.knob_sets = [tuner.validate(k) for k in knob_sets]
-    runtime_workload = workload if workload is not None else (obs.workload if nproc == 1 else None)
-    problems, report.losses, report.search = check_runtime(
+    runtime_workload = workload if workload is not None else _observed_workload(obs)
+    cases, report.unchecked_knobs = equivalence_cases(tuner, report.knob_sets)
+    shared = nproc > 1 and nproc in equivalence_ranks and bool(cases)
+    problems, report.losses, report.search, shared_checks = _check_runtime(
         tuner,
         report.knob_sets,
         runtime_workload,
-        nproc=nproc,
-        steps=steps,
-        search_steps=search_steps,
-        device=device,
+        nproc,
+        steps,
+        search_steps,
+        device,
+        (cases, equivalence_steps) if shared else None,
     )
     report.problems += problems
+    if not report.problems:
+        problems, report.equivalence = _run_equivalence(
+            tuner,
+            runtime_workload,
+            cases,
+            equivalence_ranks,
+            equivalence_steps,
+            device,
+            {nproc} if shared else set(),
+            shared_checks,
+        )
+        report.problems += problems
     report.fail_if_problems()
     return report
+
+
+def _observed_workload(obs: Observation) -> Workload | str:
+    """The observation's workload: by name where it has one (ranks load it themselves)."""
+    spec = obs.workload_spec
+    return obs.workload if spec.startswith("<") else spec

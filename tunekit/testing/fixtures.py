@@ -7,6 +7,7 @@ The workloads train in milliseconds and load by name as well
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,29 +96,32 @@ def tiny_dataset_workload() -> Workload:
 TINY_GPT = {"vocab": 64, "width": 16, "heads": 4, "blocks": 2, "seq": 8}
 
 
-def tiny_gpt_workload():
-    """:class:`~tunekit.examples.transformers.GPTModel` at toy size (4 sequences of 8 tokens
-    per rank), trained as ``example:gpt`` is: AdamW, warm-up + cosine, clipping at 1.0."""
-    from tunekit.examples.transformers import GPTModel, _adamw, _lm_loss, warmup_cosine
-    from tunekit.workload import Workload
-
+def _tiny_gpt_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic sequences of tokens: the next token is learnable."""
     vocab, seq = TINY_GPT["vocab"], TINY_GPT["seq"]
+    start = torch.randint(vocab, (n, 1), generator=gen)
+    stride = torch.randint(1, 4, (n, 1), generator=gen)
+    text = (start + stride * torch.arange(seq + 1)) % vocab
+    return text[:, :-1], text[:, 1:]
 
-    def make_batch(n, gen):
-        start = torch.randint(vocab, (n, 1), generator=gen)
-        stride = torch.randint(1, 4, (n, 1), generator=gen)
-        text = (start + stride * torch.arange(seq + 1)) % vocab
-        return text[:, :-1], text[:, 1:]
+
+def tiny_gpt_workload() -> Workload:
+    """:class:`~tunekit.examples.transformers.GPTModel` at toy size (4 sequences of 8 tokens
+    per rank), trained as ``example:gpt`` is: AdamW, a warm-up + cosine schedule that moves
+    the learning rate every step, clipping at 1.0. By name ``tunekit.testing:tiny_gpt_workload``.
+
+    Built from module-level functions, so the object itself can be sent to spawned ranks."""
+    from tunekit.examples.transformers import GPTModel, _adamw, _lm_loss, warmup_cosine
 
     return Workload(
         name="tiny_gpt",
-        model=lambda: GPTModel(**TINY_GPT),
-        make_batch=make_batch,
+        model=partial(GPTModel, **TINY_GPT),
+        make_batch=_tiny_gpt_batch,
         loss=_lm_loss,
         optimizer=_adamw,
         batch_size=4,
         lr=3e-3,
-        scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
+        scheduler=partial(warmup_cosine, warmup=2, total=10),
         clip_grad_norm=1.0,
     )
 
@@ -125,24 +129,25 @@ def tiny_gpt_workload():
 TINY_VIT = {"image": 8, "patch": 4, "width": 16, "heads": 2, "blocks": 2, "classes": 10}
 
 
-def tiny_vit_workload():
-    """:class:`~tunekit.examples.transformers.ViT` at toy size (4 images of 8x8 in 4x4
-    patches per rank), AdamW, warm-up + cosine, clipping at 1.0."""
-    from tunekit.examples.transformers import ViT, _adamw, warmup_cosine
-    from tunekit.workload import Workload
+def _tiny_vit_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 3, TINY_VIT["image"], TINY_VIT["image"], generator=gen)
+    return x, torch.randint(TINY_VIT["classes"], (n,), generator=gen)
 
-    def make_batch(n, gen):
-        x = torch.randn(n, 3, TINY_VIT["image"], TINY_VIT["image"], generator=gen)
-        return x, torch.randint(TINY_VIT["classes"], (n,), generator=gen)
+
+def tiny_vit_workload() -> Workload:
+    """:class:`~tunekit.examples.transformers.ViT` at toy size (4 images of 8x8 in 4x4
+    patches per rank), AdamW, warm-up + cosine, clipping at 1.0. By name
+    ``tunekit.testing:tiny_vit_workload``."""
+    from tunekit.examples.transformers import ViT, _adamw, warmup_cosine
 
     return Workload(
         name="tiny_vit",
-        model=lambda: ViT(**TINY_VIT),
-        make_batch=make_batch,
+        model=partial(ViT, **TINY_VIT),
+        make_batch=_tiny_vit_batch,
         optimizer=_adamw,
         batch_size=4,
         lr=3e-3,
-        scheduler=lambda opt: warmup_cosine(opt, warmup=2, total=10),
+        scheduler=partial(warmup_cosine, warmup=2, total=10),
         clip_grad_norm=1.0,
     )
 

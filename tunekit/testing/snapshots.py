@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -127,7 +128,7 @@ def snapshot_session(session: Session) -> SessionState:
             if hasattr(mod, name)
         },
         "optimizer.type": type(opt).__qualname__,
-        "optimizer.lr per group": [g["lr"] for g in opt.param_groups],
+        **_learning_rates(session),
         "optimizer.group sizes": [len(g["params"]) for g in opt.param_groups],
         "optimizer hooks": (
             len(getattr(opt, "_optimizer_step_pre_hooks", {})),
@@ -157,6 +158,47 @@ def snapshot_session(session: Session) -> SessionState:
         "session.workload": id(session.workload),
     }
     return SessionState(identity, structure)
+
+
+def _learning_rates(session: Session) -> dict[str, Any]:
+    """The optimizer's rates in a form that a reset must restore at any step.
+
+    Without a scheduler, the rate per group. With one, the rate moves every step
+    (a warm-up, a decay): then each group's rate is given as a multiple of the rate
+    the untuned job has at this point of its schedule (1.0 after a clean reset),
+    beside the schedule's base rates.
+    """
+    opt, scheduler = session.optimizer, session.scheduler
+    rates = [g["lr"] for g in opt.param_groups]
+    if scheduler is None:
+        return {"optimizer.lr per group": rates}
+    untuned = _untuned_schedule(session, scheduler.last_epoch)
+    out: dict[str, Any] = {"scheduler.base lr per group": list(scheduler.base_lrs)}
+    if untuned is None:  # a schedule that cannot be replayed: its bases alone
+        return out
+    out["optimizer.lr per group, as a multiple of the untuned schedule's"] = [
+        round(lr / want, 9) if want else lr for lr, want in zip(rates, untuned, strict=True)
+    ]
+    return out
+
+
+def _untuned_schedule(session: Session, steps: int) -> list[float] | None:
+    """The rate per group that the workload's schedule gives after ``steps`` scheduler steps
+    from the workload's own rates: the schedule replayed on a stand-in optimizer."""
+    factory = session.workload.scheduler
+    assert factory is not None  # called for a session with a scheduler
+    groups = [
+        {"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in session._base_group_lrs
+    ]
+    try:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore")
+            replay = factory(torch.optim.SGD(groups, lr=session.workload.lr))
+            for _ in range(steps):
+                replay.step()
+        return [g["lr"] for g in replay.optimizer.param_groups]
+    except Exception:  # a schedule built for its own optimizer type
+        return None
 
 
 def compare_states(

@@ -101,8 +101,9 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
     base_rows = [t for t in trials if t.role == BASELINE and trial_samples(t)]
     base_median = float(statistics.median([x for t in base_rows for x in _step_s(t)]))
     groups: dict[str, list[TrialRow]] = {}
+    untuned = TuningConfig().config_id  # a search that kept every default: no candidate
     for t in trials:
-        if t.role != BASELINE:
+        if t.role != BASELINE and t.config_id != untuned:
             groups.setdefault(t.config_id, []).append(t)
     rows = []
     for runs in groups.values():
@@ -165,6 +166,8 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             reason=(
                 "no candidate beat the baseline beyond noise"
                 if ok
+                else "no candidate trial ran"
+                if rows and all(r["status"] == "skipped" for r in rows)
                 else "no candidate trial succeeded"
                 if rows
                 else "no tuner proposed a candidate for this job"
@@ -194,3 +197,66 @@ def leader_to_confirm(decision: dict[str, Any], min_effect: float) -> dict[str, 
         if r.get("comparison") and r["runs"] == 1 and r["comparison"]["speedup"] > 1 + min_effect
     ]
     return max(rows, key=lambda r: r["comparison"]["speedup"]) if rows else None
+
+
+@dataclass
+class Unclear:
+    """What a decision still hinges on: the configs to measure again, beside the baseline."""
+
+    rows: list[dict[str, Any]]
+    """``decide``'s rows of the configs to run again: the leader, and its rival where the two
+    are too close to tell apart."""
+    why: str
+
+
+def still_unclear(
+    decision: dict[str, Any], trials: list[TrialRow], min_effect: float
+) -> Unclear | None:
+    """Whether the measurements support ``decision`` (None) or what to measure again.
+
+    Clear means: a winner measured in two runs or more, beyond noise, with no other winner
+    that paired runs cannot tell apart from it (and, when the baseline drifted between its
+    runs, measured in three); or, without a winner, no candidate that even looks faster than
+    the baseline by ``min_effect`` (more runs would not turn that into a winner; a drifting
+    baseline is said in the decision). Anything else is worth more paired, interleaved runs
+    of the two closest configurations: the leader beside the baseline, or the leader and its
+    rival beside it.
+    """
+    rows = sorted(
+        (r for r in decision.get("candidates", []) if r.get("comparison")),
+        key=lambda r: -r["comparison"]["speedup"],
+    )
+    if not rows:
+        return None
+    leader, drift = rows[0], baseline_drift(trials)
+    c = leader["comparison"]
+    if not c["significant"]:
+        if c["speedup"] > 1 + min_effect:
+            return Unclear([leader], f"{leader['description']} looks {c['speedup']:.2f}x "
+                                     f"but its interval ({c['ci_low']:.2f}–{c['ci_high']:.2f}x) "
+                                     "holds no gain")  # fmt: skip
+        return None  # a drifting baseline says so in the decision; no candidate even looks faster
+    if leader["runs"] < 2:
+        return Unclear([leader], f"{leader['description']} has one run")
+    if drift is not None and leader["runs"] < 3:
+        return Unclear([leader], "the baseline drifted between its runs")
+    rival = next((r for r in rows[1:] if r["comparison"]["significant"]), None)
+    if rival is not None:
+        versus = compare_runs(
+            _runs_of(trials, rival["config_id"]),
+            _runs_of(trials, leader["config_id"]),
+            min_effect=0,
+        )
+        if versus.ci_low <= 1.0 <= versus.ci_high:
+            return Unclear(
+                [leader, rival],
+                f"{leader['description']} and {rival['description']} are within each other's "
+                f"noise ({versus.speedup:.2f}x, {versus.ci_low:.2f}–{versus.ci_high:.2f}x)",
+            )
+    return None
+
+
+def _runs_of(trials: list[TrialRow], config_id: str) -> list[list[float]]:
+    """Seconds per sample of every measured run of one config."""
+    runs = [trial_samples(t) for t in trials if t.config_id == config_id and t.role != BASELINE]
+    return [r for r in runs if r]

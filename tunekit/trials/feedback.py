@@ -183,7 +183,11 @@ def rank_pool(pool: Iterable[PoolEntry], corrector: Corrector, base_batch: int) 
 
 
 def choose_next(
-    ranked: list[Ranked], tried_plugins: set[str], slots: int, min_gain: float
+    ranked: list[Ranked],
+    tried_plugins: set[str],
+    slots: int,
+    min_gain: float,
+    by_gain: bool = False,
 ) -> tuple[list[Ranked], list[Ranked]]:
     """Which untried candidates fill ``slots``, and which were dropped as not worth a trial.
 
@@ -191,7 +195,10 @@ def choose_next(
     in a way only a trial shows, and one trial corrects all of its candidates), best
     tuner first; then the rest by corrected gain. A candidate whose corrected
     prediction is slower than the baseline by more than ``min_gain`` is dropped;
-    one with no prediction is kept, after the predicted ones.
+    one with no prediction is kept, after the predicted ones. ``by_gain`` (a time budget,
+    which may hold a trial or two): by corrected gain alone, so that a candidate too long for
+    the budget gives its place to the next best, not to another tuner's best that expects
+    nothing.
     """
 
     def key(r: Ranked) -> float:
@@ -201,6 +208,8 @@ def choose_next(
     dropped = [r for r in ranked if r.gain is not None and r.gain <= -min_gain]
     first: list[Ranked] = []
     for r in kept:
+        if by_gain:
+            break
         if r.entry.plugin not in tried_plugins and all(
             f.entry.plugin != r.entry.plugin for f in first
         ):

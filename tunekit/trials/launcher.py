@@ -72,6 +72,11 @@ class TrialSpec:
     device: str = "auto"
     memory_cap_bytes: int | None = None
     """``--memory-cap``: a step whose peak on a rank goes over it fails the trial as ``oom``."""
+    probe: dict[str, Any] | None = None
+    """``{"sizes": [...], "repeats": n}``: after the measured (and profiled) steps, time this
+    machine's collectives in the trial's process group (``tunekit.observe.probe.sweep_rank``),
+    into each rank's result as ``probe``: a study's first baseline does, where no probe is
+    cached, instead of starting ranks of its own for it."""
 
 
 @dataclass

@@ -140,3 +140,55 @@ def trial_length(
     """The steps ``row`` runs in this study (``rows``: its trials so far)."""
     step_s, source = step_estimate(row, rows)
     return plan_length(step_s, warmup, steps, timeout_s, startup_estimate(rows), source)
+
+
+# -- how long a trial takes, for a time budget -----------------------------------------------
+
+DEFAULT_TAIL_S = 1.0
+"""Seconds a trial takes after its last step (results written, the agents stopped), before
+any trial of the study has shown its own."""
+
+SEARCH_STEP_WEIGHT = 2.0
+"""An in-job search's steps, counted as this many of the job's own: a batch search climbs to
+batches several times the job's, whose steps take as many times longer."""
+
+
+def wall_estimate(
+    config_id: str,
+    step_s: float | None,
+    rows: Sequence[TrialRow],
+    warmup: int,
+    steps: int,
+    search_steps: int = 0,
+) -> float:
+    """Expected wall seconds of a trial of ``config_id`` in this study (``rows``: its trials so far).
+
+    A run of the same config already measured is the estimate (the longest, a plain run's:
+    not the observed baseline's profiled steps, not a search); otherwise the study's start-up,
+    the steps at ``step_s`` (the baseline's median step without a prediction) and the time
+    plain trials took past their last step (:data:`DEFAULT_TAIL_S` before one has run).
+    """
+    done = [r for r in rows if r.status == "ok" and (r.result or {}).get("wall_s")]
+    done = [r for r in done if not (r.result or {}).get("search")]
+    plain = [r for r in done if r.seq != 0]  # the first baseline also profiles steps
+    same = [float((r.result or {})["wall_s"]) for r in plain if r.config_id == config_id]
+    if same and not search_steps:
+        return max(same)
+    if step_s is None or step_s <= 0:
+        base = [r.median_s for r in rows if r.seq == 0 and r.median_s]
+        step_s = base[0] if base else 0.0
+    tails = [_tail_s(r) for r in plain]  # not the first baseline's: it profiles and exports traces
+    tail = max(tails) if tails else DEFAULT_TAIL_S
+    counted = warmup + steps + SEARCH_STEP_WEIGHT * search_steps
+    return startup_estimate(rows) + counted * step_s + tail
+
+
+def _tail_s(row: TrialRow) -> float:
+    """What a finished trial took past its start-up and its steps."""
+    result = row.result or {}
+    m = result.get("measurement") or {}
+    length = result.get("length") or {}
+    measured = m.get("step_s") or []
+    ran = (length.get("warmup") or 0) + len(measured)
+    step = sorted(measured)[len(measured) // 2] if measured else 0.0
+    return max(0.0, float(result["wall_s"]) - float(result.get("startup_s") or 0.0) - ran * step)

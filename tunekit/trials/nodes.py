@@ -14,28 +14,41 @@ coordinator picks for that trial: node ``r`` holds global ranks
 ``r * nproc .. (r + 1) * nproc - 1``, so global rank 0 (progress lines, stall
 detection) is on the coordinator and a missing rank names its node.
 
-Every value on the store is signed with the node token (HMAC-SHA256 over its
-key and body), and every key lives under a prefix derived from the token: a
-process without the token can neither find the keys nor forge an announcement
-that a follower would run. The store's traffic is not encrypted; like
-torchrun's own rendezvous it belongs on the cluster's trusted network.
+Anyone who reaches the port can list, read, write and delete the store's keys
+(a TCPStore has no access control). So every value, heartbeats included, is
+sealed: encrypted and authenticated with AES-256-GCM under a key derived from
+the node token, bound to its key, to this run of the coordinator (a nonce it
+draws at start) and to a sequence number that only grows. A value that fails
+the check (forged, written with another token, moved from another key, replayed
+from another run or from earlier in this one) is ignored, counted and said,
+never acted on and never fatal. A reader of the port sees the key names below,
+the size of each value and when it changes; nothing of what they hold.
 
-Liveness: each side bumps a counter on the store every second and watches the
-other's on its own clock (clocks of different machines are never compared). A
-follower whose counter stands still for ``LOST_S`` is lost; a follower whose
-coordinator is gone (its store closed, or its counter still) kills its agent and
-exits.
+Joining is a handshake that proves freshness both ways: the coordinator
+publishes its run nonce (``run``, re-sealed every second); a follower answers
+with a hello bound to that nonce and carrying a nonce of its own; the
+coordinator's welcome, bound to its run, echoes the follower's nonce. A
+follower whose token is not the coordinator's cannot open ``run``: it says so
+and leaves a hello that the coordinator reports as a node that failed to
+authenticate.
 
-Keys, under the prefix::
+Liveness: each side re-seals a heartbeat every second and watches the other's
+sequence number move on its own clock (clocks of different machines are never
+compared). A follower whose heartbeat stands still for ``LOST_S`` is lost; a
+follower whose coordinator is gone (its store closed, or its heartbeat still)
+kills its agent and exits.
 
-    node/<r>/hello      a follower's hello: host, pid, cores, GPUs
-    node/<r>/beat       its heartbeat counter
+Keys, under ``tunekit/``::
+
+    run                 the coordinator's run nonce (bound to no run: it names the run)
+    coord/beat          the coordinator's heartbeat
+    node/<r>/hello      a follower's hello: host, pid, cores, GPUs, its nonce
+    node/<r>/welcome    the coordinator's answer: the follower's nonce, the next job number
+    node/<r>/beat       the follower's heartbeat
     node/<r>/bye        it saw the end
-    coord/beat          the coordinator's heartbeat counter
-    jobs                how many jobs were announced
     job/<n>             the n-th announcement: {"kind": "trial", ...} or {"kind": "end"}
-    job/<n>/stop        the coordinator stopped trial n: kill its agent now
-    job/<n>/node/<r>    node r's files and its agent's exit code for trial n
+    job/<n>/stop        the coordinator stopped job n: kill its agent now
+    job/<n>/node/<r>    node r's files and its agent's exit code for job n (deleted once read)
 
 One module, though long: the coordinator and the follower are the two ends of
 one protocol on the store above; their keys and messages are read in one place.
@@ -45,12 +58,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import hashlib
-import hmac
 import json
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 import zlib
@@ -61,6 +75,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tunekit.errors import TunekitError
 
@@ -139,44 +157,165 @@ def make_token(store_dir: Path) -> Path:
     return path
 
 
-# -- signed values on the store --------------------------------------------------------------
+# -- sealed values on the store ---------------------------------------------------------------
+
+PREFIX = "tunekit/"
+"""Every key of the protocol is under this prefix. It hides nothing (a reader of the port lists
+the keys): the values are what is protected."""
+_HEAD = struct.Struct(">4sQ12s")
+"""A sealed value starts with: magic, sequence number, AES-GCM nonce."""
+_MAGIC = b"tk2\n"
+_ABSENT = b"\x00tunekit: no value here"
+"""What :meth:`Channel._raw` reads for a key that is not there (see there)."""
+SAID_REFUSALS = 10
+"""Refused values said one by one; past these they are only counted."""
+
+
+def _cipher(token: str) -> AESGCM:
+    """AES-256-GCM under a key derived from the node token (HKDF-SHA256)."""
+    key = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=None, info=b"tunekit node store v2"
+    ).derive(token.encode())
+    return AESGCM(key)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A value that failed the check, and why."""
+
+    key: str
+    raw: bytes
+    why: str
+    sealed_otherwise: bool = False
+    """It is a tunekit value that does not open: sealed with another token, for another run or
+    another key (not garbage, not a replay)."""
+
+
+class Refusals:
+    """Values on the store that failed the check: ignored, counted, and the first few said.
+
+    A value is counted once however often it is read again (the follower polls the key it
+    waits on); another value at the same key counts again.
+    """
+
+    def __init__(self, say: Callable[[str], None] | None = None):
+        self.say = say
+        self.count = 0
+        self._last: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def refuse(self, refused: Refused, message: str | None = None) -> bool:
+        """Count ``refused`` (once); True when it had not been counted before."""
+        digest = hashlib.sha256(refused.raw).digest()
+        with self._lock:
+            if self._last.get(refused.key) == digest:
+                return False
+            self._last[refused.key] = digest
+            self.count += 1
+            tell = self.count <= SAID_REFUSALS
+        if tell and self.say is not None:
+            text = (
+                message
+                or f"ignored the value at {refused.key} on the coordinator's store: {refused.why}"
+            )
+            self.say(
+                text + ("" if self.count < SAID_REFUSALS else " (further ones are only counted)")
+            )
+        return True
+
+    def accepted(self, key: str) -> None:
+        with self._lock:
+            self._last.pop(key, None)
+
+    def summary(self) -> str:
+        """One line on the values refused so far, or ''."""
+        if not self.count:
+            return ""
+        return (
+            f"{self.count} value(s) on the coordinator's store failed the node token's check and "
+            "were ignored: another process that reaches the store's port wrote them"
+        )
 
 
 class Channel:
-    """Signed JSON values under the token's prefix of a TCPStore."""
+    """Sealed JSON values on a TCPStore: encrypted and authenticated with the node token, each
+    bound to its key, to one run of the coordinator and to its sequence number."""
 
-    def __init__(self, store, token: str):
+    def __init__(self, store, token: str, run: str = "", refusals: Refusals | None = None):
         self.store = store
-        self.secret = token.encode()
-        self.prefix = "tunekit/" + hashlib.sha256(self.secret).hexdigest()[:16] + "/"
+        self.cipher = _cipher(token)
+        self.run = run
+        """The run nonce values are bound to ('' for ``run`` itself, which names it)."""
+        self.refusals = refusals if refusals is not None else Refusals()
+        self._seq = 0
+        self._seen: dict[str, int] = {}
+        """The newest sequence number accepted at each key: an older value there is a replay."""
 
-    def _mac(self, key: str, body: str) -> str:
-        return hmac.new(self.secret, f"{key}\n{body}".encode(), hashlib.sha256).hexdigest()
+    def bound(self, run: str) -> Channel:
+        """The same store, token and refusals, for values of run ``run``."""
+        channel = copy.copy(self)
+        channel.run, channel._seq, channel._seen = run, 0, {}
+        return channel
+
+    def _aad(self, key: str, seq: int) -> bytes:
+        return b"\0".join((b"tunekit-nodes/2", self.run.encode(), key.encode(), b"%d" % seq))
 
     def put(self, key: str, value: dict[str, Any]) -> None:
-        body = json.dumps(value)
-        self.store.set(self.prefix + key, json.dumps({"body": body, "mac": self._mac(key, body)}))
+        # The wall clock only seeds the count, so that a restarted writer is not taken for a
+        # replay of its earlier self; it grows by one whatever the clock does.
+        self._seq = max(self._seq + 1, time.time_ns())
+        nonce = secrets.token_bytes(12)
+        sealed = self.cipher.encrypt(nonce, json.dumps(value).encode(), self._aad(key, self._seq))
+        self.store.set(PREFIX + key, _HEAD.pack(_MAGIC, self._seq, nonce) + sealed)
+
+    def _raw(self, key: str) -> bytes | None:
+        # compare_set with an expected value nobody writes: the value, or _ABSENT when there is
+        # none, without waiting (get() would block until the key exists: a key deleted between
+        # check() and get() would hang the reader).
+        raw = bytes(self.store.compare_set(PREFIX + key, _ABSENT, _ABSENT))
+        return None if raw == _ABSENT else raw
+
+    def open(self, key: str) -> tuple[int, dict[str, Any]] | Refused | None:
+        """The value at ``key`` with its sequence number, None while there is none, or why it
+        was refused. Refusals are neither counted nor said here (see :meth:`read`)."""
+        raw = self._raw(key)
+        if raw is None:
+            return None
+        if len(raw) < _HEAD.size or raw[:4] != _MAGIC:
+            return Refused(key, raw, "it is not a tunekit value")
+        _, seq, nonce = _HEAD.unpack_from(raw)
+        if seq < self._seen.get(key, 0):
+            return Refused(key, raw, "it is an earlier value written again (a replay)")
+        try:
+            body = json.loads(self.cipher.decrypt(nonce, raw[_HEAD.size :], self._aad(key, seq)))
+        except InvalidTag:
+            return Refused(
+                key,
+                raw,
+                "it is not sealed with this study's node token for this run and this key",
+                sealed_otherwise=True,
+            )
+        if not isinstance(body, dict):
+            return Refused(key, raw, "it holds no tunekit message")
+        self._seen[key] = seq
+        self.refusals.accepted(key)
+        return seq, body
+
+    def read(self, key: str) -> tuple[int, dict[str, Any]] | None:
+        """:meth:`open`, with a refused value counted, said and read as no value."""
+        opened = self.open(key)
+        if isinstance(opened, Refused):
+            self.refusals.refuse(opened)
+            return None
+        return opened
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The value at ``key``, or None while there is none; a forged one raises NodesError."""
-        if not self.store.check([self.prefix + key]):
-            return None
-        try:
-            raw = json.loads(self.store.get(self.prefix + key))
-            body, mac = raw["body"], raw["mac"]
-        except (ValueError, KeyError, TypeError):
-            raise NodesError(
-                f"the value at {key} on the coordinator's store is not tunekit's"
-            ) from None
-        if not hmac.compare_digest(str(mac), self._mac(key, body)):
-            raise NodesError(f"the value at {key} is not signed with this study's node token")
-        return json.loads(body)
+        """The value at ``key``; None while there is none, or when it failed the check."""
+        found = self.read(key)
+        return None if found is None else found[1]
 
-    def bump(self, key: str) -> int:
-        return int(self.store.add(self.prefix + key, 1))
-
-    def count(self, key: str) -> int:
-        return int(self.store.add(self.prefix + key, 0))
+    def drop(self, key: str) -> None:
+        self.store.delete_key(PREFIX + key)
 
 
 def _connect(endpoint: Endpoint, master: bool, timeout_s: float):
@@ -192,39 +331,50 @@ def _connect(endpoint: Endpoint, master: bool, timeout_s: float):
 
 
 class _Heartbeat:
-    """Bumps ``key`` every second on a connection of its own (a store client is not shared across threads)."""
+    """Seals a fresh value at ``key`` every second, on a connection of its own (a store client
+    is not shared across threads). The coordinator's also re-seals ``run``: a value another
+    process wrote over it is repaired within a second."""
 
-    def __init__(self, endpoint: Endpoint, token: str, key: str):
-        self.channel = Channel(_connect(endpoint, False, 30.0), token)
+    def __init__(self, endpoint: Endpoint, token: str, run: str, key: str, names_run: bool = False):
+        boot = Channel(_connect(endpoint, False, 30.0), token)
+        self.channel = boot.bound(run)
+        self.names = boot if names_run else None
         self.key = key
+        self._beat()  # the first one now: a follower may read it at once
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"tunekit-{key}", daemon=True)
         self.thread.start()
 
+    def _beat(self) -> None:
+        if self.names is not None:
+            self.names.put("run", {"run": self.channel.run})
+        self.channel.put(self.key, {})
+
     def _run(self) -> None:
-        while not self.done.is_set():
+        while not self.done.wait(BEAT_S):
             try:
-                self.channel.bump(self.key)
+                self._beat()
             except Exception:  # the other side closed the store: whoever watches it will see
                 return
-            self.done.wait(BEAT_S)
 
     def stop(self) -> None:
         self.done.set()
 
 
 class _Watch:
-    """When another node's heartbeat counter last moved, on this machine's clock."""
+    """When another node's heartbeat last moved (a sealed value with a newer sequence
+    number), on this machine's clock."""
 
     def __init__(self, channel: Channel, key: str):
         self.channel, self.key = channel, key
-        self.value = channel.count(key)
+        found = channel.read(key)
+        self.seq = found[0] if found else 0
         self.moved = time.monotonic()
 
     def silent_s(self) -> float:
-        value = self.channel.count(self.key)
-        if value != self.value:
-            self.value, self.moved = value, time.monotonic()
+        found = self.channel.read(self.key)
+        if found is not None and found[0] > self.seq:
+            self.seq, self.moved = found[0], time.monotonic()
         return time.monotonic() - self.moved
 
 
@@ -278,20 +428,35 @@ def unpack_files(packed: dict[str, Any], trial_dir: Path, node_rank: int) -> Non
 class Coordinator:
     """The store's host on node 0: announces trials, collects every node's files, watches followers."""
 
-    def __init__(self, endpoint: Endpoint, nnodes: int, token: str, lost_s: float = LOST_S):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        nnodes: int,
+        token: str,
+        lost_s: float = LOST_S,
+        say: Callable[[str], None] | None = None,
+    ):
+        """``say``: where a refused value and a node that failed to authenticate are told (from
+        whichever thread reads the store)."""
         self.endpoint, self.nnodes, self.token, self.lost_s = endpoint, nnodes, token, lost_s
+        self.run = secrets.token_hex(16)
+        """This run's nonce: every value of it is bound to it, so none of another run counts."""
+        self.refusals = Refusals(say)
         try:
-            self.channel = Channel(_connect(endpoint, True, 30.0), token)
+            store = _connect(endpoint, True, 30.0)
         except Exception as exc:  # the port is taken, or the host is not this machine
             raise NodesError(
                 f"cannot host the coordinator at {endpoint}: {_first_line(exc)}"
             ) from None
-        self.beat = _Heartbeat(endpoint, token, "coord/beat")
+        self.channel = Channel(store, token, self.run, self.refusals)
+        self.beat = _Heartbeat(endpoint, token, self.run, "coord/beat", names_run=True)
         self.nodes: dict[int, dict[str, Any]] = {}
         """Every follower's hello, by node rank."""
         self.watches: dict[int, _Watch] = {}
         self.gone: dict[int, str] = {}
         """Nodes lost so far, with why."""
+        self.unauthenticated: dict[int, str] = {}
+        """Nodes whose hello failed the check (another token, most likely), with why."""
         self.jobs = 0
 
     @property
@@ -302,11 +467,28 @@ class Coordinator:
         return f"tunekit follow --coordinator {self.endpoint} --node-rank {node_rank}{token_hint}"
 
     def joined(self) -> list[int]:
-        """Followers whose hello has arrived (their liveness watched from then on)."""
+        """Followers whose hello has arrived, each welcomed (its liveness watched from then on);
+        a hello that fails the check is said once as a node that failed to authenticate."""
         for r in self.followers:
-            if r not in self.nodes and (hello := self.channel.get(f"node/{r}/hello")) is not None:
-                self.nodes[r] = hello
+            if r in self.nodes:
+                continue
+            opened = self.channel.open(f"node/{r}/hello")
+            if isinstance(opened, Refused):
+                why = f"its hello {opened.why.removeprefix('it ')}"
+                self.unauthenticated[r] = why
+                self.refusals.refuse(
+                    opened,
+                    f"node {r} failed to authenticate: {why} (was its follower given another "
+                    "node token?)",
+                )
+            elif opened is not None:
+                hello = opened[1]
+                self.unauthenticated.pop(r, None)
+                self.nodes[r] = {k: v for k, v in hello.items() if k != "nonce"}
                 self.watches[r] = _Watch(self.channel, f"node/{r}/beat")
+                self.channel.put(
+                    f"node/{r}/welcome", {"nonce": hello.get("nonce"), "jobs": self.jobs}
+                )
         return sorted(self.nodes)
 
     def wait_for_followers(
@@ -330,8 +512,15 @@ class Coordinator:
                 names = ("node " if len(missing) == 1 else "nodes ") + ", ".join(
                     str(r) for r in missing
                 )
+                failed = "; ".join(
+                    f"node {r} failed to authenticate ({self.unauthenticated[r]})"
+                    for r in missing
+                    if r in self.unauthenticated
+                )
                 raise NodesError(
-                    f"{names} did not join within {timeout_s:.0f} s: start {'its' if len(missing) == 1 else 'their'} "
+                    f"{names} did not join within {timeout_s:.0f} s"
+                    + (f" ({failed})" if failed else "")
+                    + f": start {'its' if len(missing) == 1 else 'their'} "
                     f"follower (`{self.follow_command(missing[0], token_hint)}`, or the same tunekit command with "
                     f"--node-rank {missing[0]}) with the same node token"
                 )
@@ -423,7 +612,7 @@ class Coordinator:
     def _announce(self, body: dict[str, Any]) -> int:
         job = self.jobs
         self.channel.put(f"job/{job}", body)
-        self.jobs = self.channel.bump("jobs")
+        self.jobs += 1
         return job
 
     def stop(self, job: int) -> None:
@@ -437,6 +626,7 @@ class Coordinator:
             if r not in done and (packed := self.channel.get(f"job/{job}/node/{r}")) is not None:
                 unpack_files(packed, trial_dir, r)
                 done[r] = packed.get("returncode")
+                self.channel.drop(f"job/{job}/node/{r}")  # the store holds no node's files longer
 
     def close(self, wait_s: float = 5.0) -> None:
         """Announce the end, give the followers a moment to see it, close the store."""
@@ -453,15 +643,20 @@ class Coordinator:
 
 
 def host_coordinator(
-    endpoint: str, nnodes: int, token: str | None, store_dir: Path
+    endpoint: str,
+    nnodes: int,
+    token: str | None,
+    store_dir: Path,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[Coordinator, str]:
     """Node 0's coordinator, with ``token`` or a fresh one made in ``store_dir``; returns it and how a
-    follower gets that token (`` --token-file PATH``, or '' when the token was given)."""
+    follower gets that token (`` --token-file PATH``, or '' when the token was given). ``say``:
+    where refused values are told."""
     hint = ""
     if token is None:
         path = make_token(store_dir).resolve()
         token, hint = path.read_text().strip(), f" --token-file {path}"
-    return Coordinator(parse_endpoint(endpoint), nnodes, token), hint
+    return Coordinator(parse_endpoint(endpoint), nnodes, token, say=say), hint
 
 
 def describe_hello(nodes: Coordinator, r: int) -> str:
@@ -495,23 +690,24 @@ class Follower:
             raise NodesError("a follower's node rank is 1 or more (node 0 is the coordinator)")
         self.endpoint, self.node_rank, self.token = endpoint, node_rank, token
         self.work_dir, self.lost_s, self.say = Path(work_dir), lost_s, say
+        self.join_timeout_s = join_timeout_s
+        self.refusals = Refusals(say)
         try:
-            self.channel = Channel(_connect(endpoint, False, join_timeout_s), token)
+            self.boot = Channel(_connect(endpoint, False, join_timeout_s), token, "", self.refusals)
         except Exception as exc:
             raise NodesError(
                 f"no coordinator answered at {endpoint} within {join_timeout_s:.0f} s "
                 f"({_first_line(exc)})"
             ) from None
+        self.channel = self.boot
         self.beat: _Heartbeat | None = None
 
     def run(self) -> int:
         """Follow until the coordinator announces the end (0) or is gone (NodesError)."""
-        ch = self.channel
         try:
-            self.beat = _Heartbeat(self.endpoint, self.token, f"node/{self.node_rank}/beat")
-            # What was announced before this follower joined is not its business.
-            job = ch.count("jobs")
-            ch.put(f"node/{self.node_rank}/hello", describe_node())
+            job = self._join()
+            ch = self.channel
+            self.beat = _Heartbeat(self.endpoint, self.token, ch.run, f"node/{self.node_rank}/beat")
             coordinator = _Watch(ch, "coord/beat")
             self.say(f"node {self.node_rank} joined the coordinator at {self.endpoint}")
             while True:
@@ -537,6 +733,50 @@ class Follower:
         finally:
             if self.beat is not None:
                 self.beat.stop()
+            if summary := self.refusals.summary():
+                self.say(summary)
+
+    WRONG_TOKEN_S = 3.0
+    """How long ``run`` may fail the check before this node's token is taken to be the wrong
+    one (another process may have written over it: the coordinator repairs it every second)."""
+
+    def _join(self) -> int:
+        """The handshake (see the module's docstring); returns the first job that is this
+        node's business (what was announced before it joined is not)."""
+        r = self.node_rank
+        mine = secrets.token_hex(16)
+        deadline = time.monotonic() + self.join_timeout_s
+        failing_since: float | None = None
+        while True:
+            opened = self.boot.open("run")
+            if isinstance(opened, Refused) and not opened.sealed_otherwise:
+                self.refusals.refuse(opened)  # garbage, or a replay: not a question of tokens
+            elif isinstance(opened, Refused):
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.WRONG_TOKEN_S:
+                    # Leave a hello the coordinator will fail to open: it says which node it was.
+                    self.boot.put(f"node/{r}/hello", {"nonce": mine})
+                    raise NodesError(
+                        f"node {r} does not hold the coordinator's node token: the values of the "
+                        f"coordinator at {self.endpoint} do not open with it; give this node the "
+                        "coordinator's token (--token-file FILE, or $TUNEKIT_NODE_TOKEN)"
+                    )
+            elif opened is not None:
+                failing_since = None
+                run = str(opened[1].get("run"))
+                if run != self.channel.run:  # the first, or one written over a stale one
+                    self.channel = self.boot.bound(run)
+                    self.channel.put(f"node/{r}/hello", {**describe_node(), "nonce": mine})
+            if self.channel.run:
+                welcome = self.channel.get(f"node/{r}/welcome")
+                if welcome is not None and welcome.get("nonce") == mine:
+                    return int(welcome.get("jobs") or 0)
+            if time.monotonic() > deadline:
+                raise NodesError(
+                    f"the coordinator at {self.endpoint} did not welcome node {r} within "
+                    f"{self.join_timeout_s:.0f} s (is another follower running as node {r}?)"
+                )
+            time.sleep(0.2)
 
     def _next(self, job: int, coordinator: _Watch) -> dict[str, Any]:
         while (body := self.channel.get(f"job/{job}")) is None:

@@ -8,7 +8,7 @@ from tunekit_dataloader.model import ipc_s, loader_facts, predicted_step_s
 from tunekit_dataloader.plugin import DataLoaderTuner
 from tunekit_dataloader.runtime import apply_loader_options
 
-from tunekit.runtime.session import Session
+from tunekit.api import Session
 from tunekit.testing import (
     check_conformance,
     synthetic_observation,

@@ -32,13 +32,9 @@ class DataLoaderTuner(Tuner):
     api_version = 1
     """The tuner API's major version this plugin was written for."""
 
-    def __init__(self) -> None:
-        self._last: tuple[Observation, LoaderFacts] | None = None  # diagnose and plan share it
-
     def facts(self, obs: Observation) -> LoaderFacts:
-        if self._last is None or self._last[0] is not obs:
-            self._last = (obs, loader_facts(obs))
-        return self._last[1]
+        """The loader's facts, worked out once per observation: diagnose and plan share them."""
+        return obs.memo("dataloader:facts", lambda: loader_facts(obs))
 
     # -- declare ---------------------------------------------------------------------------
 

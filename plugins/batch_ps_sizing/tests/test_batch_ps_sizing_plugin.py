@@ -104,6 +104,11 @@ def test_snippet_names_the_batch():
 
 # -- diagnose / plan ---------------------------------------------------------------------------
 
+# The measuring budget is the tuner's own setting (45 s by default): these check the memory fit,
+# the plan's range and the lemmas, which the batches every analysis times (the required ones)
+# decide. One setting for all: they share the analysis cached in the module's study cache.
+QUICK = {"measure_budget_s": 8.0}
+
 
 def _baseline(workload: Workload, steps: int = 4) -> Measurement:
     session = Session(workload)
@@ -142,7 +147,7 @@ def _obs(parts, hardware, nproc=1, breakdown=None) -> Observation:
 
 def test_diagnose_reports_memory_fit_and_plan_stays_in_range(cnn_parts):
     obs = _obs(cnn_parts, describe_local_machine(1, "cpu"))
-    tuner = BatchPsSizing()
+    tuner = BatchPsSizing(**QUICK)
     diag = tuner.diagnose(obs)
     d = diag.details
     prof = zou.MemoryProfile(**d["memory_profile"])
@@ -166,7 +171,7 @@ def test_lemma31_from_a_step_breakdown(cnn_parts):
     step = StepParts(0, 0.11, 0.10, 0.006, 0.002, 0.001, 0.001, 0.008)
     breakdown = Breakdown([RankBreakdown(0, "cpu", "markers", [step])])
     obs = _obs(cnn_parts, load_profile("k80x16"), nproc=1, breakdown=breakdown)
-    tuner = BatchPsSizing(target_efficiency=0.8, target_speedup=3)
+    tuner = BatchPsSizing(target_efficiency=0.8, target_speedup=3, **QUICK)
     lem = tuner.diagnose(obs).details["lemma31"]
     assert lem["overhead_ratio"] == pytest.approx(0.1)
     assert lem["gpus_for_speedup"] == 4
@@ -178,7 +183,7 @@ def test_lemma31_from_a_step_breakdown(cnn_parts):
 def test_lemma31_and_32_from_the_hardware_model(cnn_parts):
     hw = load_profile("k80x16")
     obs = _obs(cnn_parts, hw, nproc=1)
-    d = BatchPsSizing().diagnose(obs).details
+    d = BatchPsSizing(**QUICK).diagnose(obs).details
     assert "hardware model" in d["overhead_source"]
     expected = (
         hw.allreduce_time(obs.model.param_bytes, len(hw.devices), "gloo") / obs.baseline.median_s
@@ -212,7 +217,7 @@ def test_without_range_the_diagnosis_says_so(cnn_parts):
         baseline=baseline,
         cache=cache,
     )
-    tuner = BatchPsSizing()
+    tuner = BatchPsSizing(**QUICK)
     diag = tuner.diagnose(obs)
     assert not diag.applies and "batch_range" in diag.summary
     assert tuner.plan(obs, 5) == []

@@ -143,7 +143,8 @@ def test_search_hook_agrees_across_ranks_and_reports_noise_scale():
     r0, r1 = run_ranks(search_hook_on_ranks, 2, timeout_s=240)
     assert r0["knobs"] == r1["knobs"]
     assert r0["summary"] == r1["summary"]
-    assert 8 <= r0["knobs"]["batch_size"] < 128
+    # 0: the search kept example:cnn's own batch of 32 (said as "the workload's", not as 32).
+    assert 8 <= (r0["knobs"]["batch_size"] or 32) < 128 and r0["knobs"]["batch_size"] != 32
     assert r0["knobs"]["knee_tolerance"] == 0.1
     noise = [t for t in r0["trace"] if "noise_scale" in t]
     assert len(noise) == 1 and noise[0]["noise_scale"]["samples"] == 2 * 2  # 2 batches x 2 ranks

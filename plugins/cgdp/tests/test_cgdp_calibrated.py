@@ -3,9 +3,13 @@ and predicts CGDP as a change to it (issue 16)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import random
 import re
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tunekit.observe.breakdown import Breakdown, CollectiveTiming, RankBreakdown, StepParts
@@ -17,7 +21,8 @@ from tunekit.plugins.cgdp.calibrated import (
     fit_cost,
     waiting_share,
 )
-from tunekit.plugins.cgdp.measure import median_profile
+from tunekit.plugins.cgdp.inputs import MIN_GAIN, measured_keys
+from tunekit.plugins.cgdp.measure import LayerTimes, own_profile
 from tunekit.plugins.cgdp.model import (
     AllReduceCost,
     Message,
@@ -30,7 +35,7 @@ from tunekit.plugins.cgdp.model import (
 )
 from tunekit.plugins.cgdp.plugin import Cgdp
 from tunekit.plugins.cgdp.runtime import parameterised_layers
-from tunekit.testing import local_hardware, synthetic_observation
+from tunekit.testing import MemoryCache, local_hardware, synthetic_observation
 from tunekit.workload import load_workload
 
 DEEP = "tunekit.plugins.cgdp.tests.workloads_cgdp:deep_narrow"
@@ -85,12 +90,19 @@ def test_the_after_backward_latency_reproduces_the_measured_exposed_communicatio
 # -- measured inputs, robust to load ----------------------------------------------------------
 
 
-def test_layer_times_are_median_shares_so_one_slowed_pass_changes_nothing():
+def test_layer_times_are_each_layers_own_cost_so_slowed_passes_change_nothing():
     passes = [[1.0, 2.0, 3.0]] * 4 + [[1.0, 50.0, 3.0]]  # one pass descheduled in layer 2
-    assert median_profile(passes) == pytest.approx([1.0, 2.0, 3.0])
-    # passes slowed throughout keep the shares; the size is backward's own (unslowed) cost
+    assert own_profile(passes) == pytest.approx([1.0, 2.0, 3.0])
+    # passes slowed throughout: the layers keep their own (unslowed) costs
     slowed_throughout = [[2.0, 4.0, 6.0]] * 3 + [[1.0, 2.0, 3.0]] * 2
-    assert median_profile(slowed_throughout) == pytest.approx([1.0, 2.0, 3.0])
+    assert own_profile(slowed_throughout) == pytest.approx([1.0, 2.0, 3.0])
+    # most passes waited somewhere, each in another layer: no layer moves
+    waited = [[1.0, 2.0, 3.0]] * 3 + [[9.0, 2.0, 3.0], [1.0, 9.0, 3.0], [1.0, 2.0, 9.0]] * 2
+    assert own_profile(waited) == pytest.approx([1.0, 2.0, 3.0])
+    # backward's share of the step comes from the layers' own costs, forward's and backward's
+    times = LayerTimes.from_passes(["a", "b", "c"], [4, 4, 4], [[1.0, 1.0, 1.0]] * 9, waited)
+    assert times.t_bp == pytest.approx([1.0, 2.0, 3.0])
+    assert times.backward_share == pytest.approx(6.0 / 9.0)
 
 
 def _step(rank: int, i: int, exposed: float, total: float, colls=()) -> StepParts:
@@ -238,15 +250,82 @@ def test_plan_predicts_relative_to_the_measured_step_with_ranges(rates):
     assert sum(1 for c in plan if c.knobs.get("offload_optimizer")) == 1
 
 
-def test_the_verdict_holds_across_repeated_diagnoses_that_measure_afresh(rates):
-    # Each diagnosis re-times the layers' backward and the optimizer steps (the noisy inputs:
-    # 3 ms one run, 150 ms the next under load) in a fresh cache; the host rates are shared.
-    runs = [Cgdp().diagnose(_observation(0.2, rates)) for _ in range(3)]
-    assert len({d.details["verdict"] for d in runs}) == 1
-    for d in runs:
-        assert d.details["reproduces_baseline_s"] == pytest.approx(0.05)
-        low, high = d.details["gain_vs_ddp_interval"]
-        assert low <= d.details["gain_vs_ddp"] <= high
+# -- one observation, one verdict, however busy the machine that timed it ------------------------
+
+# deep_narrow's layers timed alone on the development machine: each one's own backward cost
+# (µs, output end first) and forward cost; host rates and optimizer steps as measured there.
+LAYER_BACKWARD_US = [232, 80, 69, 66, 67, 68, 66, 67, 66, 65, 67, 65]
+LAYER_BACKWARD_US += [67, 65, 64, 64, 65, 66, 64, 67, 69, 66, 66, 63]
+LAYER_FORWARD_US = 58
+RECORDED_HOST = {
+    "add_per_core": {"value": 16.2e9, "low": 9.26e9, "high": 16.7e9},
+    "sync": 12.6e-6,
+    "d2h": {"value": 13.6e9, "low": 13.4e9, "high": 16.9e9},
+    "h2d": {"value": 13.6e9, "low": 13.4e9, "high": 16.9e9},
+}
+RECORDED_OFFLOAD = {"device_s": 0.00037, "offload_s": 0.00045, "samples": {}}
+
+
+def _timed_passes(rng, waiting: float, passes: int = 9) -> tuple[list, list]:
+    """What the layer timing records on a machine where a share ``waiting`` of the passes
+    wait to be scheduled back once in forward and once in backward: each layer's own cost
+    (±3 % jitter), and the wait (2-15 ms, as measured with 8 busy processes on 2 cores: as
+    long as the whole pass or five times longer) in a random layer."""
+    forward, backward = [], []
+    for _ in range(passes):
+        fwd = [LAYER_FORWARD_US * 1e-6 * rng.uniform(0.97, 1.03) for _ in LAYER_BACKWARD_US]
+        bwd = [us * 1e-6 * rng.uniform(0.97, 1.03) for us in LAYER_BACKWARD_US]
+        for row in (fwd, bwd):
+            if rng.random() < waiting:
+                row[rng.randrange(len(row))] += rng.uniform(0.002, 0.015)
+        forward.append(fwd)
+        backward.append(bwd)
+    return forward, backward
+
+
+@functools.cache
+def _near_threshold():
+    """One observation: exposed communication 35 % of a steady 50 ms step."""
+    fractions = {"compute": 0.55, "comm_exposed": 0.35, "data": 0.05, "optimizer": 0.05}
+    return synthetic_observation(
+        DEEP, hardware=local_hardware(2), step_s=0.05, breakdown=fractions, spread=0.004
+    )
+
+
+def _diagnosed_with(timed: tuple[list, list]):
+    """cgdp's diagnosis of that observation, in a study of its own (a fresh cache) that timed
+    the layers as ``timed`` says and measured the recorded host figures."""
+    obs = dataclasses.replace(_near_threshold(), cache=MemoryCache())
+    layers = list(reversed(parameterised_layers(obs.workload.model())))
+    nbytes = [sum(p.numel() * p.element_size() for p in layer.params) for layer in layers]
+    times = LayerTimes.from_passes([layer.name for layer in layers], nbytes, *timed)
+    keys = measured_keys(obs, torch.device("cpu"))
+    # SGD with momentum: one buffer per parameter
+    obs.cache.put(
+        keys["layers"], {**times.to_dict(), "state_bytes": sum(nbytes), "source": "recorded"}
+    )
+    obs.cache.put(keys["host"], RECORDED_HOST)
+    obs.cache.put(keys["offload"], RECORDED_OFFLOAD)
+    return Cgdp().diagnose(obs)
+
+
+@pytest.mark.parametrize("waiting", [0.3, 0.7])
+def test_one_observation_keeps_its_verdict_however_busy_the_machine_that_timed_it(waiting):
+    # A verdict near its threshold: timed on a quiet machine, CGDP gains, the low end of its
+    # range within half a point of the 1 % it must gain.
+    rng = random.Random(29)
+    quiet = _diagnosed_with(_timed_passes(rng, 0.0))
+    low = quiet.details["gain_vs_ddp_interval"][0]
+    assert quiet.details["verdict"] == "gain" and MIN_GAIN < low < MIN_GAIN + 0.005
+    # Timed again and again while other work keeps the cores busy, the layers' passes wait
+    # (the per-pass medians this replaced swung the gain from 0.8 % to 1.9 %: too_close, gain)
+    busy = [_diagnosed_with(_timed_passes(rng, waiting)) for _ in range(6)]
+    assert [d.details["verdict"] for d in busy] == ["gain"] * 6
+    for d in busy:
+        assert d.details["gain_vs_ddp"] == pytest.approx(quiet.details["gain_vs_ddp"], abs=0.001)
+        assert d.details["gain_vs_ddp_interval"] == pytest.approx(
+            quiet.details["gain_vs_ddp_interval"], abs=0.001
+        )
 
 
 def test_without_a_measured_baseline_the_model_says_it_is_uncalibrated(rates):
