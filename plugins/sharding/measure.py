@@ -26,6 +26,8 @@ from tunekit.api import (
     Layout,
     Observation,
     Session,
+    effort_repeats,
+    effort_seconds,
     intra_op_threads,
     single_rank_group,
     time_steps,
@@ -99,9 +101,9 @@ def pass_line(obs: Observation, samples: int) -> PassLine | None:
                 obs.workload,
                 sizes,
                 device,
-                repeats=3,
-                max_repeats=5,
-                budget_s=BUDGET_S,
+                repeats=effort_repeats(3, 2),
+                max_repeats=effort_repeats(5, 3),
+                budget_s=effort_seconds(BUDGET_S),
                 required=sizes[:2],
             )
         compute = {b: statistics.median(v) for b, v in timing.part_samples("compute").items()}
@@ -159,14 +161,15 @@ def fsdp_overhead(obs: Observation) -> dict[str, float]:
         device = torch.device("cuda" if obs.device_type == "cuda" else "cpu")
         times: dict[str, list[float]] = {k: [] for k in layouts}
         with intra_op_threads(rank_threads(obs)), single_rank_group():
-            for _ in range(FSDP_ROUNDS):  # alternating, so a change of load touches all alike
+            for _ in range(effort_repeats(FSDP_ROUNDS, 1)):  # alternating: load touches all alike
                 for name, layout in layouts.items():
                     session = Session(
                         obs.workload, rank=0, world_size=1, device=device, layout=layout
                     )
                     try:
                         session.train_step()  # warm-up: optimizer state, allocator
-                        times[name] += [session.train_step().step_s for _ in range(FSDP_STEPS)]
+                        steps = effort_repeats(FSDP_STEPS, 2)
+                        times[name] += [session.train_step().step_s for _ in range(steps)]
                     finally:
                         session.close()
         # The fastest step of each: neighbours only ever add time, and a difference of two

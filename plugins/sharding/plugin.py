@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tunekit.api import PART_WORDS, Observation, Session, format_bytes
+from tunekit.api import PART_WORDS, Observation, Session, compose_headline, format_bytes
 from tunekit.contract import Aspect, Candidate, Diagnosis, Knob, SearchResult, Tuner
 from tunekit.plugins.sharding.analysis import Analysis, analyse
 from tunekit.plugins.sharding.knobs import declare, knobs_of, layout_changes
@@ -67,7 +67,7 @@ class Sharding(Tuner):
                 False,
                 "the model's memory could not be measured here, so no layout can be checked "
                 "against the bound; nothing is proposed",
-                headline="does not apply · the model's memory was not measured",
+                headline=compose_headline(False, figure="the model's memory was not measured"),
             )
         a = self.analysis(obs)
         peak, bound = a.peak, a.bound
@@ -103,12 +103,13 @@ class Sharding(Tuner):
             else ""
         )
         applies = best is not None
-        headline = (
-            f"{'applies' if applies else 'does not apply'}"
-            + (f" · +{gain:.0%}" if applies else "")
-            + f" · peak {format_bytes(peak)}, {share:.0%} of {_short(bound.source)}"
-            + (f" · {best.setting.layout.describe()}" if best is not None else "")
-        )
+        figure = f"peak {format_bytes(peak)}, {share:.0%} of {_short(bound.source)}"
+        if best is None:
+            headline = compose_headline(False, figure=figure)
+        else:  # the step's predicted range as a range of the gain
+            low, high = (1 - step / a.base.step_s for step in best.range_s)
+            figure += f" · {best.setting.layout.describe()}"
+            headline = compose_headline(True, gain, (low, high), figure)
         return Diagnosis(
             applies,
             summary,

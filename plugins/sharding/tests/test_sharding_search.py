@@ -16,7 +16,7 @@ from tunekit.plugins.sharding.search import (
     search_in_job,
 )
 from tunekit.plugins.sharding.tests.observations_sharding import observation
-from tunekit.plugins.sharding.tests.workloads_sharding import gpt_tiny
+from tunekit.plugins.sharding.tests.workloads_sharding import gpt_tiny, gpt_tiny_dataset
 from tunekit.runtime.session import Session
 from tunekit.testing import check_conformance
 
@@ -102,7 +102,9 @@ def test_the_tuner_honours_the_contract():
     report = check_conformance(
         Sharding(),
         obs,
-        workload=gpt_tiny(),  # the runtime phase: the same model, smaller
+        # The runtime phase on the same model, smaller; its data a dataset, so the
+        # equivalence phase's split into micro-batches trains on the whole step's samples.
+        workload=gpt_tiny_dataset(),
         knob_sets=[
             {"checkpointing": "full", "micro_batches": 2, "search": "full:2,none:1"},
             {"checkpointing": "selective", "checkpoint_every": 2},

@@ -32,11 +32,12 @@ def _batch(n: int, generator: torch.Generator, dims=SMALL):
     return text[:, :-1], text[:, 1:]
 
 
-def _workload(name: str, batch_size: int = 16, dims=SMALL, **layout) -> Workload:
+def _workload(name: str, batch_size: int = 16, dims=SMALL, dataset=None, **layout) -> Workload:
     return Workload(
         name=name,
         model=functools.partial(GPTModel, **dims),
-        make_batch=functools.partial(_batch, dims=dims),
+        make_batch=None if dataset else functools.partial(_batch, dims=dims),
+        dataset=dataset,
         loss=_lm_loss,
         optimizer=_adamw,
         batch_size=batch_size,
@@ -61,6 +62,28 @@ def gpt_sharded() -> Workload:
 def gpt_tiny() -> Workload:
     """A tiny GPT, four sequences a rank: for tests that only need the model to train."""
     return _workload("gpt-tiny", batch_size=4, dims=TINY)
+
+
+class TinyText(torch.utils.data.Dataset):
+    """``n`` sequences of :data:`TINY`'s language, each a pure function of its index: a step
+    split into micro-batches trains on the samples the whole step would (generated batches
+    are drawn anew at each size)."""
+
+    def __init__(self, n: int = 256):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _batch(1, torch.Generator().manual_seed(i), dims=TINY)
+        return x[0], y[0]
+
+
+def gpt_tiny_dataset() -> Workload:
+    """:func:`gpt_tiny` fed by a map-style dataset (:class:`TinyText`): for the contract's
+    equivalence phase, where a split into micro-batches must see the whole step's samples."""
+    return _workload("gpt-tiny-dataset", batch_size=4, dims=TINY, dataset=TinyText)
 
 
 def gpt_float64() -> Workload:
