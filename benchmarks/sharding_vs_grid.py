@@ -43,30 +43,25 @@ script.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
-import json
 import random
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import grid_bench as gb
+
 from tunekit.config import TuningConfig
-from tunekit.events import Notice, TrialFinished
-from tunekit.orchestrator import AutoSettings, run_auto
+from tunekit.events import Event, Notice, TrialFinished
+from tunekit.orchestrator import AutoSettings
 from tunekit.plugins.sharding.plugin import Sharding
-from tunekit.store import Store
-from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
-from tunekit.trials.stats import compare_runs, ranks_global_batch
-from tunekit.workload import load_workload, resolve_spec
+from tunekit.workload import load_workload
 
 HERE = Path(__file__).resolve().parent
-MiB = 2**20
 WORKLOADS = "tunekit.plugins.sharding.tests.workloads_sharding"
 JOBS = {
-    "over": (f"{WORKLOADS}:gpt_sharded", 44 * MiB),
-    "near": (f"{WORKLOADS}:gpt_ddp", 84 * MiB),
+    "over": (f"{WORKLOADS}:gpt_sharded", 44 * gb.MiB),
+    "near": (f"{WORKLOADS}:gpt_ddp", 84 * gb.MiB),
 }
 STRATEGIES = {
     "ddp": {"sharding": "ddp"},
@@ -103,61 +98,12 @@ def strategy_of(config: dict) -> str:
     return knobs.get("sharding", "workload")
 
 
-class Trials:
-    """Trials of one job under its cap, each recorded with its per-sample step times."""
-
-    def __init__(self, spec: str, cap: int, args, root: Path):
-        self.spec, self.cap, self.args, self.root = resolve_spec(spec), cap, args, root
-        self.opts = LaunchOptions(nproc=2, timeout_s=args.timeout)
-        self.count = 0
-        self.baselines: list[list[float]] = []
-
-    def run(self, config: dict) -> dict:
-        self.count += 1
-        out = run_trial_sync(
-            TrialSpec(
-                self.spec,
-                config,
-                warmup=self.args.warmup,
-                steps=self.args.steps,
-                memory_cap_bytes=self.cap,
-            ),
-            self.opts,
-            self.root / f"trial{self.count:03d}",
-        )
-        peaks = [r.get("peak_bytes") for r in out.ranks if r.get("peak_bytes")]
-        row = {
-            "config": config,
-            "status": out.status,
-            "error": (out.error or "")[:200],
-            "peak_bytes": max(peaks) if peaks else None,
-        }
-        if out.ok and out.measurement is not None:
-            batch = ranks_global_batch(out.ranks)
-            row["per_sample"] = [s / batch for s in out.measurement.step_s]
-            row["median_s"] = out.measurement.median_s
-        label = describe(config)
-        shown = f"{row['median_s'] * 1e3:.1f} ms/step" if "median_s" in row else out.status
-        peak = f", peak {row['peak_bytes'] / MiB:.1f} MiB" if row["peak_bytes"] else ""
-        print(f"  {label[:90]}: {shown}{peak}", flush=True)
-        return row
-
-    def baseline(self) -> None:
-        row = self.run({"plugins": {}})
-        if "per_sample" in row:
-            self.baselines.append(row["per_sample"])
-
-
 def describe(config: dict | None) -> str:
     """The config's knobs that differ from their defaults (a found search records them all)."""
     if not config or not config.get("plugins"):
         return "baseline"
     defaults = {"sharding": {**Sharding().defaults(), "search": ""}}
     return TuningConfig.from_dict(config).describe(defaults)
-
-
-def speedup(baselines: list[list[float]], runs: list[list[float]]) -> float:
-    return compare_runs(baselines, runs, n_boot=500).speedup
 
 
 def tunekit_pick(spec: str, cap: int, root: Path, args) -> dict:
@@ -173,24 +119,16 @@ def tunekit_pick(spec: str, cap: int, root: Path, args) -> dict:
         memory_cap_bytes=cap,
     )
 
-    async def drive() -> None:
-        async for ev in run_auto(settings):
-            if isinstance(ev, TrialFinished):
-                got = f"{ev.median_s * 1e3:.1f} ms" if ev.median_s else ev.status
-                pred = f" (predicted {ev.predicted_s * 1e3:.1f} ms)" if ev.predicted_s else ""
-                print(f"  tunekit {ev.role} {ev.description[:80]}: {got}{pred}", flush=True)
-            elif isinstance(ev, Notice):
-                print(f"  tunekit: {ev.message}", flush=True)
+    def show(ev: Event) -> None:
+        if isinstance(ev, TrialFinished):
+            got = f"{ev.median_s * 1e3:.1f} ms" if ev.median_s else ev.status
+            pred = f" (predicted {ev.predicted_s * 1e3:.1f} ms)" if ev.predicted_s else ""
+            print(f"  tunekit {ev.role} {ev.description[:80]}: {got}{pred}", flush=True)
+        elif isinstance(ev, Notice):
+            print(f"  tunekit: {ev.message}", flush=True)
 
-    asyncio.run(drive())
-    store = Store.open_default(settings.store_dir)
-    try:
-        study = store.latest_study()
-        trials = store.trials(study.id)
-        winner = (study.decision or {}).get("winner_config") or {"plugins": {}}
-    finally:
-        store.close()
-    ran = [t for t in trials if t.role != "baseline" and t.status not in ("pending", "skipped")]
+    winner, trials = gb.tunekit_auto(settings, show)
+    ran = gb.trials_run(trials)
     dropped = [
         v
         for t in ran
@@ -218,39 +156,19 @@ def tunekit_pick(spec: str, cap: int, root: Path, args) -> dict:
 
 def bench(name: str, args, root: Path) -> dict:
     spec, cap = JOBS[name]
-    print(f"{name}: {spec} under a {cap / MiB:.0f} MiB cap", flush=True)
-    trials = Trials(spec, cap, args, root / name)
-    trials.baseline()
-    configs = grid(spec, args.quick)
-    random.Random(0).shuffle(configs)  # so a drift of the machine does not follow one knob
-    results = []
-    for i, config in enumerate(configs, 1):
-        results.append(trials.run(config))
-        if i % 3 == 0:
-            trials.baseline()
-    trials.baseline()
-    ok = [r for r in results if "per_sample" in r]
-    for r in ok:
-        r["speedup"] = speedup(trials.baselines, [r["per_sample"]])
-    best = max(ok, key=lambda r: r["speedup"], default=None)
-    ddp = [r for r in ok if strategy_of(r["config"]) == "ddp"]
-    best_ddp = max(ddp, key=lambda r: r["speedup"], default=None)
+    print(f"{name}: {spec} under a {cap / gb.MiB:.0f} MiB cap", flush=True)
+    trials = gb.Trials(spec, args, root / name, cap, describe)
+    results = gb.run_grid(trials, grid(spec, args.quick))
+    best = gb.best_of(results)
+    best_ddp = gb.best_of([r for r in results if strategy_of(r["config"]) == "ddp"])
 
     auto = tunekit_pick(spec, cap, root / name, args)
-    final: dict[str, list[list[float]]] = {"baseline": [], "grid": [], "tunekit": [], "ddp": []}
-    arms = [("baseline", {"plugins": {}}), ("grid", best["config"] if best else {"plugins": {}})]
+    arms = [("baseline", gb.BASELINE), ("grid", best["config"] if best else gb.BASELINE)]
     arms.append(("tunekit", auto["pick"]))
     if best_ddp is not None:
         arms.append(("ddp", best_ddp["config"]))
-    for _ in range(args.final_rounds):
-        for arm, config in arms:
-            row = trials.run(config)
-            if "per_sample" in row:
-                final[arm].append(row["per_sample"])
-    ratio = interval = None
-    if final["grid"] and final["tunekit"]:
-        cmp = compare_runs(final["grid"], final["tunekit"], n_boot=500)  # > 1: tunekit is faster
-        ratio, interval = cmp.speedup, (cmp.ci_low, cmp.ci_high)
+    final = gb.side_by_side(trials, arms, args.final_rounds)
+    ratio, ci = gb.ratio_with_interval(final["grid"], final["tunekit"])  # > 1: tunekit is faster
     return {
         "workload": spec,
         "cap_bytes": cap,
@@ -260,27 +178,15 @@ def bench(name: str, args, root: Path) -> dict:
         "grid_best": best["config"] if best else None,
         "grid_best_vs_baseline": best["speedup"] if best else None,
         "best_ddp": best_ddp["config"] if best_ddp else None,
-        "grid_best_vs_best_ddp": (
-            speedup(final["ddp"], final["grid"]) if final["ddp"] and final["grid"] else None
-        ),
+        "grid_best_vs_best_ddp": gb.versus(final, "ddp", "grid"),
         "tunekit": auto,
         "tunekit_vs_grid": ratio,
-        "tunekit_vs_grid_interval": interval,
-        "final_tunekit_vs_baseline": (
-            speedup(final["baseline"], final["tunekit"])
-            if final["tunekit"] and final["baseline"]
-            else None
-        ),
+        "tunekit_vs_grid_interval": ci,
+        "final_tunekit_vs_baseline": gb.versus(final, "baseline", "tunekit"),
     }
 
 
 def markdown(results: dict, command: str) -> str:
-    def x(v):
-        return "—" if v is None else f"{v:.2f}x"
-
-    def ci(v):
-        return "" if not v else f" ({v[0]:.2f}–{v[1]:.2f})"
-
     lines = [
         f"`{command}`",
         "",
@@ -294,9 +200,9 @@ def markdown(results: dict, command: str) -> str:
         ddp = describe(r["best_ddp"]) if r["best_ddp"] else "none fits"
         tk_oom = len(t["oom_trials"]) + t["search_variants_over_cap"]
         lines.append(
-            f"| {name} | {r['cap_bytes'] / MiB:.0f} MiB | {describe(r['grid_best'])} | "
-            f"{x(r['grid_best_vs_best_ddp'])} ({ddp}) | {describe(t['pick'])} | "
-            f"{x(r['tunekit_vs_grid'])}{ci(r['tunekit_vs_grid_interval'])} | "
+            f"| {name} | {r['cap_bytes'] / gb.MiB:.0f} MiB | {describe(r['grid_best'])} | "
+            f"{gb.times(r['grid_best_vs_best_ddp'])} ({ddp}) | {describe(t['pick'])} | "
+            f"{gb.times(r['tunekit_vs_grid'])}{gb.interval(r['tunekit_vs_grid_interval'])} | "
             f"{t['trials']}/{r['grid_trials']} ({share:.0%}; +{t['baselines']} baseline runs) | "
             f"{tk_oom}, {r['grid_oom']} |"
         )
@@ -306,10 +212,7 @@ def markdown(results: dict, command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default=",".join(JOBS))
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--final-rounds", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=600.0)
+    gb.trial_arguments(ap, steps=8, warmup=3, timeout=600.0)
     ap.add_argument(
         "--plugins",
         type=lambda v: None if v == "all" else [p.strip() for p in v.split(",") if p.strip()],
@@ -319,23 +222,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a third of the grid (a smoke run)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "sharding_vs_grid")
     args = ap.parse_args()
-    names = [j.strip() for j in args.jobs.split(",") if j.strip()]
-    unknown = [n for n in names if n not in JOBS]
-    if unknown:
-        raise SystemExit(f"unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}")
+    names = gb.chosen(args.jobs, JOBS, "job(s)")
     results = {}
     with tempfile.TemporaryDirectory(prefix="tunekit-sharding-grid-") as tmp:
         for name in names:
             results[name] = bench(name, args, Path(tmp))
     command = "python benchmarks/sharding_vs_grid.py " + " ".join(sys.argv[1:])
-    text = markdown(results, command.strip())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharding_vs_grid.json").write_text(json.dumps(results, indent=2, default=str))
-    (args.out / "sharding_vs_grid.md").write_text(text)
-    print(text)
-    ratios = [r["tunekit_vs_grid"] for r in results.values() if r["tunekit_vs_grid"]]
-    if ratios:
-        print("median tunekit/grid ratio:", statistics.median(ratios))
+    gb.write_results(args.out, "sharding_vs_grid", results, markdown(results, command.strip()))
 
 
 if __name__ == "__main__":

@@ -287,19 +287,12 @@ def search_in_job(
         peaks: list[float] = []
         over = False
         for i in range(per_try):
-            failed = 0.0
-            try:
-                rec = session.train_step()
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                # The step finished on every rank before its peak was checked.
-                session.optimizer.zero_grad(set_to_none=True)
-                release_memory(session.device)
-                failed = 1.0
+            rec = step_or_out_of_memory(session)
+            failed = 1.0 if rec is None else 0.0
             if _agreed_max(session, [failed])[0] > 0:  # every rank drops the variant together
                 over = True
                 break
+            assert rec is not None
             if i >= WARMUP_STEPS:
                 times.append(rec.step_s)
             if rec.metrics.get("peak_bytes") is not None:
@@ -316,6 +309,20 @@ def search_in_job(
         reason += "; nothing could be measured"
     chosen = _decide(session, best)
     return chosen, tried, reason
+
+
+def step_or_out_of_memory(session: Session) -> Any:
+    """One training step (its record); None where it ran out of memory (over the device's
+    memory or the cap), its gradients dropped and the cached memory given back."""
+    try:
+        return session.train_step()
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # The step finished on every rank before its peak was checked.
+        session.optimizer.zero_grad(set_to_none=True)
+        release_memory(session.device)
+        return None
 
 
 def switch_to(session: Session, v: Variant) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tunekit.config import TuningConfig, config_layout, resolve
-from tunekit.observe.step_timing import is_out_of_memory
 from tunekit.plugin_loading import load_named, select
+from tunekit.plugins.sharding.search import step_or_out_of_memory
 from tunekit.runtime.session import Session
 from tunekit.workload import load_workload
 
@@ -66,14 +66,8 @@ def measure_configs(
         losses: list[float] = []
         status = "ok"
         for i in range(warmup + steps):
-            failed = 0.0
-            try:
-                rec = session.train_step()
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                failed = 1.0
-            if _agree_max([failed])[0] > 0:
+            rec = step_or_out_of_memory(session)
+            if _agree_max([1.0 if rec is None else 0.0])[0] > 0:
                 status = "oom"
                 break
             if i >= warmup:

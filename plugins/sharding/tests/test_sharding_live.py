@@ -3,43 +3,16 @@ checkpoint with the model sharded, beside a job that stays replicated."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
+from support import rundir, start_run, wait_step
 
-from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
-from tunekit.runtime.supervisor import client, wait_for
+from tunekit.runtime.supervisor import client
 
 pytestmark = pytest.mark.slow
 
 SPEC = "tunekit.plugins.sharding.tests.workloads_sharding:gpt_float64"
 TO_FSDP = {"plugins": {"sharding": {"sharding": "fsdp", "reshard_after_forward": False}}}
-
-
-def start_run(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tunekit", "run", *args],
-        cwd=cwd,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def rundir(cwd: Path, name: str) -> RunDir:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            return RunDir.find(name, cwd / ".tunekit")
-        except ControlError:
-            time.sleep(0.2)
-    raise TimeoutError(name)
 
 
 @pytest.mark.equivalence
@@ -51,8 +24,8 @@ def test_a_relaunch_from_ddp_to_fsdp_keeps_the_step_and_the_loss_curve(tmp_path)
     sharded = start_run(
         tmp_path, SPEC, "--steps", str(steps), "--name", "sharded", "--min-effect", "1"
     )
-    rd = rundir(tmp_path, "sharded")
-    wait_for(rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= 4, 300)
+    rd = rundir(tmp_path, "sharded", timeout=120)
+    wait_step(rd, 4, 300)
     # Through the control socket at once (the CLI's start-up would let a tiny job finish).
     reply = client(rd).request("apply", config=TO_FSDP)
     assert reply["step"] < steps
