@@ -1,6 +1,7 @@
 """How good are tunekit's predictions: every tuner's top candidates, predicted vs measured.
 
-    .venv/bin/python benchmarks/prediction_error.py [--workloads cnn,alexnet,resnet,lstm,transformer]
+    .venv/bin/python benchmarks/prediction_error.py [--workloads cnn,alexnet,resnet,lstm,transformer,
+        gpt-sharded,gpt-small-sharded,gpt-small]
         [--plugins cgdp,...] [--top 3] [--steps 10] [--warmup 2] [--out benchmarks/results/prediction_error]
 
 For each workload of the corpus, one study on 2 gloo ranks (``tunekit auto``'s
@@ -9,7 +10,10 @@ tuner diagnoses and plans, and every applicable tuner's top ``--top``
 candidates run as real trials in plan order, interleaved with baseline runs
 (``AutoSettings(rerank=False)``: nothing is dropped or re-ordered, so every
 prediction meets its measurement). In-job searches are left out: they carry no
-prediction.
+prediction. The sharded and checkpointed workloads (``gpt-sharded``, ``gpt-small-sharded``)
+and a replicated one near its bound (``gpt-small``) bring the ``sharding`` tuner in; the
+small GPT's two run under sharding_vs_grid.py's ``--memory-cap``. Beside step times, the
+peak memory per rank each trial's tuner predicted is compared with the measured one.
 
 Per tuner and overall it prints:
 
@@ -40,7 +44,7 @@ from scipy.stats import spearmanr
 from tunekit.events import Notice, PluginProblem, TrialFinished
 from tunekit.orchestrator import AutoSettings, run_auto
 from tunekit.store import Store
-from tunekit.trials.feedback import relative_error
+from tunekit.trials.feedback import measured_peak, predicted_peaks, relative_error
 
 HERE = Path(__file__).resolve().parent
 CORPUS = {
@@ -49,7 +53,14 @@ CORPUS = {
     "resnet": f"{HERE / 'workloads.py'}:resnet",
     "lstm": "example:lstm",
     "transformer": f"{HERE / 'workloads.py'}:transformer_lm",
+    # Sharded and checkpointed jobs (the sharding tuner; every tuner says what it does there).
+    "gpt-sharded": "example:gpt-sharded",
+    "gpt-small-sharded": "tunekit.plugins.sharding.tests.workloads_sharding:gpt_sharded",
+    "gpt-small": "tunekit.plugins.sharding.tests.workloads_sharding:gpt_ddp",
 }
+MEMORY_CAPS = {"gpt-small-sharded": 44 * 2**20, "gpt-small": 84 * 2**20}
+"""Per-rank --memory-cap of the memory-bound jobs (sharding_vs_grid.py's), so the sharding
+tuner plans against a bound there; the others run uncapped."""
 
 
 def run_study(name: str, spec: str, args, root: Path) -> dict:
@@ -66,6 +77,7 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
         warmup=args.warmup,
         out_dir=root / name / "out",
         store_dir=root / name / "store",
+        memory_cap_bytes=MEMORY_CAPS.get(name),
     )
 
     async def drive() -> None:
@@ -87,6 +99,7 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
         study = store.latest_study()
         trials = store.trials(study.id)
         diagnoses = (study.observation or {}).get("diagnoses", {})
+        peaks = predicted_peaks(study.observation or {})
     finally:
         store.close()
     base = [t.median_s for t in trials if t.role == "baseline" and t.status == "ok"]
@@ -115,6 +128,8 @@ def run_study(name: str, spec: str, args, root: Path) -> dict:
                 "measured_s": t.median_s,
                 "had_feedback": bool(earlier),
                 "load": load_factor(t.seq, base_runs),
+                "predicted_peak_bytes": peaks.get(t.config_id),
+                "measured_peak_bytes": measured_peak(t.result),
             }
         )
     return {
@@ -144,8 +159,14 @@ def load_factor(seq: int, base_runs: list[tuple[int, float]]) -> float | None:
 def summarise(studies: dict[str, dict]) -> dict:
     """Per tuner and overall: median raw and corrected error, Spearman of the changes."""
     points: dict[str, list[dict]] = {}
+    peaks: dict[str, list[float]] = {}
     for wl, st in studies.items():
         for r in st["trials"]:
+            if r.get("predicted_peak_bytes") and r.get("measured_peak_bytes"):
+                # signed: below 0 the model under-predicted (a candidate that could run out)
+                peaks.setdefault(r["plugin"], []).append(
+                    r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
+                )
             if r["status"] != "ok" or not r["predicted_s"] or not r["measured_s"]:
                 continue
             points.setdefault(r["plugin"], []).append(
@@ -162,7 +183,7 @@ def summarise(studies: dict[str, dict]) -> dict:
                 }
             )
 
-    def stats(ps: list[dict]) -> dict:
+    def stats(ps: list[dict], memory: list[float]) -> dict:
         corrected = [p["corrected"] for p in ps if p["corrected"] is not None]
         fed = [p for p in ps if p["had_feedback"] and p["corrected"] is not None]
         rho = None
@@ -190,10 +211,15 @@ def summarise(studies: dict[str, dict]) -> dict:
             if fed
             else None,
             "spearman": rho,
+            "peak_trials": len(memory),
+            "median_peak_error": statistics.median(abs(m) for m in memory) if memory else None,
+            "worst_peak_under_prediction": min(memory) if memory else None,
         }
 
-    out = {name: stats(ps) for name, ps in sorted(points.items())}
-    out["overall"] = stats([p for ps in points.values() for p in ps])
+    out = {name: stats(ps, peaks.get(name, [])) for name, ps in sorted(points.items())}
+    out["overall"] = stats(
+        [p for ps in points.values() for p in ps], [m for ms in peaks.values() for m in ms]
+    )
     return out
 
 
@@ -211,9 +237,12 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
         "*At the trial's load*: the raw prediction scaled by how much slower the baseline runs "
         "beside the trial were than the first (the machine's drift, not the model's error).",
         "",
+        "*Peak memory*: |predicted − measured| / measured peak per rank of the trials whose "
+        "tuner predicted one (the core memory model), and the worst under-prediction.",
+        "",
         "| tuner | trials | workloads | median error (raw) | at the trial's load | after feedback | "
-        "trials with feedback | Spearman |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "trials with feedback | Spearman | peak memory: median error, worst under |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, s in summary.items():
         rho = "—" if s["spearman"] is None else f"{s['spearman']:.2f}"
@@ -225,7 +254,14 @@ def markdown(summary: dict, studies: dict[str, dict], command: str) -> str:
         )
         lines.append(
             f"| {name} | {s['trials']} | {', '.join(s['workloads'])} | {pct(s['median_error'])} | "
-            f"{pct(s['median_error_at_load'])} | {pct(s['median_corrected_error'])} | {fed} | {rho} |"
+            f"{pct(s['median_error_at_load'])} | {pct(s['median_corrected_error'])} | {fed} | {rho} | "
+            + (
+                f"{pct(s['median_peak_error'])}, {pct(s['worst_peak_under_prediction'])} "
+                f"({s['peak_trials']})"
+                if s["peak_trials"]
+                else "—"
+            )
+            + " |"
         )
     lines += [
         "",

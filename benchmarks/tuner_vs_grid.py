@@ -42,19 +42,13 @@ criterion must clear), and tunekit's trials as a share of the grid's (at most
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import random
-import statistics
 import tempfile
 from pathlib import Path
 
-from tunekit.config import TuningConfig
-from tunekit.orchestrator import AutoSettings, run_auto
-from tunekit.store import Store
-from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
-from tunekit.trials.stats import compare_runs, ranks_global_batch
-from tunekit.workload import load_workload, resolve_spec
+import grid_bench as gb
+
+from tunekit.orchestrator import AutoSettings
+from tunekit.workload import load_workload
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {
@@ -89,42 +83,6 @@ def grid(spec: str) -> list[dict]:
     return configs
 
 
-class Session:
-    """Trials of one workload, each recorded with its per-sample step times."""
-
-    def __init__(self, spec: str, args, root: Path):
-        self.spec, self.args, self.root = resolve_spec(spec), args, root
-        self.opts = LaunchOptions(nproc=2, timeout_s=args.timeout)
-        self.count = 0
-        self.baselines: list[list[float]] = []
-
-    def run(self, config: dict) -> dict:
-        self.count += 1
-        out = run_trial_sync(
-            TrialSpec(self.spec, config, warmup=self.args.warmup, steps=self.args.steps),
-            self.opts,
-            self.root / f"trial{self.count:03d}",
-        )
-        row = {"config": config, "status": out.status, "error": out.error[:200]}
-        if out.ok and out.measurement is not None:
-            batch = ranks_global_batch(out.ranks)
-            row["per_sample"] = [s / batch for s in out.measurement.step_s]
-            row["median_s"] = out.measurement.median_s
-        label = TuningConfig.from_dict(config).describe() if config.get("plugins") else "baseline"
-        shown = f"{row['median_s'] * 1e3:.1f} ms/step" if "median_s" in row else out.status
-        print(f"  {label[:80]}: {shown}", flush=True)
-        return row
-
-    def baseline(self) -> None:
-        row = self.run({"plugins": {}})
-        if "per_sample" in row:
-            self.baselines.append(row["per_sample"])
-
-
-def speedup(baselines: list[list[float]], runs: list[list[float]]) -> float:
-    return compare_runs(baselines, runs, n_boot=500).speedup
-
-
 def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int]:
     """``tunekit auto`` with its default budget: the winning config and its candidate trials."""
     settings = AutoSettings(
@@ -135,89 +93,49 @@ def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int]:
         out_dir=root / "auto-out",
         store_dir=root / "auto-store",
     )
-
-    async def drive() -> None:
-        async for _ in run_auto(settings):
-            pass
-
-    asyncio.run(drive())
-    store = Store.open_default(settings.store_dir)
-    try:
-        study = store.latest_study()
-        trials = store.trials(study.id)
-        winner = (study.decision or {}).get("winner_config") or {"plugins": {}}
-    finally:
-        store.close()
-    ran = [t for t in trials if t.role != "baseline" and t.status not in ("pending", "skipped")]
-    return winner, len(ran)
+    winner, trials = gb.tunekit_auto(settings)
+    return winner, len(gb.trials_run(trials))
 
 
 def bench(name: str, spec: str, args, root: Path) -> dict:
     print(f"{name}: {spec}", flush=True)
-    s = Session(spec, args, root / name)
-    s.baseline()
-    results = []
-    configs = grid(spec)
-    random.Random(0).shuffle(configs)  # so a drift of the machine does not follow one knob
-    for i, config in enumerate(configs, 1):
-        results.append(s.run(config))
-        if i % 3 == 0:
-            s.baseline()
-    s.baseline()
-    ok = [r for r in results if "per_sample" in r]
-    for r in ok:
-        r["speedup"] = speedup(s.baselines, [r["per_sample"]])
-    best = max(ok, key=lambda r: r["speedup"], default=None)
-    grid_trials = len(results)
+    s = gb.Trials(spec, args, root / name)
+    results = gb.run_grid(s, grid(spec))
+    best = gb.best_of(results)
 
     pick, auto_trials = tunekit_pick(spec, root / name, args)
     # Side by side: baseline, the grid's best and tunekit's pick, interleaved.
-    final = {"baseline": [], "grid": [], "tunekit": []}
-    for _ in range(args.final_rounds):
-        for arm, config in (
-            ("baseline", {"plugins": {}}),
-            ("grid", best["config"] if best else {"plugins": {}}),
+    final = gb.side_by_side(
+        s,
+        [
+            ("baseline", gb.BASELINE),
+            ("grid", best["config"] if best else gb.BASELINE),
             ("tunekit", pick),
-        ):
-            row = s.run(config)
-            if "per_sample" in row:
-                final[arm].append(row["per_sample"])
-    ratio = interval = self_ratio = None
-    if final["grid"] and final["tunekit"]:
-        cmp = compare_runs(final["grid"], final["tunekit"], n_boot=500)  # > 1: tunekit is faster
-        ratio, interval = cmp.speedup, (cmp.ci_low, cmp.ci_high)
+        ],
+        args.final_rounds,
+    )
+    ratio, ci = gb.ratio_with_interval(final["grid"], final["tunekit"])  # > 1: tunekit is faster
+    self_ratio = None
     if len(final["baseline"]) >= 2:  # the noise floor: the baseline's rounds against each other
         half = len(final["baseline"]) // 2
-        self_ratio = speedup(final["baseline"][:half], final["baseline"][half:])
+        self_ratio = gb.speedup(final["baseline"][:half], final["baseline"][half:])
     return {
         "workload": spec,
         "grid": results,
-        "grid_trials": grid_trials,
+        "grid_trials": len(results),
         "grid_best": best["config"] if best else None,
         "grid_best_speedup": best["speedup"] if best else None,
         "tunekit_pick": pick,
         "tunekit_trials": auto_trials,
         "tunekit_vs_grid": ratio,
-        "tunekit_vs_grid_interval": interval,
+        "tunekit_vs_grid_interval": ci,
         "baseline_vs_itself": self_ratio,
-        "final_grid_vs_baseline": speedup(final["baseline"], final["grid"])
-        if final["grid"] and final["baseline"]
-        else None,
-        "final_tunekit_vs_baseline": (
-            speedup(final["baseline"], final["tunekit"])
-            if final["tunekit"] and final["baseline"]
-            else None
-        ),
+        "final_grid_vs_baseline": gb.versus(final, "baseline", "grid"),
+        "final_tunekit_vs_baseline": gb.versus(final, "baseline", "tunekit"),
     }
 
 
 def markdown(results: dict, command: str) -> str:
-    def x(v):
-        return "—" if v is None else f"{v:.2f}x"
-
-    def ci(v):
-        return "" if not v else f" ({v[0]:.2f}-{v[1]:.2f})"
-
     lines = [
         f"`{command}`",
         "",
@@ -226,17 +144,12 @@ def markdown(results: dict, command: str) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results.items():
-
-        def desc(cfg):
-            return (
-                TuningConfig.from_dict(cfg).describe() if cfg and cfg.get("plugins") else "baseline"
-            )
-
         share = r["tunekit_trials"] / r["grid_trials"]
         lines.append(
-            f"| {name} | {desc(r['grid_best'])} | {x(r['final_grid_vs_baseline'])} | "
-            f"{desc(r['tunekit_pick'])} | {x(r['tunekit_vs_grid'])}{ci(r.get('tunekit_vs_grid_interval'))} | "
-            f"{x(r.get('baseline_vs_itself'))} | "
+            f"| {name} | {gb.describe(r['grid_best'])} | {gb.times(r['final_grid_vs_baseline'])} | "
+            f"{gb.describe(r['tunekit_pick'])} | {gb.times(r['tunekit_vs_grid'])}"
+            f"{gb.interval(r.get('tunekit_vs_grid_interval'), '-')} | "
+            f"{gb.times(r.get('baseline_vs_itself'))} | "
             f"{r['tunekit_trials']}/{r['grid_trials']} ({share:.0%}) |"
         )
     return "\n".join(lines) + "\n"
@@ -245,18 +158,10 @@ def markdown(results: dict, command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="cnn,resnet,transformer")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--final-rounds", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=300.0)
+    gb.trial_arguments(ap, steps=10, warmup=2, timeout=300.0)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "tuner_vs_grid")
     args = ap.parse_args()
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise SystemExit(
-            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}"
-        )
+    names = gb.chosen(args.workloads, WORKLOADS, "workload(s)")
     results = {}
     with tempfile.TemporaryDirectory(prefix="tunekit-grid-") as tmp:
         for name in names:
@@ -265,15 +170,7 @@ def main() -> None:
         f"python benchmarks/tuner_vs_grid.py --workloads {','.join(names)} --steps {args.steps} "
         f"--warmup {args.warmup} --final-rounds {args.final_rounds}"
     )
-    text = markdown(results, command)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tuner_vs_grid.json").write_text(json.dumps(results, indent=2, default=str))
-    (args.out / "tuner_vs_grid.md").write_text(text)
-    print(text)
-    print(
-        "median tunekit/grid ratio:",
-        statistics.median(r["tunekit_vs_grid"] or 0 for r in results.values()),
-    )
+    gb.write_results(args.out, "tuner_vs_grid", results, markdown(results, command))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ import time
 from pathlib import Path
 
 import psutil
+import tomllib
+
+from tunekit.errors import ControlError
+from tunekit.runtime.rundir import RunDir
+from tunekit.runtime.supervisor import wait_for
 
 DATA = Path(__file__).parent / "data"
 CHAOS_PLUGIN = DATA / "chaos_plugin"
@@ -29,6 +34,37 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def start_run(cwd: Path, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
+    """``tunekit run ARGS`` in ``cwd``, in the background (its output in ``.stdout``)."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tunekit", "run", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def rundir(cwd: Path, name: str, timeout: float = 60) -> RunDir:
+    """The run folder of live job ``name`` started in ``cwd``, once it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return RunDir.find(name, cwd / ".tunekit")
+        except ControlError:
+            time.sleep(0.2)
+    raise TimeoutError(name)
+
+
+def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
+    """The job's status once it runs at ``step`` or later."""
+    return wait_for(
+        rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout
     )
 
 
@@ -147,7 +183,12 @@ def rank_train_params(rank: int, world: int, spec: str, steps: int) -> dict:
     }
 
 
-BUILT_IN_TUNERS = {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+BUILT_IN_TUNERS = set(
+    tomllib.loads((DATA.parents[1] / "pyproject.toml").read_text())["project"]["entry-points"][
+        "tunekit.plugins"
+    ]
+)
+"""The tuners tunekit registers itself (its pyproject's entry points)."""
 
 
 def assert_every_tuner_heard_and_no_trial_crashed(report: dict) -> None:

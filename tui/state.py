@@ -449,6 +449,8 @@ class CandidateView:
     rationale: str = ""
     global_batch: int | None = None
     """Samples per step of this candidate when it changes them (a batch tuner's)."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory per rank (the core memory model), when the tuner gave one."""
 
     def samples_per_s(self, baseline: BaselineView | None) -> float | None:
         """Predicted throughput, at this candidate's own global batch (else the baseline's)."""
@@ -529,7 +531,8 @@ def candidate_view(
     plugin: str, candidate: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
 ) -> CandidateView:
     """A candidate (``dataclasses.asdict(Candidate)``) of ``plugin`` as a config; knobs at ``defaults`` are not described."""
-    config = TuningConfig({plugin: dict(candidate.get("knobs") or {})})
+    others = {k: dict(v) for k, v in (candidate.get("combined_with") or {}).items()}
+    config = TuningConfig({plugin: dict(candidate.get("knobs") or {}), **others})
     described = config.describe({plugin: dict(defaults)} if defaults else None)
     return CandidateView(
         config.to_dict(),
@@ -537,6 +540,7 @@ def candidate_view(
         candidate.get("predicted_step_s"),
         candidate.get("rationale", ""),
         candidate.get("global_batch"),
+        candidate.get("predicted_peak_bytes"),
     )
 
 
@@ -645,6 +649,10 @@ class TrialView:
     """``predicted_s`` corrected by the trials before this one."""
     samples_per_s: float | None = None
     """Measured throughput at the trial's own global batch: what the decision compares."""
+    predicted_peak_bytes: float | None = None
+    """Predicted peak memory per rank (the core memory model), when the tuner gave one."""
+    peak_bytes: float | None = None
+    """Measured peak memory per rank (the largest rank's)."""
     started_at: float | None = None
     """When the app saw it start (the app's clock, for the time left)."""
     finished_at: float | None = None
@@ -842,6 +850,8 @@ def fold_study(
             config if config is not None else (old.config if old else None),
             ev.corrected_s,
             getattr(ev, "samples_per_s", None),
+            predicted_peak_bytes=getattr(ev, "predicted_peak_bytes", None),
+            peak_bytes=getattr(ev, "peak_bytes", None),
             started_at=old.started_at if old else None,
             finished_at=now,
         )

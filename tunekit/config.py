@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 
 # Order in which tuners' runtime hooks run: a placement changes how the model
-# executes, the batch and data follow, gradient synchronisation wraps last.
-ASPECT_ORDER = [Aspect.PLACEMENT, Aspect.BATCH, Aspect.DATA, Aspect.GRAD_SYNC]
+# executes, the batch follows, then the layout (which splits the batch's samples into
+# micro-batches), the data; gradient synchronisation wraps last.
+ASPECT_ORDER = [Aspect.PLACEMENT, Aspect.BATCH, Aspect.LAYOUT, Aspect.DATA, Aspect.GRAD_SYNC]
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,8 @@ def resolve(
     """Check a config against installed tuners; return (tuner, full knobs) in apply order.
 
     Refuses unknown tuners, unknown knobs, values out of range, two tuners of
-    one aspect, and a tuner next to one whose aspect it excludes.
+    one aspect, a tuner next to one whose aspect it excludes, and a gradient strategy
+    next to a tuner whose layout shards the model (FSDP reduces its own gradients).
     """
     resolved: list[tuple[Tuner, dict[str, Any]]] = []
     by_aspect: dict[Aspect, str] = {}
@@ -208,6 +210,13 @@ def resolve(
                 raise ConfigError(
                     f"{tuner.name!r} manages {aspect.value} itself; drop {by_aspect[aspect]!r}"
                 )
+    if Aspect.GRAD_SYNC in by_aspect:
+        for tuner, knobs in resolved:
+            if _asks(tuner, knobs).get("sharding") == "fsdp":
+                raise ConfigError(
+                    f"{tuner.name!r} shards the model with FSDP, which reduces its own "
+                    f"gradients; drop {by_aspect[Aspect.GRAD_SYNC]!r}"
+                )
     resolved.sort(key=lambda tk: ASPECT_ORDER.index(tk[0].aspect))
     return resolved
 
@@ -219,14 +228,7 @@ def config_layout(plan: list[tuple[Tuner, dict[str, Any]]], base: Layout) -> Lay
     changes: dict[str, Any] = {}
     owner: dict[str, str] = {}
     for tuner, knobs in plan:
-        try:
-            asked = dict(tuner.layout(knobs) or {})
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise ConfigError(
-                f"{tuner.name}: its layout hook failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        asked = _asks(tuner, knobs)
         for name, value in asked.items():
             if name in changes and changes[name] != value:
                 raise ConfigError(
@@ -239,3 +241,15 @@ def config_layout(plan: list[tuple[Tuner, dict[str, Any]]], base: Layout) -> Lay
     except ConfigError as exc:
         who = ", ".join(sorted(set(owner.values())))
         raise ConfigError(f"{who}: {exc}") from None
+
+
+def _asks(tuner: Tuner, knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout fields ``knobs`` ask for (the tuner's ``layout`` hook), failures in one line."""
+    try:
+        return dict(tuner.layout(knobs) or {})
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"{tuner.name}: its layout hook failed: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -73,6 +73,9 @@ class Aspect(str, Enum):
     """How gradients are reduced across data-parallel ranks."""
     DATA = "data"
     """The input pipeline: loader workers, pinned memory, prefetching."""
+    LAYOUT = "layout"
+    """How the model is laid out in memory: sharding (FSDP), activation checkpointing,
+    offload, micro-batches per step (the tuner's ``layout`` hook returns the layout part)."""
 
     def __str__(self) -> str:
         return self.value
@@ -222,6 +225,14 @@ class Candidate:
     memory model (``obs.predict_memory``); None: not predicted (a candidate that changes
     neither the layout nor the batch peaks as the baseline did). With ``--memory-cap``, a
     candidate predicted over it is not tried."""
+    combined_with: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Knobs of other tuners this candidate was planned with (tuner name -> knobs): its config
+    holds them too, and it is tried, predicted and ranked as one (a layout that frees memory
+    with the larger batch that memory lets fit). Dropped when a named tuner is not in use."""
+    search: bool = False
+    """Run this candidate as the tuner's in-job search: its trial applies these knobs, then
+    calls the tuner's ``search`` hook from there (instead of from the defaults). Only for a
+    tuner that overrides ``search``."""
 
 
 @dataclass

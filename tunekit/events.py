@@ -101,6 +101,10 @@ class TrialFinished(Event):
     corrected_s: float | None = None
     samples_per_s: float | None = None
     """Measured throughput at the trial's own global batch (what a decision compares)."""
+    predicted_peak_bytes: float | None = None
+    """The tuner's predicted peak memory per rank for this config (None: not predicted)."""
+    peak_bytes: float | None = None
+    """The measured peak memory per rank (the largest rank's; None: not measured)."""
 
 
 BUDGET_SKIP = "did not fit the time budget"

@@ -29,7 +29,7 @@ from typing import Any, cast
 import psutil
 
 from tunekit.config import TuningConfig, resolve
-from tunekit.contract import Aspect, Diagnosis, Tuner
+from tunekit.contract import Aspect, Candidate, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.events import (
@@ -91,7 +91,15 @@ from tunekit.trials.decide import (
     schedule,
     still_unclear,
 )
-from tunekit.trials.feedback import Corrector, PoolEntry, choose_next, outcomes_of, rank_pool
+from tunekit.trials.feedback import (
+    Corrector,
+    PoolEntry,
+    choose_next,
+    measured_peak,
+    outcomes_of,
+    predicted_peaks,
+    rank_pool,
+)
 from tunekit.trials.launcher import (
     LaunchOptions,
     TrialOutcome,
@@ -782,11 +790,35 @@ def check_memory_cap(cap: int | None, static: StaticObservation, world_size: int
         )
 
 
+def combined_over_cap(trials: list[TrialRow], config_ids: list[str], s: AutoSettings) -> str:
+    """Why winners together would run out of ``--memory-cap`` ("" when they fit or nothing
+    says): each winner's measured rise over the baseline's peak, added up."""
+    cap = s.memory_cap_bytes
+    if cap is None:
+        return ""
+    peaks: dict[str, float] = {}
+    for t in trials:
+        peak = peak_of(t) if t.status == "ok" else None
+        if peak is not None:
+            peaks[t.config_id] = max(peak, peaks.get(t.config_id, 0.0))
+    base = peaks.get(TuningConfig().config_id)
+    rises = [peaks.get(c) for c in config_ids]
+    if base is None or any(p is None for p in rises):
+        return ""
+    combined = base + sum(p - base for p in rises if p is not None)
+    if combined <= cap:
+        return ""
+    from tunekit.memory import format_bytes
+
+    return (
+        f"their measured peaks add up to ~{format_bytes(combined)} per rank, over the "
+        f"--memory-cap of {format_bytes(cap)}"
+    )
+
+
 def peak_of(row: TrialRow) -> float | None:
     """A trial's measured peak memory per rank: the largest over its ranks (None: unmeasured)."""
-    peaks = [r.get("peak_bytes") for r in (row.result or {}).get("ranks", [])]
-    found = [float(p) for p in peaks if p]
-    return max(found) if found else None
+    return measured_peak(row.result)
 
 
 def memory_summary(obs: Observation) -> dict[str, Any] | None:
@@ -869,15 +901,26 @@ class _Planning:
         elif isinstance(step, TunerDiagnosed):
             self.diagnoses[name] = asdict(step.diagnosis)
         elif isinstance(step, TunerPlanned):
+            planned = list(zip(step.candidates, step.configs, strict=True))
             if s.in_job_search and type(tuner).search is not Tuner.search:
-                self.searches.append(
+                # A search from the candidates its tuner marked, else from the defaults.
+                starts: list[tuple[Candidate | None, TuningConfig]] = [
+                    (c, cfg) for c, cfg in planned if c.search
+                ]
+                planned = [(c, cfg) for c, cfg in planned if not c.search]
+                if not starts:
+                    starts = [(None, TuningConfig({name: tuner.defaults()}))]
+                self.searches += [
                     PlannedTrial(
                         SEARCH,
                         name,
-                        TuningConfig({name: tuner.defaults()}),
+                        cfg,
+                        c.predicted_step_s if c is not None else None,
                         search={"plugin": name, "max_steps": s.search_steps},
                     )
-                )
+                    for c, cfg in starts
+                    if c is None or self._fits(c, s)
+                ]
             self.plans[name] = [asdict(c) for c in step.candidates]
             self.pool += [
                 {
@@ -888,9 +931,15 @@ class _Planning:
                     "global_batch": c.global_batch,
                     "predicted_peak_bytes": c.predicted_peak_bytes,
                 }
-                for c, cfg in zip(step.candidates, step.configs, strict=True)
+                for c, cfg in planned
             ]
             self.gains[name] = step.diagnosis.expected_gain or 0.0
+
+    @staticmethod
+    def _fits(c: Candidate, s: AutoSettings) -> bool:
+        """Whether a search's starting point is predicted to fit ``--memory-cap``."""
+        cap = s.memory_cap_bytes
+        return cap is None or (c.predicted_peak_bytes or 0) <= cap
 
 
 async def _diagnose_and_plan(
@@ -1131,16 +1180,17 @@ async def _combine_winners(
         return
     decision = decide(trials, run.s.min_effect)
     best: dict[str, dict[str, Any]] = {}
+    used: set[str] = set()  # tuners whose knobs a winner already sets
     for row in sorted(
         (r for r in decision["candidates"] if r.get("comparison", {}).get("significant")),
         key=lambda r: -r["comparison"]["speedup"],
     ):
         tuner = tuners.get(row["plugin"])
-        if tuner is not None and str(tuner.aspect) not in best:
+        knobs_of = set(row["config"].get("plugins", {}))  # more than one: a combined candidate
+        if tuner is not None and str(tuner.aspect) not in best and not knobs_of & used:
             best[str(tuner.aspect)] = row
-    merged = TuningConfig()
-    for row in best.values():
-        merged = merged.merged(TuningConfig.from_dict(row["config"]))
+            used |= knobs_of
+    parts = [TuningConfig.from_dict(row["config"]) for row in best.values()]
     if len(best) < 2:
         leader = max(best.values(), key=lambda r: r["comparison"]["speedup"], default=None)
         observation = store.study(sid).observation or {}
@@ -1149,11 +1199,18 @@ async def _combine_winners(
         )
         if partner is None:
             return
-        merged = merged.merged(TuningConfig.from_dict(partner))
+        parts.append(TuningConfig.from_dict(partner))
+    merged = TuningConfig()
+    for part in parts:
+        merged = merged.merged(part)
     try:
         resolve(merged, tuners)
     except ConfigError as exc:
         yield Notice(f"winners cannot be combined: {exc}")
+        return
+    over = combined_over_cap(trials, [p.config_id for p in parts], run.s)
+    if over:
+        yield Notice(f"winners not combined: {over}")
         return
     seq = max(t.seq for t in trials) + 1
     store.add_trials(
@@ -1190,32 +1247,42 @@ def batch_partner(
 
     The best of those tried, by their own trials' speed-up (any not clearly slower than the
     baseline); none tried, the best predicted (any not predicted slower by ``min_effect``).
-    Placements are left out: they replace the step the batch runs in.
+    Placements are left out: they replace the step the batch runs in; so is a config that
+    cannot run beside the winner (a gradient strategy next to a winner whose layout shards
+    with FSDP, planned by the sharding tuner with the batch as one candidate).
     """
     if leader is None or leader.get("global_batch") == decision.get("baseline_global_batch"):
         return None
     taken = {tuners[n].aspect for n in leader["config"].get("plugins", {}) if n in tuners}
     if Aspect.BATCH not in taken:
         return None
+    leading = TuningConfig.from_dict(leader["config"])
 
-    def other(plugin: str) -> bool:
+    def other(plugin: str, config: dict[str, Any]) -> bool:
         t = tuners.get(plugin)
-        return (
-            t is not None
-            and t.aspect not in taken | {Aspect.PLACEMENT}
-            and not (t.excludes & taken)
-        )
+        if t is None or t.aspect in taken | {Aspect.PLACEMENT} or t.excludes & taken:
+            return False
+        try:
+            resolve(leading.merged(TuningConfig.from_dict(config)), tuners)
+        except ConfigError:
+            return False
+        return True
 
     tried = [
         (r["comparison"]["speedup"], r["config"])
         for r in decision.get("candidates", [])
-        if other(r["plugin"] or "") and r.get("comparison") and r["comparison"]["ci_high"] >= 1.0
+        if r.get("comparison")
+        and r["comparison"]["ci_high"] >= 1.0
+        and other(r["plugin"] or "", r["config"])
     ]
     base = decision.get("baseline_median_s")
     predicted = [
         (base / e["predicted_s"], e["config"])  # the same batch: per step is per sample
         for e in pool
-        if other(e["plugin"]) and e.get("predicted_s") and base and not e.get("global_batch")
+        if e.get("predicted_s")
+        and base
+        and not e.get("global_batch")
+        and other(e["plugin"], e["config"])
     ]
     predicted = [sc for sc in predicted if sc[0] > 1 - min_effect]
     scored = tried or predicted
@@ -1522,6 +1589,7 @@ async def _run_pending(
         )
         if outcome.search and outcome.ok:
             _record_search_config(store, row.id, result["config_found"])
+        peaks = predicted_peaks(store.study(sid).observation or {})
         yield TrialFinished(
             row.id,
             row.seq,
@@ -1535,6 +1603,9 @@ async def _run_pending(
             outcome.error or None,
             row.corrected_s,
             samples_per_s=m.samples_per_s if m else None,
+            predicted_peak_bytes=peaks.get(row.config_id)
+            or (peaks.get(f"search:{row.plugin}") if row.role == SEARCH else None),
+            peak_bytes=measured_peak(result),
         )
         if row.role != BASELINE:
             reranked = _feedback(store, sid, s.min_effect, s.rerank, s.budget_s is not None)

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, 
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
 
-from tunekit.config import TuningConfig
+from tunekit.config import TuningConfig, resolve
 from tunekit.contract import Candidate, Diagnosis, Tuner
 from tunekit.diagnosis_text import headline_of
 from tunekit.events import Diagnosed, Planned, PluginProblem
@@ -118,11 +118,17 @@ class TunerHooks(Protocol):
 
 
 async def diagnose_and_plan(
-    tuners: Mapping[str, Tuner], hooks: TunerHooks, limit: int, plan_always: bool = False
+    tuners: Mapping[str, Tuner],
+    hooks: TunerHooks,
+    limit: int,
+    plan_always: bool = False,
+    in_use: Mapping[str, Tuner] | None = None,
 ) -> AsyncIterator[TunerStep]:
     """For each tuner in order: its diagnosis (or failure), then, if it applies (or
     ``plan_always``: ``tunekit plan --always-plan``), its plan of at most ``limit``
-    candidates (or failure)."""
+    candidates (or failure). A candidate planned with other tuners (``combined_with``) is kept
+    when they are all ``in_use`` (default: ``tuners``)."""
+    in_use = tuners if in_use is None else in_use
     for name, tuner in tuners.items():
         try:
             diagnosis = await hooks.diagnose(name)
@@ -133,8 +139,12 @@ async def diagnose_and_plan(
         if not diagnosis.applies and not plan_always:
             continue
         try:
-            candidates = await hooks.plan(name, limit)
-            configs = [TuningConfig({tuner.name: tuner.validate(c.knobs)}) for c in candidates]
+            candidates = [
+                c
+                for c in await hooks.plan(name, limit)
+                if all(other in in_use for other in c.combined_with)
+            ]
+            configs = [candidate_config(tuner, c, in_use) for c in candidates]
         except HookFailed as exc:
             yield TunerFailed(name, "plan", str(exc), diagnosis, exc.where, exc.traceback)
             continue
@@ -142,6 +152,22 @@ async def diagnose_and_plan(
             yield TunerFailed(name, "plan", f"{type(exc).__name__}: {exc}", diagnosis)
             continue
         yield TunerPlanned(name, diagnosis, candidates, configs)
+
+
+def candidate_config(
+    tuner: Tuner, candidate: Candidate, tuners: Mapping[str, Tuner]
+) -> TuningConfig:
+    """The config a candidate runs: its tuner's knobs, and those of the tuners it was planned
+    with (``Candidate.combined_with``), each validated, the whole checked as a combination."""
+    config = TuningConfig(
+        {
+            tuner.name: tuner.validate(candidate.knobs),
+            **{n: tuners[n].validate(k) for n, k in candidate.combined_with.items()},
+        }
+    )
+    if candidate.combined_with:
+        resolve(config, tuners)
+    return config
 
 
 async def diagnose_and_plan_side_by_side(
@@ -159,7 +185,8 @@ async def diagnose_and_plan_side_by_side(
         while queue:
             name = queue.popleft()
             try:
-                got = [s async for s in diagnose_and_plan({name: tuners[name]}, hook, limit)]
+                one = {name: tuners[name]}
+                got = [s async for s in diagnose_and_plan(one, hook, limit, in_use=tuners)]
             except Exception as exc:  # noqa: BLE001 - raised to the caller, in order
                 steps[name].set_exception(exc)
                 return

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import WORKLOADS, chaos_pythonpath, run_cli
+from support import WORKLOADS, chaos_pythonpath, run_cli, rundir, start_run, wait_step
 
 from tunekit.config import TuningConfig
 from tunekit.errors import ControlError
@@ -27,34 +27,6 @@ BUCKETS = '{"plugins": {"overlap_chunking": {"bucket_cap_mb": 1}}}'
 # A regression no load can hide: half a second more per step (light_cnn's take ~0.1 s).
 SLOWER = '{"plugins": {"chaos": {"mode": "slow", "sleep_s": 0.5}}}'
 LIGHT = f"{WORKLOADS}:light_cnn"  # leaves the CPU to what the tests run beside the job
-
-
-def start_run(cwd: Path, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tunekit", "run", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def rundir(cwd: Path, name: str) -> RunDir:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            return RunDir.find(name, cwd / ".tunekit")
-        except ControlError:
-            time.sleep(0.2)
-    raise TimeoutError(name)
-
-
-def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
-    return wait_for(
-        rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout
-    )
 
 
 def final_params(rd: RunDir) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import WORKLOADS, limited, run_cli
+from support import WORKLOADS, limited, run_cli, wait_step
 
 from tunekit.errors import ControlError
 from tunekit.runtime.rundir import RunDir
@@ -30,12 +30,6 @@ from tunekit.runtime.supervisor import client, wait_for
 pytestmark = pytest.mark.slow
 
 LIGHT = f"{WORKLOADS}:light_cnn"
-
-
-def wait_step(rd: RunDir, step: int, timeout: float = 180) -> dict:
-    return wait_for(
-        rd, lambda s: s.get("status") == "running" and s.get("step", 0) >= step, timeout
-    )
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,7 @@ def test_every_diagnosis_agrees_with_the_measured_breakdown_and_with_its_trials(
         "hybrid_mp",
         "layer_split",
         "overlap_chunking",
+        "sharding",
     }
     quoted_somewhere = set()
     for name, diag in diagnoses.items():

@@ -284,6 +284,7 @@ def diagnoses() -> dict[str, DiagnosisResult]:
             "knobs": BATCH["plugins"]["batch_ps_sizing"],
             "predicted_step_s": 0.41,
             "global_batch": 128,
+            "predicted_peak_bytes": 96 * 2**20,
             "rationale": "batch 64 per rank: 1.3x samples/s",
         },
     )

@@ -40,14 +40,16 @@ async def test_a_tuning_started_from_the_tuners_screen_fills_the_trials_screen(
             ("2", "candidate"),
             ("3", "baseline"),
         ]
-        # raw prediction, corrected by earlier trials, measured, samples/s, both errors, status
-        keys = ("predicted", "corrected", "measured", "samples", "error", "status")
+        # raw prediction, corrected by earlier trials, measured, samples/s, both errors,
+        # peak memory per rank (predicted -> measured; none here), status
+        keys = ("predicted", "corrected", "measured", "samples", "error", "peak", "status")
         assert [table[1][k] for k in keys] == [
             "201.0 ms",
             "207.0 ms",
             "209.0 ms ± 10.0 ms",
             "306.2",
             "4% → 1%",
+            "—",
             "ok",
         ]
         assert table[2]["status"] == "crash"

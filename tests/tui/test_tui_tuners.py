@@ -87,9 +87,16 @@ async def test_diagnose_shows_verdicts_gains_candidates_and_a_failing_tuner(
         assert any("cgdp needs at least 4 ranks" in n.message for n in app.notes)
 
         table.focus()
+        await pilot.pause(0.05)
+        # batch_ps_sizing's candidate predicts its peak memory per rank: a column for it
+        batch = cells(screen.query_one(CandidateTable))
+        assert [(c["config"], c["peak"]) for c in batch] == [
+            ("batch_ps_sizing(batch_size=64)", "96.0 MiB")
+        ]
         await pilot.press("down", "down", "down")  # overlap_chunking
         await pilot.pause(0.05)
         candidates = cells(screen.query_one(CandidateTable))
+        assert "peak" not in screen.query_one(CandidateTable).shown_columns  # none predicted
         assert [(c["config"], c["predicted"], c["step"]) for c in candidates] == [
             (
                 "overlap_chunking(bucket_cap_mb=4.0, mode=ddp_buckets)",

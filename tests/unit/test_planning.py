@@ -3,7 +3,7 @@
 import asyncio
 import re
 
-from tunekit.contract import Candidate, Diagnosis
+from tunekit.contract import Aspect, Candidate, Diagnosis
 from tunekit.observe.workload_process import ObservationFailed
 from tunekit.planning import (
     TunerDiagnosed,
@@ -117,6 +117,8 @@ def test_the_steps_become_the_orchestrators_events():
                     "predicted_range_s": None,
                     "global_batch": None,
                     "predicted_peak_bytes": None,
+                    "combined_with": {},
+                    "search": False,
                 }
             ],
         },
@@ -180,6 +182,42 @@ def test_side_by_side_the_tuners_are_shared_out_and_their_steps_come_in_order():
         ("TunerPlanned", "b"), ("TunerDiagnosed", "c"), ("TunerDiagnosed", "d"),
         ("TunerPlanned", "d"), ("TunerDiagnosed", "e"), ("TunerPlanned", "e"),
     ]  # fmt: skip
+
+
+class AspectTuner(FakeTuner):
+    """A tuner of ``aspect``; with a ``partner``, it plans one candidate with the partner's
+    knobs beside its own (``combined_with``)."""
+
+    excludes = frozenset()
+
+    def __init__(self, name, aspect, partner=None):
+        super().__init__(name)
+        self.aspect, self.partner = aspect, partner
+
+    def plan(self, obs, limit):
+        if self.partner is None:
+            return super().plan(obs, limit)
+        return [Candidate({"k": 1}, 0.4, "with", combined_with={self.partner: {"k": 2}})]
+
+
+def test_side_by_side_a_candidate_planned_with_another_tuner_keeps_it():
+    """Each process diagnoses one tuner at a time; a combined candidate is still checked
+    against every tuner in use, not dropped for want of its partner."""
+    tuners = {
+        "a": AspectTuner("a", Aspect.LAYOUT, partner="b"),
+        "b": AspectTuner("b", Aspect.BATCH),
+        "c": AspectTuner("c", Aspect.DATA, partner="x"),
+    }
+
+    async def run():
+        hooks = [SlowHooks(tuners, {}), SlowHooks(tuners, {})]
+        return [s async for s in diagnose_and_plan_side_by_side(tuners, hooks, 1)]
+
+    planned = {s.name: s for s in asyncio.run(run()) if isinstance(s, TunerPlanned)}
+    assert [cfg.plugins for cfg in planned["a"].configs] == [
+        {"a": {"k": 1, "default": 1}, "b": {"k": 2, "default": 1}}
+    ]
+    assert planned["c"].candidates == []  # its partner "x" is not in use
 
 
 def test_side_by_side_a_workload_that_no_longer_loads_stops_at_its_tuner():

@@ -49,7 +49,7 @@ HOOKS = {
     "layout": (("self", "knobs"), False),
 }
 TUNER_ATTRIBUTES = ("name", "title", "aspect", "excludes", "api_version")
-ASPECTS = ("batch", "placement", "grad_sync", "data")
+ASPECTS = ("batch", "placement", "grad_sync", "data", "layout")
 FIELDS = {
     Knob: (
         "name",
@@ -72,6 +72,8 @@ FIELDS = {
         "predicted_range_s",
         "global_batch",
         "predicted_peak_bytes",
+        "combined_with",
+        "search",
     ),
     SearchResult: ("knobs", "trace", "summary", "details"),
 }
@@ -84,7 +86,14 @@ def test_the_entry_point_group_is_frozen_and_is_where_the_built_ins_register():
     assert GROUP == ENTRY_POINT_GROUP
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     builtins = set(pyproject["project"]["entry-points"][ENTRY_POINT_GROUP])
-    assert builtins == {"batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"}
+    assert builtins == {
+        "batch_ps_sizing",
+        "cgdp",
+        "hybrid_mp",
+        "layer_split",
+        "overlap_chunking",
+        "sharding",
+    }
     assert builtins <= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 

@@ -230,20 +230,22 @@ def test_a_winner_on_a_drifting_baseline_needs_a_third_run():
 def test_a_winner_that_changes_the_batch_is_tried_with_the_best_sync_config_of_its_study():
     """On example:cnn two_chunk gains nothing at batch 32 and 4% at batch 128: judged at the
     job's batch only it never meets the batch it pays at (docs/benchmarks.md, tuner_vs_grid)."""
-    from tunekit.contract import Aspect, Tuner
+    from tunekit.contract import Aspect, Knob, Tuner
     from tunekit.orchestrator import batch_partner
 
-    def tuner(name, aspect):
+    def tuner(name, aspect, *knobs, layout=None):
+        declared = [Knob(k, "int", 0) if k != "plan" else Knob(k, "str", "") for k in knobs]
         cls = type(name, (Tuner,), {"name": name, "title": name, "aspect": aspect,
-                                    "knobs": lambda self: [], "diagnose": None, "plan": None,
-                                    "apply": None})  # fmt: skip
+                                    "knobs": lambda self: declared, "diagnose": None,
+                                    "plan": None, "apply": None,
+                                    "layout": lambda self, knobs: layout})  # fmt: skip
         cls.__abstractmethods__ = frozenset()
         return cls()
 
     tuners = {
-        "batch": tuner("batch", Aspect.BATCH),
-        "sync": tuner("sync", Aspect.GRAD_SYNC),
-        "place": tuner("place", Aspect.PLACEMENT),
+        "batch": tuner("batch", Aspect.BATCH, "batch_size"),
+        "sync": tuner("sync", Aspect.GRAD_SYNC, "k", "cap"),
+        "place": tuner("place", Aspect.PLACEMENT, "plan"),
     }
     rng = np.random.default_rng(7)
     big = {"batch": {"batch_size": 128}}
@@ -278,6 +280,14 @@ def test_a_winner_that_changes_the_batch_is_tried_with_the_best_sync_config_of_i
     # A winner at the job's own batch meets other aspects only where they won themselves.
     sync_leader = next(r for r in decision["candidates"] if r["plugin"] == "sync")
     assert batch_partner(sync_leader, decision, pool, tuners, 0.01) is None
+    # A layout that shards with FSDP, planned with the larger batch as one candidate
+    # (Candidate.combined_with): FSDP reduces its own gradients, so no sync config joins it.
+    tuners["shard"] = tuner("shard", Aspect.LAYOUT, "fsdp", layout={"sharding": "fsdp"})
+    sharded = {"shard": {"fsdp": 1}, **big}
+    rows[1] = row(1, CANDIDATE, sharded, 0.320, 256)
+    decision = decide(rows, 0.01)
+    leader = next(r for r in decision["candidates"] if r["plugin"] == "shard")
+    assert batch_partner(leader, decision, pool, tuners, 0.01) is None
 
 
 def test_a_search_that_kept_every_default_found_nothing_to_weigh_against_the_baseline():

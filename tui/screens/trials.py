@@ -9,7 +9,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Label, ProgressBar, Static
 
-from tunekit.tui.formatting import duration, ms, number, pct, speedup
+from tunekit.tui.formatting import duration, ms, number, pct, size, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import StudyView, TrialView, TunerView
 from tunekit.tui.widgets import Column, FitTable, TrialPoint, TrialsPlot
@@ -30,8 +30,8 @@ class TrialTable(FitTable):
     """One row per trial; ``a`` applies the highlighted trial's config, enter makes it the apply target.
 
     Times are per step of the trial's own batch; samples/s is what the decision compares;
-    error = |prediction - measured| / measured, raw -> corrected by earlier trials. On a
-    narrow terminal the columns that matter least go first (numbers are never cut); on a
+    error = |prediction - measured| / measured, raw -> corrected by earlier trials; peak/rank:
+    memory per rank, predicted -> measured. On a narrow terminal the columns that matter least go first (numbers are never cut); on a
     wide one the config and the note are whole."""
 
     BINDINGS = [
@@ -47,6 +47,7 @@ class TrialTable(FitTable):
         Column("measured", "measured step"),
         Column("samples", "samples/s"),
         Column("error", "error", priority=4),
+        Column("peak", "peak/rank", priority=4),
         Column("status", "status"),
         Column("note", "note", priority=3, grow=True, min_width=12),
     )
@@ -78,6 +79,7 @@ class TrialTable(FitTable):
                         else f"{ms(t.median_s)} ± {ms(t.spread_s)}",
                         "samples": number(t.samples_per_s),
                         "error": prediction_errors(t),
+                        "peak": peaks(t),
                         "status": Text(t.status, style=STATUS_STYLE.get(t.status, "red")),
                         "note": t.error or "",
                     },
@@ -104,6 +106,13 @@ def prediction_errors(t: TrialView) -> str:
         return "—"
     text = pct(t.prediction_error)
     return text if t.corrected_error is None else f"{text} → {pct(t.corrected_error)}"
+
+
+def peaks(t: TrialView) -> str:
+    """``38.0 MiB → 40.1 MiB``: predicted, then measured peak memory per rank."""
+    if t.predicted_peak_bytes is None and t.peak_bytes is None:
+        return "—"
+    return f"{size(t.predicted_peak_bytes)} → {size(t.peak_bytes)}"
 
 
 def study_line(study: StudyView, time_left_s: float | None = None) -> Text:

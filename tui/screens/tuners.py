@@ -10,7 +10,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Label, Static
 
 from tunekit.diagnosis_text import body_points, headline_of
-from tunekit.tui.formatting import duration, ms, number, speedup
+from tunekit.tui.formatting import duration, ms, number, size, speedup
 from tunekit.tui.screens.base import TunekitScreen
 from tunekit.tui.state import BaselineView, CandidateView, StudyView, TunerView
 from tunekit.tui.widgets.table import Column, FitTable
@@ -98,6 +98,7 @@ class CandidateTable(FitTable):
         Column("config", "config", grow=True, min_width=20),
         Column("predicted", "predicted"),
         Column("step", "step", priority=1),
+        Column("peak", "peak/rank", priority=1, when_filled=True),
         Column("why", "why", priority=2, grow=True, min_width=16),
     )
 
@@ -105,6 +106,8 @@ class CandidateTable(FitTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
 
     def show(self, tuner: TunerView | None, baseline: BaselineView | None = None) -> None:
+        candidates = tuner.candidates if tuner else ()
+        peaks = any(c.predicted_peak_bytes is not None for c in candidates)  # else no column
         self.set_rows(
             [
                 (
@@ -114,10 +117,11 @@ class CandidateTable(FitTable):
                         "config": c.description,
                         "predicted": predicted_rate(c, baseline),
                         "step": candidate_step(c, baseline),
+                        **({"peak": size(c.predicted_peak_bytes)} if peaks else {}),
                         "why": c.rationale,
                     },
                 )
-                for i, c in enumerate(tuner.candidates if tuner else (), 1)
+                for i, c in enumerate(candidates, 1)
             ]
         )
 

@@ -31,6 +31,8 @@ class Column:
     """The narrowest a ``grow`` column is drawn (below it, it is dropped)."""
     from_width: int = 0
     """Drawn only in a table at least this wide (a column that would cost a config its end)."""
+    when_filled: bool = False
+    """Drawn only when some row has a cell for it (a figure only some tuners give)."""
 
 
 def cell_width(cell: Cell) -> int:
@@ -126,7 +128,12 @@ class FitTable(DataTable):
             )
             for c in self.COLUMNS
         }
-        layout = fit_columns(self.COLUMNS, natural, width, self.cell_padding)
+        columns = [
+            c
+            for c in self.COLUMNS
+            if not c.when_filled or any(c.key in cells for _, cells in self._rows)
+        ]
+        layout = fit_columns(columns, natural, width, self.cell_padding)
         row = self.cursor_row
         before = self.shown_columns
         # The cursor stays on its column (by key: the columns shown may change with the width).

@@ -12,7 +12,7 @@ from tunekit.contract import Candidate, Tuner
 from tunekit.diagnosis_text import body_points, outcomes
 from tunekit.store import Store
 from tunekit.trials.decide import decide
-from tunekit.trials.feedback import relative_error
+from tunekit.trials.feedback import measured_peak, predicted_peaks, relative_error
 from tunekit.trials.launcher import LaunchOptions
 from tunekit.trials.stats import ranks_global_batch
 
@@ -34,6 +34,7 @@ def report_data(
 
     decision = study.decision or decide(trials, study.settings.get("min_effect", 0.01), describe)
     obs = study.observation or {}
+    peaks = predicted_peaks(obs)
     planned = _planned_candidates(obs)
     job_batch = (obs.get("summary") or {}).get("global_batch")
     rows = []
@@ -62,11 +63,11 @@ def report_data(
                 "rationale": candidate.get("rationale", ""),
                 "step_s": m.get("step_s"),
                 "overlap_R": sum(rs) / len(rs) if rs else None,
-                "peak_bytes": max(
-                    (r["peak_bytes"] for r in ranks if r.get("peak_bytes")), default=None
-                ),
                 "error": t.error,
                 "wall_s": (t.result or {}).get("wall_s"),
+                "predicted_peak_bytes": peaks.get(t.config_id)
+                or (peaks.get(f"search:{t.plugin}") if t.role == "search" else None),
+                "peak_bytes": measured_peak(t.result),
                 **_length_columns(t.result, t.error),
             }
         )

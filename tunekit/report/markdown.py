@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunekit.memory import format_bytes
 from tunekit.observe.truth import PART_LABELS
 from tunekit.trials.nodes import describe_slowest
 
@@ -83,11 +84,13 @@ def _trials_section(trials: list[dict[str, Any]]) -> list[str]:
         "*Predicted*: the tuner's cost model, calibrated on the measured baseline, per step; "
         "*corrected*: that prediction corrected by the trials that ran before it; *error*: "
         "|prediction − measured| / measured, raw → corrected. A step over a larger global "
-        "batch takes longer: compare trials of different batches by *samples/s*.",
+        "batch takes longer: compare trials of different batches by *samples/s*. *Peak/rank*: "
+        "memory per rank, predicted (core memory model) → measured (the largest rank's).",
         "",
         "| # | role | config | status | steps | global batch | predicted | corrected "
-        "| measured (median ± IQR) | samples/s | error | R | why | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| measured (median ± IQR) | samples/s | error | peak/rank | R | why | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
     for t in trials:
         measured = "—" if t["median_s"] is None else f"{_ms(t['median_s'])} ± {_ms(t['spread_s'])}"
@@ -98,7 +101,7 @@ def _trials_section(trials: list[dict[str, Any]]) -> list[str]:
             f"| {t['seq']} | {t['role']} | {t['description']} | {t['status']} | {t.get('steps_run') or '—'} | "
             f"{t.get('global_batch') or '—'} | {_ms(t['predicted_s'])} | "
             f"{_ms(t.get('corrected_s'))} | {measured} | {_num(t.get('samples_per_s'))} | "
-            f"{_errors(t)} | {r} | {why} | {note} |"
+            f"{_errors(t)} | {_peaks(t)} | {r} | {why} | {note} |"
         )
     return out
 
@@ -220,7 +223,7 @@ def _memory_section(memory: dict[str, Any] | None) -> list[str]:
     measured peak."""
     if not memory:
         return []
-    from tunekit.memory import PART_ORDER, PART_WORDS, format_bytes
+    from tunekit.memory import PART_ORDER, PART_WORDS
 
     predicted = memory["predicted"]
     measured = memory.get("measured_peak_bytes")
@@ -298,3 +301,11 @@ def _speedup(head: dict[str, Any]) -> str:
         return "—"
     ci = head.get("speedup_ci")
     return f"{sp:.2f}x" + (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+
+
+def _peaks(t: dict[str, Any]) -> str:
+    """``38 MiB → 40 MiB``: the predicted and the measured peak per rank."""
+    predicted, measured = t.get("predicted_peak_bytes"), t.get("peak_bytes")
+    if predicted is None and measured is None:
+        return "—"
+    return f"{format_bytes(predicted)} → {format_bytes(measured)}"

@@ -326,6 +326,25 @@ class Session:
         self.accumulation = micro_batches
         self.set_lr(self.scaled_lr())
 
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Split the samples each rank takes per step (batch size x accumulation, kept) into
+        ``micro_batches`` equal micro-batches: less activation memory per forward, more
+        passes. The global batch and learning rate stay, so the workload's ``batch_range``
+        does not limit the micro-batch. Refused in one line when they do not divide evenly."""
+        per_rank = self.batch_size * self.accumulation
+        if not isinstance(micro_batches, int) or micro_batches < 1 or per_rank % micro_batches:
+            raise ConfigError(
+                f"{micro_batches!r} micro-batches do not divide the {per_rank} samples each rank "
+                f"takes per step (batch {self.batch_size} x accumulation {self.accumulation})"
+            )
+        if micro_batches > 1 and "accumulation" not in self.grad_sync.handles:
+            raise ConfigError(
+                f"gradient strategy {self.grad_sync.name} does not honour accumulation"
+            )
+        self.accumulation = micro_batches
+        self.batch_size = per_rank // micro_batches
+        self.data.set_batch_size(self.batch_size)
+
     def set_batch_size(self, batch_size: int) -> None:
         """Change the per-rank batch and rescale the learning rate by the workload's rule."""
         rng = self.workload.batch_range

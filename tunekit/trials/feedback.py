@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -215,3 +216,24 @@ def choose_next(
             first.append(r)
     rest = [r for r in kept if r not in first]
     return (first + rest)[:slots], dropped
+
+
+def predicted_peaks(obs: dict[str, Any]) -> dict[str, float]:
+    """Predicted peak per rank by config id (the planned pool), and each tuner's in-job
+    search start's (``search:TUNER``: a search records the config it found instead)."""
+    out = {
+        e["config_id"]: e["predicted_peak_bytes"]
+        for e in obs.get("pool", [])
+        if e.get("predicted_peak_bytes")
+    }
+    for plugin, candidates in (obs.get("plans") or {}).items():
+        start = next((c for c in candidates if c.get("search")), None)
+        if start is not None and start.get("predicted_peak_bytes"):
+            out[f"search:{plugin}"] = start["predicted_peak_bytes"]
+    return out
+
+
+def measured_peak(result: Mapping[str, Any] | None) -> float | None:
+    """A trial's measured peak memory per rank: the largest over its ranks (None: unmeasured)."""
+    ranks = (result or {}).get("ranks") or []
+    return max((float(r["peak_bytes"]) for r in ranks if r.get("peak_bytes")), default=None)
