@@ -81,8 +81,16 @@ class Analysis:
 
     @property
     def gain(self) -> float:
+        """The best proposal's predicted gain in samples/s (a proposal may change the batch)."""
         best = self.best
-        return max(0.0, 1 - best.step_s / self.base.step_s) if best is not None else 0.0
+        return max(0.0, self.gain_at(best.step_s)) if best is not None else 0.0
+
+    def gain_at(self, step_s: float) -> float:
+        """Samples/s over the baseline's, less one, for the best proposal taking ``step_s``."""
+        best = self.best
+        assert best is not None
+        base = self.base
+        return (best.setting.samples / step_s) / (base.setting.samples / base.step_s) - 1
 
     @property
     def peak(self) -> float | None:

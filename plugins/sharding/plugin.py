@@ -93,7 +93,8 @@ class Sharding(Tuner):
             verdict = (
                 f"fastest that fits: {best.setting.describe()}, predicted "
                 f"{_ms(best.step_s)} per step ({_ms(best.range_s[0])}-{_ms(best.range_s[1])}), "
-                f"{gain:.0%} faster than the {_baseline_word(a)} {_ms(a.base.step_s)}, peaking at "
+                f"{gain:.0%} more samples/s than the {_baseline_word(a)} {_ms(a.base.step_s)}, "
+                f"peaking at "
                 f"{format_bytes(best.peak_bytes)}"
             )
         over = sum(1 for p in a.predictions if p.peak_bytes and p.peak_bytes > bound.bytes)
@@ -107,7 +108,7 @@ class Sharding(Tuner):
         if best is None:
             headline = compose_headline(False, figure=figure)
         else:  # the step's predicted range as a range of the gain
-            low, high = (1 - step / a.base.step_s for step in best.range_s)
+            low, high = sorted(a.gain_at(step) for step in best.range_s)
             figure += f" · {best.setting.layout.describe()}"
             headline = compose_headline(True, gain, (low, high), figure)
         return Diagnosis(

@@ -178,7 +178,15 @@ def combined(
     bar = against.per_sample_s if against is not None else base.step_s / base.setting.samples
     out = []
     for batch, predictions in sorted(larger.items()):
-        fitting = [p for p in predictions if fits(p, bound, base.setting)]
+        # The job's own layout and passes at a larger batch are the batch tuner's candidate
+        # alone: this tuner proposes a batch only with something of its own that changes.
+        fitting = [
+            p
+            for p in predictions
+            if fits(p, bound, base.setting)
+            and (p.setting.layout, p.setting.micro_batches)
+            != (base.setting.layout, base.setting.micro_batches)
+        ]
         if not fitting:
             continue
         best = min(fitting, key=lambda p: p.step_s / p.setting.samples)

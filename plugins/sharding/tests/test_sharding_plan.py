@@ -216,3 +216,24 @@ def test_a_combined_candidate_is_dropped_where_its_partner_is_not_in_use():
     planned = [s for s in asyncio.run(steps()) if isinstance(s, TunerPlanned)][0]
     assert planned.candidates and not any(c.combined_with for c in planned.candidates)
     assert all(list(cfg.plugins) == ["sharding"] for cfg in planned.configs)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "ddp"])
+def test_with_memory_to_spare_a_larger_batch_comes_only_with_a_layout_of_its_own(kind):
+    """The demo CNN, 33 MiB of 12 GiB: the job's own layout at a larger batch is the batch
+    tuner's candidate, not this tuner's (it won the demo as "batch_ps_sizing(...) +
+    sharding()", every sharding knob at the job's own); the gain is counted in samples/s."""
+    obs = observation(kind, batch_range=(1, 256))
+    tuner = Sharding()
+    d = tuner.diagnose(obs)
+    base = (obs.workload.layout(), 1)
+    for c in tuner.plan(obs, 8):
+        if c.combined_with:
+            own = layout_of(c.knobs, obs.workload)
+            assert (own, int(c.knobs.get("micro_batches") or 1)) != base, c.rationale
+    if d.applies:
+        a = tuner.analysis(obs)
+        best = a.best
+        rate = best.setting.samples / best.step_s
+        assert d.expected_gain == pytest.approx(rate / (a.base.setting.samples / a.base.step_s) - 1)
+        assert "more samples/s" in d.summary
