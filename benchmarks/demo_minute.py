@@ -56,7 +56,8 @@ def run_once(folder: Path) -> dict:
             reason=d.get("reason", ""),
             # A decision: some candidate measured, nothing left unclear, a winner confirmed.
             tried=any(c.get("comparison") for c in d.get("candidates", [])),
-            clear=bool(more.get("clear", True)),
+            # Two winners within each other's noise: the win is clear, either config gains it.
+            clear=bool(more.get("clear", True) or more.get("rival_only")),
             confirmed=winner is None or winner.get("runs", 0) >= 2,
             timings=report.get("timings", []),
         )

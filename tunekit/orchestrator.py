@@ -674,11 +674,18 @@ def _qualify(
                 spent = budget
             else:
                 spent = f"its {n} round(s)" if n else "--measure-rounds 0"
-            decision["reason"] += (
-                f"; still unclear after {rounds} ({unclear}): {spent} spent"
-                if n
-                else f"; unclear ({unclear}), and {spent} left no room to measure more"
-            )
+            if more.get("rival_only"):  # the win is settled; which of two winners is open
+                decision["reason"] += (
+                    f"; the win is clear, but not which of two is faster ({unclear}): either "
+                    f"gains about as much"
+                    + (f" ({rounds}, then {spent} spent)" if n else f" ({spent} left no room)")
+                )
+            else:
+                decision["reason"] += (
+                    f"; still unclear after {rounds} ({unclear}): {spent} spent"
+                    if n
+                    else f"; unclear ({unclear}), and {spent} left no room to measure more"
+                )
     drift = baseline_drift(trials)
     if drift is not None:
         decision["baseline_drift"] = drift
@@ -1359,6 +1366,7 @@ async def _measure_more(
         state: dict[str, Any] = {"rounds": rounds, "clear": unclear is None}
         if unclear is not None:
             state["why"] = unclear.why
+            state["rival_only"] = unclear.rival_only
             state["spent"] = "round limit" if rounds >= s.measure_rounds else "time budget"
         walls = (
             [run.wall(r["config_id"], r["predicted_s"], trials) for r in unclear.rows]

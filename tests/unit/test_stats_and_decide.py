@@ -207,6 +207,7 @@ def test_two_winners_within_each_others_noise_are_measured_side_by_side():
     unclear = _unclear(close)
     assert [r["description"] for r in unclear.rows] == ["p(x=1)", "q(y=1)"]
     assert "within each other's noise" in unclear.why
+    assert unclear.rival_only  # the win itself is settled: only which of the two is open
     apart = [r for r in close if r.id != 2] + [_row(2, CANDIDATE, b, _steps(rng, 0.095))]
     assert _unclear(apart) is None
 
@@ -222,7 +223,7 @@ def test_a_winner_on_a_drifting_baseline_needs_a_third_run():
         _row(4, BASELINE, {}, _steps(rng, 0.11)),
     ]
     assert decide(rows, 0.01)["winner"] == "p()"
-    assert "drifted" in _unclear(rows).why
+    assert "drifted" in _unclear(rows).why and not _unclear(rows).rival_only
     rows += [_row(5, "confirm", fast, _steps(rng, 0.06)), _row(6, BASELINE, {}, _steps(rng, 0.12))]
     assert _unclear(rows) is None
 

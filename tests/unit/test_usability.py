@@ -370,6 +370,14 @@ def test_a_decision_the_budget_left_no_room_to_measure_more_says_so():
     assert decision["reason"].endswith(
         "; unclear (x), and the 55 s budget left no room to measure more"
     )
+    # Two winners within each other's noise: the win is clear, not which of the two.
+    decision = decide(trials, 0.01)
+    rival = {"measured_more": {**none["measured_more"], "why": "a and b", "rival_only": True}}
+    _qualify(decision, trials, AutoSettings(budget_s=55.0, trials=None), rival)
+    assert decision["reason"].endswith(
+        "; the win is clear, but not which of two is faster (a and b): either gains about as "
+        "much (the 55 s budget left no room)"
+    )
 
 
 def test_a_candidate_keeps_room_for_confirming_the_leader_and_a_baseline_beside_nothing_is_skipped():

@@ -207,6 +207,9 @@ class Unclear:
     """``decide``'s rows of the configs to run again: the leader, and its rival where the two
     are too close to tell apart."""
     why: str
+    rival_only: bool = False
+    """The leader is a confirmed win over the baseline; only which of it and its rival is the
+    faster is open (applying either gains what the decision says)."""
 
 
 def still_unclear(
@@ -252,6 +255,7 @@ def still_unclear(
                 [leader, rival],
                 f"{leader['description']} and {rival['description']} are within each other's "
                 f"noise ({versus.speedup:.2f}x, {versus.ci_low:.2f}–{versus.ci_high:.2f}x)",
+                rival_only=True,
             )
     return None
 
