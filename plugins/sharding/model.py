@@ -151,6 +151,9 @@ class StepModel:
     fsdp_pass_s: tuple[float, float] = (0.0, 0.0)
     """What FSDP adds to a pass's compute (copies into and out of the collectives' buffers,
     hooks), resharded after forward and not (timed on one rank)."""
+    recompute_factor: float = 1.0
+    """A recomputed forward's cost over the block's profiled forward (1 until a checkpointed
+    baseline's measured compute says otherwise: checkpoint's own work comes on top)."""
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -167,7 +170,7 @@ class StepModel:
         chosen = set(self.checkpointed(layout))
         full = layout.checkpointing == "full"
         return {
-            b.name: (b.forward_s if full else b.selective_s)
+            b.name: (b.forward_s if full else b.selective_s) * self.recompute_factor
             for b in self.blocks
             if b.name in chosen
         }
