@@ -179,17 +179,18 @@ def combined(
     out = []
     for batch, predictions in sorted(larger.items()):
         # The job's own layout and passes at a larger batch are the batch tuner's candidate
-        # alone: this tuner proposes a batch only with something of its own that changes.
-        fitting = [
-            p
-            for p in predictions
-            if fits(p, bound, base.setting)
-            and (p.setting.layout, p.setting.micro_batches)
-            != (base.setting.layout, base.setting.micro_batches)
-        ]
+        # alone: this tuner proposes a batch only with a change of its own that it needs, to
+        # fit or to gain (selective checkpointing at no cost beside a batch that fits anyway
+        # is no candidate of its own).
+        own = (base.setting.layout, base.setting.micro_batches)
+        fitting = [p for p in predictions if fits(p, bound, base.setting)]
+        as_is = [p for p in fitting if (p.setting.layout, p.setting.micro_batches) == own]
+        fitting = [p for p in fitting if (p.setting.layout, p.setting.micro_batches) != own]
         if not fitting:
             continue
         best = min(fitting, key=lambda p: p.step_s / p.setting.samples)
+        if as_is and best.step_s > as_is[0].step_s * (1 - MIN_GAIN):
+            continue
         proposal = Proposal(best, batch=batch)
         if proposal.per_sample_s < bar * (1 - MIN_GAIN):
             out.append(proposal)

@@ -258,3 +258,29 @@ def test_a_checkpointed_baselines_extra_compute_is_its_recomputation():
     assert saved == pytest.approx(recompute)
     # A baseline without checkpointing has nothing to fit.
     assert calibrate_job(observation("ddp", fractions=fractions)).model.recompute_factor == 1.0
+
+
+def test_a_layout_is_combined_with_a_larger_batch_only_where_it_needs_one():
+    """Selective checkpointing at no cost beside a batch that fits anyway won a demo's budget
+    as "batch_ps_sizing(batch_size=128) + sharding(checkpointing=selective)"."""
+    from tunekit.plugins.sharding.model import Setting
+    from tunekit.plugins.sharding.search import MIN_GAIN, combined
+
+    obs = observation("ddp", batch_range=(1, 256))
+    a = Sharding().analysis(obs)
+    base = a.base
+    own, other = base.setting.layout, base.setting.layout.with_changes({"sharding": "fsdp"})
+
+    def at(layout, step_s, peak):
+        p = a.model.predict(Setting(layout, 1, 4 * base.setting.samples))
+        return replace(p, step_s=step_s, memory=replace(p.memory, peak_bytes=peak))
+
+    step = base.step_s * 3  # 4x the batch in 3x the time: per sample, a gain over the job
+    bound = 10 * base.peak_bytes
+    no_gain = {4: [at(own, step, base.peak_bytes), at(other, step * (1 - MIN_GAIN / 2), 1.0)]}
+    assert combined(no_gain, None, base, bound) == []
+    gains = {4: [at(own, step, base.peak_bytes), at(other, step * (1 - 2 * MIN_GAIN), 1.0)]}
+    assert [p.prediction.setting.layout for p in combined(gains, None, base, bound)] == [other]
+    # Where the job's own layout does not fit at that batch, the layout is what lets it in.
+    over = {4: [at(own, step, 2 * bound), at(other, step * 1.01, 1.0)]}
+    assert [p.prediction.setting.layout for p in combined(over, None, base, bound)] == [other]
