@@ -13,6 +13,7 @@ or timeout kills the pool, so a broken call never leaks into the next one.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ def _serve(rank: int, conn: Connection, run: Callable[..., None]) -> None:
         except BaseException:  # the result file says what; this process is done for
             conn.send(False)
             raise
+        gc.collect()  # the call's process group and its sockets go now, not during the next
         conn.send(True)
 
 

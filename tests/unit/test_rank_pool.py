@@ -9,7 +9,7 @@ from support import rank_one_raises, rank_pid, rank_sleeps, rank_state_then_spoi
 
 from tunekit import rank_pool
 from tunekit.testing import run_ranks
-from tunekit.testing.ranks import _lost_while_connecting
+from tunekit.testing.ranks import _lost_connection
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +41,27 @@ def test_a_failing_call_retires_its_ranks_and_the_next_call_gets_new_ones(pooled
     assert set(after).isdisjoint(before)
 
 
-GLOO_LOST = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer"
+LOST = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer"
+MIDWAY = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:17805"
 
 
 @pytest.mark.parametrize(
     "found, retried",
     [
         # rank 1 lost its connection while connecting; rank 0 was stopped before writing
-        ([None, {"ok": False, "error": GLOO_LOST, "connecting": True, "t": 1.0}], True),
-        ([{"ok": False, "error": GLOO_LOST, "connecting": True, "t": 1.0}] * 2, True),
-        # fn itself raised: never run twice
-        ([None, {"ok": False, "error": GLOO_LOST, "connecting": False, "t": 1.0}], False),
-        # another failure while connecting (a store timeout): said as it is
+        ([None, {"ok": False, "error": LOST, "t": 1.0}], True),
+        # ... or in a collective, on both ranks
+        ([{"ok": False, "error": MIDWAY, "t": 1.0}, {"ok": False, "error": LOST, "t": 2}], True),
+        # fn raised something of its own on one rank: never run twice
         (
-            [None, {"ok": False, "error": "TimeoutError: no port", "connecting": True, "t": 1}],
+            [{"ok": False, "error": MIDWAY, "t": 2}, {"ok": False, "error": "ValueError", "t": 1}],
             False,
         ),
+        ([None, {"ok": False, "error": "TimeoutError: no port", "t": 1}], False),
+        # a rank that finished: the call is not lost
+        ([{"ok": True, "value": 1}, {"ok": False, "error": LOST, "t": 1.0}], False),
         ([{"ok": True, "value": 1}, {"ok": True, "value": 2}], False),
     ],
 )
-def test_only_a_gloo_connection_lost_before_fn_ran_is_tried_again(found, retried):
-    assert _lost_while_connecting(found) is retried
+def test_only_a_gloo_connection_lost_under_the_ranks_is_tried_again(found, retried):
+    assert _lost_connection(found) is retried
