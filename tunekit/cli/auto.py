@@ -492,10 +492,11 @@ class _ProgressView:
             task = self.tasks.pop(ev.trial_id, None)
             if task is not None:
                 self.progress.remove_task(task)
-            if ev.status == "skipped" and ev.error == BUDGET_SKIP:
-                self.budget_skipped.append(ev.seq)
-            elif ev.status == "skipped" and ev.error == NOTHING_RAN:
-                pass  # bookkeeping of the skips above
+            if ev.status == "skipped" and ev.error in (BUDGET_SKIP, NOTHING_RAN):
+                # Said once, as ranges, after the trials; a baseline with nothing run since the
+                # last one is no news at all.
+                if ev.error == BUDGET_SKIP:
+                    self.budget_skipped.append(ev.seq)
             elif ev.status == "ok":
                 pred = _prediction(ev.predicted_s, ev.corrected_s)
                 self.say(
