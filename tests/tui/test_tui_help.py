@@ -83,3 +83,48 @@ async def test_help_and_quit_stay_in_the_footer_of_every_screen(app_factory, wai
             await wait_for_app(pilot, lambda: "Help" in visible() and "Quit" in visible())
             shown = visible()
             assert shown["Help"] and shown["Quit"], (key, shown)
+
+
+async def test_a_first_visit_composes_the_footer_once_and_it_follows_the_focus(
+    app_factory, wait_for_app, monkeypatch
+):
+    """Issue 35: Textual's footer recomposed six times on a screen's first visit (a new
+    widget per key, each restyled: half of the switch's CPU time). Now once; it still
+    recomposes when the keys it shows change (here: the focus moves off the tuners table,
+    whose key "space" then leaves the footer)."""
+    from textual.widgets._footer import FooterKey
+
+    made = []
+    init = FooterKey.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(FooterKey, "__init__", counting)
+
+    def footer_keys() -> set[str]:
+        return {k.key for k in app.screen.query(FooterKey)}
+
+    def footer_actions() -> set[str]:
+        return {k.action for k in app.screen.query(FooterKey)} - {"command_palette"}
+
+    def shown_actions() -> set[str]:
+        return {b.binding.action for b in app.screen.active_bindings.values() if b.binding.show}
+
+    app = app_factory()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for_app(pilot, lambda: app.tuner_views and footer_keys())
+        for key in ("2", "3", "4", "5"):
+            made.clear()
+            await pilot.press(key)
+            await wait_for_app(pilot, lambda: footer_keys() and footer_keys() >= {"q"})
+            await pilot.pause(0.2)  # any redundant recompose would have come by now
+            assert len(made) == len(footer_keys()), key  # one compose, one widget per key
+            assert footer_actions() == shown_actions(), key
+
+        await pilot.press("3")
+        await wait_for_app(pilot, lambda: "space" in footer_keys())
+        app.screen.set_focus(None)  # off the table: its "space" binding no longer applies
+        await wait_for_app(pilot, lambda: "space" not in footer_keys())
+        assert footer_actions() == shown_actions()

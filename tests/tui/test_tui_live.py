@@ -15,7 +15,11 @@ async def test_live_shows_the_job_its_gpus_and_ranks(app_factory, wait_for_app, 
     app = app_factory()
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_for_app(
-            pilot, lambda: app.live_view.step == 60 and len(app.screen.query(DevicePanel)) == 2
+            pilot,
+            lambda: (
+                app.live_view.step == 60
+                and len([t for t in app.screen.query(".device-title") if text_of(t)]) == 2
+            ),
         )
         screen = app.screen
         assert isinstance(screen, LiveScreen)
@@ -45,7 +49,15 @@ async def test_without_a_gpu_host_metrics_and_one_notice(
 ):
     app = app_factory(backend_factory(gpu=False))
     async with app.run_test(size=(120, 36)) as pilot:
-        await wait_for_app(pilot, lambda: app.live_view.ranks and app.tuner_views)
+        await wait_for_app(  # drawn, not only polled: the screen draws after the poll
+            pilot,
+            lambda: (
+                app.live_view.ranks
+                and app.tuner_views
+                and len(app.screen.query("#ranks MetricRow")) == 2
+                and text_of(app.screen.query_one("#no-gpu"))
+            ),
+        )
         screen = app.screen
         assert screen.has_class("-no-gpu")
         assert not screen.query(DevicePanel)

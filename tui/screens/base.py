@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Header
+
+from tunekit.tui.widgets.footer import BindingsFooter
 
 if TYPE_CHECKING:
     from tunekit.tui.app import TunekitApp
@@ -30,7 +32,7 @@ class TunekitScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="◆")
         yield from self.compose_body()
-        yield Footer()
+        yield BindingsFooter()
 
     def compose_body(self) -> ComposeResult:
         yield from ()

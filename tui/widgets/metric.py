@@ -62,7 +62,10 @@ class MetricRow(Widget):
             self._draw()
 
     def _draw(self) -> None:
+        chart = next(self.query(Chart).results(Chart), None)
+        if chart is None:  # removed before it composed (its screen or the app closing)
+            return
         series, text = self._shown
         self.set_class(not series.values, "-empty")
-        self.query_one(Chart).series = series
+        chart.series = series
         self.query_one(".metric-value", Label).update(text)
