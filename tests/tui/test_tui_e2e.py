@@ -54,7 +54,7 @@ async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, w
     backend = LiveBackend(job.rd, store, job=job)
     # min_effect 1: no leader to confirm (two more trials); the best measured candidate is
     # what the apply screen offers when the decision keeps the baseline.
-    request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=6, warmup=1, min_effect=1.0)
+    request = TuneRequest(plugins=["overlap_chunking"], trials=1, steps=4, warmup=1, min_effect=1.0)
     try:
         app = TunekitApp(backend, request, poll_s=0.5)
         async with app.run_test(size=(120, 36)) as pilot:
