@@ -23,8 +23,8 @@ from tunekit.cli.follow import JOIN_TIMEOUT_OPTION, TOKEN_FILE_OPTION, node_opti
 from tunekit.config import TuningConfig, check_batch
 from tunekit.errors import ConfigError, shown
 from tunekit.locks import holder_if_held
-from tunekit.runtime.client import apply_to_run
-from tunekit.runtime.control import JobNotRunning
+from tunekit.runtime.client import apply_to_run, stop_run
+from tunekit.runtime.control import JobNotRunning, JobRelaunching
 from tunekit.runtime.rundir import RunDir
 from tunekit.runtime.supervisor import (
     client,
@@ -170,6 +170,12 @@ def run_cmd(
     console.print(
         f"run {rd.run_id} {st.get('status')} at step {st.get('step')}"
         + (f": {st['error']}" if st.get("error") else "")
+        + (
+            f" before its relaunch with {st['pending_relaunch']} rank(s): "
+            f"`tunekit run --resume {rd.run_id}` carries it out"
+            if st.get("pending_relaunch")
+            else ""
+        )
     )
     raise SystemExit(code)
 
@@ -297,7 +303,7 @@ def status_cmd(run, as_json, store_dir):
     rd = _find(run, store_dir)
     try:
         st = client(rd, timeout_s=10).request("status")
-    except JobNotRunning:
+    except (JobNotRunning, JobRelaunching):
         st = rd.read_status()  # not running: the last status it wrote
         if died_without_a_word(rd, st):
             said = (
@@ -317,6 +323,7 @@ def status_cmd(run, as_json, store_dir):
     last = st.get("last") or {}
     console.print(
         f"run {rd.run_id}: {st.get('status')} at step {st.get('step')} on {st.get('world_size')} rank(s)"
+        + (f", to {st['relaunching_to']} rank(s)" if st.get("relaunching_to") else "")
     )
     if st.get("error"):
         console.print(f"  error: {st['error']}")
@@ -379,8 +386,7 @@ def rollback_cmd(run, store_dir):
 @STORE_OPTION
 def stop_cmd(run, store_dir):
     """Checkpoint RUN and stop it cleanly (resume later with tunekit run --resume RUN)."""
-    r = client(_find(run, store_dir)).request("stop")
-    console.print(f"stopped at step {r['stopped_at']}")
+    console.print(stop_run(_find(run, store_dir)))
 
 
 TREND_STEPS = 40

@@ -16,7 +16,10 @@ own user owns and serves. Requests (every field is checked, unknown ones refused
 
 Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
 Requests that change the job are queued and carried out by the training loop
-at the next step boundary; the reply comes when they took effect.
+at the next step boundary; the reply comes when they took effect. A request
+still queued when the job exits to be relaunched (a new world size) is answered
+``{"ok": false, "relaunching": true, "nproc": N, "error": ...}``: it was not
+carried out, and the relaunched job will take it again.
 
 A connection must send its request within ``READ_TIMEOUT_S`` (``CROWDED_READ_TIMEOUT_S``
 while over half the connections are taken, so that idle ones cannot keep the
@@ -64,6 +67,21 @@ BUSY = "busy"  # the start of the refusal a client may retry
 
 class JobNotRunning(ControlError):
     """No job serves the run's socket (it stopped, crashed, or has not started)."""
+
+
+TRY_AGAIN = 75
+"""The exit code of a request the job could not take now but will soon (sysexits' EX_TEMPFAIL)."""
+
+
+class JobRelaunching(ControlError):
+    """The job is between launches (a new world size): its relaunched job takes requests."""
+
+    exit_code = TRY_AGAIN
+
+    def __init__(self, nproc: int | None):
+        self.nproc = nproc
+        to = f" (to {nproc} rank(s))" if nproc else ""
+        super().__init__(f"the job is relaunching{to}; try again in a moment")
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -305,6 +323,7 @@ class ControlServer:
         self._unwritten = 0  # replies decided but not yet sent
         self._written = threading.Condition(self._lock)
         self._closing = threading.Event()
+        self._unanswered: dict[str, Any] | None = None  # the reply to requests once closed
         self.socket_path.unlink(missing_ok=True)
         server = self
 
@@ -346,15 +365,33 @@ class ControlServer:
                 with contextlib.suppress(queue.Full):
                     q.put_nowait(metric)
 
-    def close(self, wait_s: float = 10.0) -> None:
-        """Stop serving; answer what is queued; let every reply reach its client first."""
+    def close(self, wait_s: float = 10.0, relaunching_to: int | None = None) -> None:
+        """Stop serving; answer what is queued; let every reply reach its client first.
+
+        ``relaunching_to``: the job exits to be relaunched on that many ranks, so what is
+        queued is told so (the relaunched job takes it), not that the job stopped.
+        """
         self._closing.set()
         self._server.shutdown()
-        while True:  # nobody will carry these out any more
-            req = self.next_request()
-            if req is None:
-                break
-            req.answer({"ok": False, "error": "the job stopped before the request was carried out"})
+        if relaunching_to is None:
+            unanswered = {
+                "ok": False,
+                "error": "the job stopped before the request was carried out",
+            }
+        else:
+            unanswered = {
+                "ok": False,
+                "error": str(JobRelaunching(relaunching_to)),
+                "relaunching": True,
+                "nproc": relaunching_to,
+            }
+        with self._lock:  # a connection still reading its request is answered the same
+            self._unanswered = unanswered
+            while True:  # nobody will carry these out any more
+                req = self.next_request()
+                if req is None:
+                    break
+                req.answer(unanswered)
         with self._written:
             self._written.wait_for(lambda: self._unwritten == 0, timeout=wait_s)
         self._server.server_close()
@@ -402,9 +439,12 @@ class ControlServer:
             return
         req = Request(op, msg)
         with self._lock:
+            if self._unanswered is None:
+                self.requests.put(req)
+            else:  # the loop is gone: nobody would take it from the queue
+                req.answer(self._unanswered)
             self._unwritten += 1
         try:
-            self.requests.put(req)
             if req.done.wait(self.reply_timeout_s):
                 assert req.reply is not None  # done is set by answer()
                 wfile.write(encode(req.reply))
@@ -562,6 +602,8 @@ class ControlClient:
         """Send one request and return the reply; a refusal raises ControlError."""
         reply = self.raw({"token": self.token, "op": op, **body})
         if not reply.get("ok"):
+            if reply.get("relaunching"):  # not carried out: the job exited for a relaunch
+                raise JobRelaunching(reply.get("nproc"))
             raise ControlError(reply.get("error", "request refused"))
         return reply
 
@@ -584,6 +626,8 @@ class ControlClient:
             reply,
         ):
             if not reply.get("ok"):
+                if reply.get("relaunching"):
+                    raise JobRelaunching(reply.get("nproc"))
                 raise ControlError(reply.get("error", "pause refused"))
             sock.settimeout(None)  # held for as long as the block runs
             yield reply

@@ -307,6 +307,8 @@ class Controller:
             "watch": self.watch.to_dict() if self.watch else None,
             "trial": self.trial.to_dict() if self.trial else None,
             "pid": os.getpid(),
+            "queued": self.server.requests.qsize(),
+            "relaunching_to": self.job.relaunching_to,
             "paused": self.pause[1] if self.pause and self.job.state == "paused" else None,
             "launch": self.job.spec.get("launch"),
             "warnings": sorted(self.job.warned.values()),
@@ -587,7 +589,7 @@ class Controller:
         )
 
     def close(self) -> None:
-        self.server.close()
+        self.server.close(relaunching_to=self.job.relaunching_to)
         # A private folder of its own (or shared): tidy if empty.
         if self.socket.parent != self.job.rd.path:
             with contextlib.suppress(OSError):
@@ -662,6 +664,8 @@ class LiveJob:
         self.total = int(steps) if steps is not None else None
         self.every = int(self.spec.get("checkpoint_every", 50))
         self.state = "running"
+        self.relaunching_to: int | None = None
+        """The world size this job exits to be relaunched with, once it does."""
         self.controller = Controller(self) if self.ctx.rank == 0 else None
         if self.controller is not None:
             self.log_event(
@@ -810,6 +814,7 @@ class LiveJob:
                 "error": f"{error or 'rank 0 could not prepare the relaunch'}; "
                 "the job goes on as it was",
             }
+        self.relaunching_to = int(cmd["nproc"])
         if self.controller is not None:
             self.log_event(
                 "relaunch",

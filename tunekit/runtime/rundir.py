@@ -173,6 +173,11 @@ class RunDir:
         return self.path / "relaunch.json"
 
     @property
+    def stop_request_file(self) -> Path:
+        """A stop asked for between launches: the supervisor stops instead of relaunching."""
+        return self.path / "stop-request.json"
+
+    @property
     def supervisor_lock(self) -> Path:
         return self.path / "supervisor.lock"
 
@@ -257,6 +262,9 @@ class RunDir:
 
     def write_relaunch(self, plan: dict[str, Any]) -> None:
         _atomic_write(self.relaunch_file, json.dumps(plan))
+
+    def write_stop_request(self, request: dict[str, Any]) -> None:
+        _atomic_write(self.stop_request_file, json.dumps(request))
 
     def token(self) -> str:
         return self.token_file.read_text().strip()

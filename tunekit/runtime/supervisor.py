@@ -11,6 +11,12 @@ One run, one job: the supervisor holds ``supervisor.lock`` and the job's rank
 --resume`` is refused while either lives, even when the supervisor was killed
 and left its job training on. Each launch has an id that rank 0 writes into
 its ``relaunch.json``: a plan left by an earlier launch is never carried out.
+
+A ``tunekit stop`` that comes while the job is between launches leaves
+``stop-request.json``; a supervisor about to carry out a relaunch plan takes it
+and stops the run instead, leaving the plan for ``tunekit run --resume``. The
+file is taken (unlinked) by exactly one side: the supervisor, or the client
+that wrote it once the relaunched job serves its socket (it then asks that job).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +38,7 @@ from tunekit.config import TuningConfig, resolve
 from tunekit.errors import ConfigError, ControlError, TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 from tunekit.plugin_loading import available_tuners, load_all, slow_imports
-from tunekit.runtime.control import ControlClient
+from tunekit.runtime.control import ControlClient, JobNotRunning, JobRelaunching
 from tunekit.runtime.rundir import PRIVATE_FILE, RunDir
 
 if TYPE_CHECKING:
@@ -210,16 +217,43 @@ def prepare_resume(rd: RunDir) -> Path:
 
 def _take_relaunch_plan(rd: RunDir) -> dict[str, Any] | None:
     """Read and remove ``relaunch.json`` (None when there is none or it is unreadable)."""
+    plan = _read_relaunch_plan(rd)
+    rd.relaunch_file.unlink(missing_ok=True)
+    return plan
+
+
+def _read_relaunch_plan(rd: RunDir) -> dict[str, Any] | None:
     try:
         text = rd.relaunch_file.read_text()
     except FileNotFoundError:
         return None
-    rd.relaunch_file.unlink(missing_ok=True)
     try:
         plan = json.loads(text)
     except ValueError:
         return None
     return plan if isinstance(plan, dict) and "checkpoint" in plan and "nproc" in plan else None
+
+
+STOP_REQUEST_TTL_S = 900.0
+"""A stop request older than this is a client's that gave up (it waits at most
+``tunekit.runtime.client.STOP_WAIT_S``): never carried out."""
+
+
+def take_stop_request(rd: RunDir, now: float | None = None) -> bool:
+    """Take (remove) a stop asked for between launches; whether one was there and still fresh.
+
+    Removing it is the decision: the client that wrote it removes it too when the
+    relaunched job serves first, and only one of the two can succeed."""
+    try:
+        text = rd.stop_request_file.read_text()
+        rd.stop_request_file.unlink()
+    except FileNotFoundError:
+        return False
+    try:
+        asked_at = float(json.loads(text)["asked_at"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (time.time() if now is None else now) - asked_at < STOP_REQUEST_TTL_S
 
 
 def per_node(world: int, spec: dict[str, Any]) -> int:
@@ -228,7 +262,34 @@ def per_node(world: int, spec: dict[str, Any]) -> int:
 
 
 def client(rd: RunDir, timeout_s: float = 600.0) -> ControlClient:
-    return ControlClient(rd.socket_file(), rd.token(), timeout_s)
+    return RunClient(rd, timeout_s)
+
+
+class RunClient(ControlClient):
+    """A run's control client: between two launches of its job it says so (JobRelaunching),
+    not that the run is not running."""
+
+    def __init__(self, rd: RunDir, timeout_s: float = 600.0):
+        super().__init__(rd.socket_file(), rd.token(), timeout_s)
+        self.rd = rd
+
+    def _connect(self, deadline: float) -> socket.socket:
+        try:
+            return super()._connect(deadline)
+        except JobNotRunning:
+            to = relaunching_to(self.rd)
+            if to is None:
+                raise
+            raise JobRelaunching(to or None) from None
+
+
+def relaunching_to(rd: RunDir) -> int | None:
+    """The world size the run's job is being relaunched with (0: not known), or None when it
+    is not between launches: its status says so and its supervisor lives to relaunch it."""
+    status = rd.read_status()
+    if status.get("status") != "relaunching" or holder_if_held(rd.supervisor_lock) is None:
+        return None
+    return int(status.get("relaunching_to") or 0)
 
 
 def supervise(
@@ -247,6 +308,7 @@ def supervise(
 
     rolled_back: set[Any] = set()  # applies already undone after a crash: never twice
     launches = 0
+    rd.stop_request_file.unlink(missing_ok=True)  # asked of an earlier supervisor
     while True:
         launch = secrets.token_hex(4)
         spec = rd.update_run(launch=launch)
@@ -305,6 +367,12 @@ def supervise(
             )
             _settle(rd, "crashed", error, "node_lost", nodes=sorted(lost))
             return 1
+        plan = _read_relaunch_plan(rd)
+        if plan is not None and plan.get("launch") == launch and take_stop_request(rd):
+            # Stopped between launches: the job checkpointed for the relaunch, and the plan
+            # stays for `tunekit run --resume` (its checkpoint is the newest) to carry out.
+            _stop_before_relaunch(rd, plan)
+            return 0
         plan = _take_relaunch_plan(rd)
         if plan is not None and plan.get("launch") == launch:
             rd.update_run(
@@ -348,7 +416,15 @@ def supervise(
                 config=watch.get("prev_config"),
                 nproc=nproc,
             )
-            rd.write_status({**status, "status": "relaunching", "watch": verdict, "launch": None})
+            rd.write_status(
+                {
+                    **status,
+                    "status": "relaunching",
+                    "relaunching_to": nproc * int(spec.get("nnodes") or 1),
+                    "watch": verdict,
+                    "launch": None,
+                }
+            )
             applied = rd.read_run().get("applied") or []  # as the job left it
             rd.update_run(
                 config=watch.get("prev_config"),
@@ -360,6 +436,21 @@ def supervise(
             continue
         _settle(rd, "crashed", error, "crashed", step=status.get("step"))
         return 1
+
+
+def _stop_before_relaunch(rd: RunDir, plan: dict[str, Any]) -> None:
+    """Record a stop asked for while the job was between launches (its relaunch still pending)."""
+    status = {k: v for k, v in rd.read_status().items() if k != "relaunching_to"}
+    rd.write_status(
+        {
+            **status,
+            "status": "stopped",
+            "step": plan.get("step", status.get("step")),
+            "pending_relaunch": plan["nproc"],
+            "launch": None,
+        }
+    )
+    rd.log_event("stopped", step=plan.get("step"), pending_relaunch=plan["nproc"])
 
 
 def _settle(rd: RunDir, state: str, error: str, event: str, **payload: Any) -> None:
