@@ -73,10 +73,11 @@ def test_a_workload_that_raises_fails_its_baseline_clearly(cli, workdir):
 def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_running(
     workdir, chaos_env
 ):
+    """One study for two claims: while it runs, a second runner of it is refused (issue 18,
+    item 11); killed as hard as an interruption gets, it resumes where it stopped."""
     # The chaos tuner's candidates raise, hang and run out of memory, in that order.
-    # --stall: the hang is caught 20 s after its last step (steps take ~0.1 s, a
-    # profiler start a second or two, several with two busy loops beside) instead of after
-    # --timeout.
+    # No stall limit while the first runner runs: it stays on the hanging candidate until the
+    # test kills it, however slow the refused runners are beside it.
     args = [
         sys.executable,
         "-m",
@@ -87,36 +88,59 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
         "chaos",
         "--trials",
         "3",
-        "--stall",
-        "20s",
         "--no-probe",
-        "--json",
         *FAST,
     ]
     env = {**os.environ, **chaos_env}
     proc = subprocess.Popen(
-        args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*args, "--stall", "10m", "--json"],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    finished = 0
-    for line in proc.stdout:
-        event = json.loads(line)
-        if event["event"] == "TrialFinished":
-            finished += 1
-        if event["event"] == "TrialStarted" and finished == 2:  # the hanging candidate is starting
-            pids = (
-                workdir
-                / ".tunekit"
-                / "trials"
-                / "study1"
-                / f"{event['seq']:03d}-candidate"
-                / "pids"
-            )
-            deadline = time.monotonic() + 120
-            while len(list(pids.glob("rank*"))) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGKILL)  # as hard as an interruption gets
-            break
-    proc.wait(timeout=60)
+    try:
+        finished = 0
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["event"] == "TrialFinished":
+                finished += 1
+            if event["event"] == "TrialStarted" and finished == 2:  # the hanging candidate
+                assert "hang" in event["description"], event
+                pids = workdir / ".tunekit" / "trials" / "study1" / f"{event['seq']:03d}-candidate"
+                pids /= "pids"
+                deadline = time.monotonic() + 120
+                while len(list(pids.glob("rank*"))) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                break
+        else:
+            pytest.fail(f"the first runner ended early: {proc.stderr.read()}")
+        while _trials(workdir)[2]["status"] != "running":  # the row follows the event
+            time.sleep(0.1)
+        running = _rows_at(workdir)
+        # The same study again, or a fresh one of the same key: both refused, both at once.
+        second = [
+            subprocess.Popen(
+                [*args, *extra],
+                cwd=workdir,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for extra in (["--resume"], [])
+        ]
+        for refused in second:
+            out, err = refused.communicate(timeout=300)
+            assert refused.returncode == 2, out + err
+            assert f"(pid {proc.pid})" in err and "is being run by tunekit auto" in err
+            assert "Traceback" not in err
+        assert _rows_at(workdir) == running  # nothing reset, re-run or added by the refused
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGKILL)  # as hard as an interruption gets
+        proc.wait(timeout=60)
     before = {r["seq"]: r for r in _trials(workdir) if r["status"] not in ("pending", "running")}
     assert len(before) == 2
     assert len(list(pids.glob("rank*"))) == 2
@@ -124,8 +148,11 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
         workdir / ".tunekit" / "trials", timeout=30
     )  # the orphaned trial died with its tuner
 
+    # --stall 8s: the hang is caught 8 s after its last step (the stall limit is no part of the
+    # study's key). Only the hanging and the out-of-memory candidates run now: the second fails
+    # at once after its first step, well within 8 s even on a busy machine.
     res = subprocess.run(
-        [*args[: -len(FAST)], "--resume", *FAST],
+        [*args[: -len(FAST)], "--resume", "--stall", "8s", "--json", *FAST],
         cwd=workdir,
         env=env,
         capture_output=True,
@@ -154,6 +181,11 @@ def test_an_interrupted_study_resumes_records_failing_trials_and_leaves_nothing_
     conn = sqlite3.connect(workdir / ".tunekit" / "tunekit.db")
     assert conn.execute("SELECT count(*), min(status) FROM studies").fetchone() == (1, "finished")
     _wait_until_gone(workdir / ".tunekit" / "trials", timeout=30)
+
+
+def _rows_at(workdir) -> list[tuple]:
+    """Each trial's identity, state and times, in the order they ran."""
+    return [(r["id"], r["seq"], r["status"], r["started"], r["finished"]) for r in _trials(workdir)]
 
 
 def _wait_until_gone(trials: Path, timeout: float) -> None:
