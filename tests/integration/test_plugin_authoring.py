@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 WIDE = {"COLUMNS": "300"}  # rich tables: one row per line
 # --min-effect 1: no leader to confirm (two more trials); these check the plugin, not decisions.
-FAST = ["--trials", "1", "--steps", "4", "--warmup", "1", "--no-probe", "--min-effect", "1"]
+FAST = ["--steps", "4", "--warmup", "1", "--no-probe", "--min-effect", "1"]
 
 
 def pip_install(package: Path, site: Path, work: Path) -> None:
@@ -173,7 +173,11 @@ def test_a_scaffolded_plugin_installs_lists_and_runs_without_edits(cli, workdir)
     )
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
 
-    tuned = cli("auto", "example:cnn", "--plugins", "prefetch_demo", *FAST, env_extra=env)
+    # Its diagnosis and plan in a study; no candidate trial (--trials 0): the runtime hook runs
+    # inside real training workers in the live run below.
+    tuned = cli(
+        "auto", "example:cnn", "--plugins", "prefetch_demo", "--trials", "0", *FAST, env_extra=env
+    )
     assert tuned.returncode == 0, tuned.stderr + tuned.stdout
     assert "prefetch_demo:" in tuned.stdout  # its diagnosis, whatever this machine's cores allow
     report = json.loads((workdir / "tunekit-out" / "report.json").read_text())
@@ -310,7 +314,9 @@ def test_a_plugin_for_another_api_major_is_refused_and_the_others_still_load(cli
     for name in ("batch_ps_sizing", "cgdp", "hybrid_mp", "layer_split", "overlap_chunking"):
         assert rows[name].rstrip(" │").endswith("ok"), rows[name]
 
-    refused = cli("auto", "example:cnn", "--plugins", "future", *FAST, env_extra=env)
+    refused = cli(
+        "auto", "example:cnn", "--plugins", "future", "--trials", "1", *FAST, env_extra=env
+    )
     assert refused.returncode == 2
     assert (
         "plugin 'future' from tunekit-future 0.3 is incompatible: written for tuner API"
