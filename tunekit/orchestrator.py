@@ -1635,8 +1635,14 @@ def found_config(config: dict[str, Any], tuners: Mapping[str, Tuner]) -> dict[st
 
 def nothing_to_interleave(row: TrialRow, rows: list[TrialRow]) -> bool:
     """Whether a baseline run would follow another baseline run with nothing measured between
-    (the candidates planned between them all skipped, for time): it would only spend time."""
-    before = [t for t in rows if t.seq < row.seq and t.status != "skipped"]
+    (the candidates planned between them all skipped, for time, or failed: crashed, hung, out
+    of memory): it would only spend time."""
+    before = [
+        t
+        for t in rows
+        if t.seq < row.seq
+        and ((t.role == BASELINE and t.status != "skipped") or (t.result or {}).get("measurement"))
+    ]
     return bool(before) and max(before, key=lambda t: t.seq).role == BASELINE
 
 

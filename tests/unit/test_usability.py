@@ -400,3 +400,8 @@ def test_a_candidate_keeps_room_for_confirming_the_leader_and_a_baseline_beside_
     rows[1] = _timed(1, CANDIDATE, {"p": {"x": 1}}, 0, status="skipped")
     rows[2] = _timed(2, CANDIDATE, {"p": {"x": 2}}, 0, status="skipped")
     assert nothing_to_interleave(rows[3], rows)  # both candidates skipped for time
+    rows[1] = _timed(1, CANDIDATE, {"p": {"x": 1}}, 0, status="crash")
+    rows[2] = _timed(2, CANDIDATE, {"p": {"x": 2}}, 0, status="oom")
+    assert nothing_to_interleave(rows[3], rows)  # both failed: nothing measured to pair with
+    rows[2] = _timed(2, CANDIDATE, {"p": {"x": 2}}, 0)
+    assert not nothing_to_interleave(rows[3], rows)  # one measured: the baseline pairs with it
