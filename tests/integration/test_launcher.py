@@ -13,10 +13,12 @@ from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 pytestmark = [pytest.mark.slow, pytest.mark.busy_ok]
 
 
-def test_ok_trial_reports_every_rank_and_progress(tmp_path):
+def test_ok_trial_reports_every_rank_and_progress_though_it_prints_out_of_memory(tmp_path):
+    # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
+    # (The tiny MLP otherwise: one trial carries both claims.)
     seen = []
     out = run_trial_sync(
-        TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=5),
+        TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=5),
         LaunchOptions(nproc=2, timeout_s=120),
         tmp_path,
         on_progress=seen.append,
@@ -28,6 +30,7 @@ def test_ok_trial_reports_every_rank_and_progress(tmp_path):
     assert out.measurement.samples_per_s == pytest.approx(16 / out.measurement.median_s)
     assert [p["index"] for p in seen if p["phase"] == "measure"] == [1, 2, 3, 4, 5]
     assert (tmp_path / "spec.json").exists() and (tmp_path / "agent0.log").exists()
+    assert "out of memory" in (tmp_path / "agent0.log").read_text()
 
 
 def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
@@ -113,18 +116,6 @@ def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_ha
     assert pace and float(pace[1]) >= 1.0 and 1 <= int(pace[2]) < 31
     assert 0 < out.startup_s < 20 and out.measurement is None
     assert not live_rank_pids(tmp_path)
-
-
-def test_a_trial_that_prints_out_of_memory_and_succeeds_is_ok(tmp_path):
-    # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
-    out = run_trial_sync(
-        TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=3),
-        LaunchOptions(nproc=2, timeout_s=120),
-        tmp_path,
-    )
-    assert out.status == "ok", out.error
-    assert "out of memory" in (tmp_path / "agent0.log").read_text()
-    assert out.measurement is not None and len(out.measurement.step_s) == 3
 
 
 def test_a_segfaulting_rank_is_a_crash_that_names_its_signal_and_where(tmp_path):
