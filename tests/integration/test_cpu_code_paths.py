@@ -38,6 +38,11 @@ def test_equivalence_tests_pass_with_scalar_kernels_and_two_threads():
         **os.environ,
         "ATEN_CPU_CAPABILITY": "default",  # no AVX2/AVX512 vector kernels
         "TUNEKIT_RANK_THREADS": "2",  # kernels split their reductions across threads
+        # Two ranks of two threads on a shared machine: an OpenMP thread waiting for its
+        # partner sleeps instead of spinning (the work is split as before). Spinning
+        # doubled this test's CPU time and wall time beside other work (30 s against 14 s
+        # of CPU for one of the files).
+        "OMP_WAIT_POLICY": "PASSIVE",
     }
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(

@@ -13,10 +13,12 @@ from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
 pytestmark = [pytest.mark.slow, pytest.mark.busy_ok]
 
 
-def test_ok_trial_reports_every_rank_and_progress(tmp_path):
+def test_ok_trial_reports_every_rank_and_progress_though_it_prints_out_of_memory(tmp_path):
+    # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
+    # (The tiny MLP otherwise: one trial carries both claims.)
     seen = []
     out = run_trial_sync(
-        TrialSpec(f"{WORKLOADS}:tiny", warmup=1, steps=5),
+        TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=5),
         LaunchOptions(nproc=2, timeout_s=120),
         tmp_path,
         on_progress=seen.append,
@@ -28,6 +30,7 @@ def test_ok_trial_reports_every_rank_and_progress(tmp_path):
     assert out.measurement.samples_per_s == pytest.approx(16 / out.measurement.median_s)
     assert [p["index"] for p in seen if p["phase"] == "measure"] == [1, 2, 3, 4, 5]
     assert (tmp_path / "spec.json").exists() and (tmp_path / "agent0.log").exists()
+    assert "out of memory" in (tmp_path / "agent0.log").read_text()
 
 
 def test_a_raising_workload_is_a_crash_with_its_message(tmp_path):
@@ -93,36 +96,26 @@ def test_two_loopback_nodes_form_one_job(tmp_path):
 def test_a_trial_whose_steps_finish_but_outlast_the_timeout_is_too_slow_not_a_hang(
     tmp_path, monkeypatch
 ):
-    # 2 s steps, 31 of them: they keep coming, but not all within 30 s (start-up included).
+    # 1 s steps, 31 of them: they keep coming, but not all within 20 s (start-up included).
+    # The timeout leaves start-up (about 4 s here, 3-4x that on a loaded machine) room for a
+    # step or more; the pace itself comes from the workload's sleep, not the machine.
     monkeypatch.setenv("PYTHONPATH", chaos_pythonpath()["PYTHONPATH"])
     spec = TrialSpec(
         f"{WORKLOADS}:tiny",
-        config={"plugins": {"chaos": {"mode": "slow", "sleep_s": 2.0}}},
+        config={"plugins": {"chaos": {"mode": "slow", "sleep_s": 1.0}}},
         warmup=1,
         steps=30,
     )
-    out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=30, stall_s=60), tmp_path)
-    assert out.status == "too_slow", out.error
+    out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=20, stall_s=60), tmp_path)
+    assert out.status == "too_slow", (out.error, out.startup_s)
     pace = re.fullmatch(
-        r"too slow: (\d+\.\d) s per step, (\d+) of 31 steps done when the 30 s timeout came; "
+        r"too slow: (\d+\.\d) s per step, (\d+) of 31 steps done when the 20 s timeout came; "
         r"killed the trial's processes",
         out.error,
     )
-    assert pace and float(pace[1]) >= 2.0 and 1 <= int(pace[2]) < 31
-    assert 0 < out.startup_s < 30 and out.measurement is None
+    assert pace and float(pace[1]) >= 1.0 and 1 <= int(pace[2]) < 31
+    assert 0 < out.startup_s < 20 and out.measurement is None
     assert not live_rank_pids(tmp_path)
-
-
-def test_a_trial_that_prints_out_of_memory_and_succeeds_is_ok(tmp_path):
-    # Every forward pass prints "out of memory" and "OutOfMemoryError": words, not an error.
-    out = run_trial_sync(
-        TrialSpec(f"{WORKLOADS}:says_out_of_memory", warmup=1, steps=3),
-        LaunchOptions(nproc=2, timeout_s=120),
-        tmp_path,
-    )
-    assert out.status == "ok", out.error
-    assert "out of memory" in (tmp_path / "agent0.log").read_text()
-    assert out.measurement is not None and len(out.measurement.step_s) == 3
 
 
 def test_a_segfaulting_rank_is_a_crash_that_names_its_signal_and_where(tmp_path):

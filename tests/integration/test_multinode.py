@@ -125,6 +125,10 @@ def test_a_study_across_two_srun_tasks_gathers_every_ranks_figures_on_the_coordi
         "--no-rerank",
         "--min-effect",  # no leader to confirm: two trials fewer; decisions are not under test
         "1",
+        "--measure-rounds",  # nor paired rounds while a decision is unclear
+        "0",
+        "--search-steps",  # cgdp's in-job search takes the slot: its fewest steps
+        "4",
         *SHORT,
     ]
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
@@ -192,7 +196,7 @@ def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
             "--rdzv-endpoint",
             f"127.0.0.1:{port}",
             "--join-timeout",
-            "5s",
+            "2s",
             *SHORT,
         ],
         tmp_path / "node0",
@@ -200,7 +204,7 @@ def test_a_follower_that_never_starts_ends_the_study_naming_its_node(tmp_path):
     )
     rc, out = finish(coordinator, tmp_path / "node0", timeout=240)
     assert rc == 2, out[-3000:]
-    assert "node 1 did not join within 5 s" in out and "tunekit follow --coordinator" in out
+    assert "node 1 did not join within 2 s" in out and "tunekit follow --coordinator" in out
     assert "Traceback" not in out
     study, trials = study_trials(tmp_path / "node0")
     assert study.status == "interrupted" and trials[0].status == "pending"  # resumable

@@ -1,4 +1,4 @@
-"""Real multi-process observation: a profiled 2-rank gloo trial, `tunekit profile`, the probe."""
+"""Real multi-process observation: `tunekit profile` (a profiled 2-rank gloo trial and its breakdown), the probe."""
 
 from __future__ import annotations
 
@@ -12,30 +12,15 @@ from tunekit.observe.breakdown import PARTS, analyze_trial
 pytestmark = pytest.mark.slow
 
 
-def test_breakdown_of_a_fresh_two_rank_trial_sums_to_the_measured_step(tmp_path):
-    from tunekit.trials.launcher import LaunchOptions, TrialSpec, run_trial_sync
-
-    spec = TrialSpec(workload="example:cnn", warmup=2, steps=3, profile_steps=3)
-    out = run_trial_sync(spec, LaunchOptions(nproc=2, timeout_s=240), tmp_path)
-    assert out.ok, out.error
-    bd = analyze_trial(tmp_path)
-    assert len(bd.ranks) == 2
-    for rb in bd.ranks:
-        assert len(rb.steps) == 3
-        parts = statistics.fmean(s.parts_sum() for s in rb.steps)
-        measured = statistics.fmean(rb.measured_step_s)
-        assert parts == pytest.approx(measured, rel=0.05)
-        assert all(s.comm_total_s > 0 for s in rb.steps)
-        assert rb.overlap_R is not None and 0 <= rb.overlap_R <= 100
-
-
-def test_profile_job_end_to_end(tmp_path):
+def test_profile_job_end_to_end_and_its_breakdown_sums_to_the_measured_step(tmp_path):
+    """`tunekit profile`'s whole path; its profiled trial (a fresh 2-rank trial through the
+    launcher) also carries the breakdown's claim: each rank's parts sum to its measured step."""
     from tunekit.observe.profile_job import ProfileOptions, profile_job
 
     stages = []
     report = profile_job(
         "example:cnn",
-        ProfileOptions(nproc=2, steps=2, warmup=3, out_dir=tmp_path, layer_repeats=1),
+        ProfileOptions(nproc=2, steps=3, warmup=3, out_dir=tmp_path, layer_repeats=1),
         on_stage=stages.append,
     )
     assert stages[0] == "tracing the model graph" and len(stages) == 4
@@ -51,6 +36,16 @@ def test_profile_job_end_to_end(tmp_path):
     assert written["files"]["traces"] == report["files"]["traces"]
     assert len(report["files"]["traces"]) == 2
     assert json.loads((tmp_path / "telemetry.json").read_text())["series"]["host"]
+
+    trial = analyze_trial(tmp_path / "trial")  # the trial's traces, read afresh
+    assert len(trial.ranks) == 2
+    for rb in trial.ranks:
+        assert len(rb.steps) == 3
+        parts = statistics.fmean(s.parts_sum() for s in rb.steps)
+        measured = statistics.fmean(rb.measured_step_s)
+        assert parts == pytest.approx(measured, rel=0.05)
+        assert all(s.comm_total_s > 0 for s in rb.steps)
+        assert rb.overlap_R is not None and 0 <= rb.overlap_R <= 100
 
 
 def test_probe_fits_collectives_on_two_real_ranks():
