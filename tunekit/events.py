@@ -110,7 +110,9 @@ class TrialFinished(Event):
 BUDGET_SKIP = "did not fit the time budget"
 """``TrialFinished.error`` of a trial skipped because the time budget had no room for it."""
 
-NOTHING_RAN = "nothing was measured since the last baseline run (every trial between was skipped or failed)"
+NOTHING_RAN = (
+    "nothing was measured since the last baseline run (every trial between was skipped or failed)"
+)
 """``TrialFinished.error`` of an interleaved baseline run skipped: it would measure beside nothing."""
 
 
