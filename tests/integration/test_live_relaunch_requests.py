@@ -72,6 +72,8 @@ def test_a_stop_queued_behind_a_relaunch_stops_the_run_and_other_requests_say_tr
         # rank, a trial and a stop. The relaunch is carried out at the boundary; the job exits
         # with the other two still queued.
         gate.touch()
+        # Held: a rank past the gate's check when it appeared finishes that step first.
+        until("both ranks held", lambda: len(list(tmp_path.glob("gate.held-rank*"))) == 2)
         clients.append(tunekit(tmp_path, env, "apply", "hop", "{}", "--nproc", "1", "--no-wait"))
         until("the apply to queue", lambda: queued(rd) == 1)
         clients.append(tunekit(tmp_path, env, "trial", "hop", "{}", "--window", "2"))
