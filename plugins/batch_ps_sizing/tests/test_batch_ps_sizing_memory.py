@@ -34,7 +34,9 @@ def test_cpu_peak_meter_sees_a_known_allocation():
         c = torch.ones(MiB)  # 4 MiB after both are freed: not a new peak
         del c
     assert meter.method == "cpu-profiler"
-    assert 16 * MiB <= meter.peak_bytes < 16.5 * MiB
+    # Within a few KiB below: the meter sees every thread's CPU allocations, and a small one
+    # another thread held when the window opened may be gone by the peak (52 B short, once).
+    assert 16 * MiB - 4096 <= meter.peak_bytes < 16.5 * MiB
 
 
 def test_eq2_equals_saved_tensors_of_a_conv_chain():

@@ -17,7 +17,7 @@ TO_FSDP = {"plugins": {"sharding": {"sharding": "fsdp", "reshard_after_forward":
 
 @pytest.mark.equivalence
 def test_a_relaunch_from_ddp_to_fsdp_keeps_the_step_and_the_loss_curve(tmp_path):
-    steps = 24
+    steps = 40
     # Both jobs at once, in float64: the sharded job must train as the replicated one does.
     # --min-effect 1: the relaunch is watched, and may not be rolled back whatever it measures.
     plain = start_run(tmp_path, SPEC, "--steps", str(steps), "--name", "plain")

@@ -10,6 +10,7 @@ checkpointed: how a job is written when replication does not fit).
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -92,4 +93,14 @@ def gpt_float64() -> Workload:
     w = _workload("gpt-tiny-float64", batch_size=4, dims=TINY)
     build = w.model
     w.model = lambda: build().double()
+    make = w.make_batch
+
+    def make_batch(n, gen):
+        # Each batch waits 50 ms for its data, the maths unchanged: the job's steps outlast
+        # the test's apply (unpaced, a loaded machine once saw the job finish its 24 steps
+        # before the apply sent at step 4 reached a step boundary).
+        time.sleep(0.05)
+        return make(n, gen)
+
+    w.make_batch = make_batch
     return w
