@@ -212,6 +212,39 @@ def test_two_winners_within_each_others_noise_are_measured_side_by_side():
     assert _unclear(apart) is None
 
 
+def test_a_confirmed_winner_is_not_displaced_by_a_single_run_within_its_noise():
+    """The demo once ended "unclear (batch 128 has one run)": batch 256 was confirmed beyond
+    noise in two runs, then batch 128's single run looked 3% faster, took the lead and left
+    no budget to confirm it. The confirmed win stands; which of the two is faster stays open."""
+    rng = np.random.default_rng(7)
+    sure, once = {"p": {"x": 256}}, {"p": {"x": 128}}
+    rows = [
+        _row(0, BASELINE, {}, _steps(rng, 0.100, sd=0.05)),
+        _row(1, CANDIDATE, sure, _steps(rng, 0.075, sd=0.05)),
+        _row(2, BASELINE, {}, _steps(rng, 0.100, sd=0.05)),
+        _row(3, "confirm", sure, _steps(rng, 0.075, sd=0.05)),
+        _row(4, CANDIDATE, once, _steps(rng, 0.073, sd=0.05)),
+    ]
+    d = decide(rows, 0.01)
+    ranked = sorted(d["candidates"], key=lambda r: -r["comparison"]["speedup"])
+    # the single run looks faster
+    assert [r["description"] for r in ranked] == ["p(x=128)", "p(x=256)"]
+    assert d["winner"] == "p(x=256)" and "over 2 run(s)" in d["reason"]
+    unclear = still_unclear(d, rows, 0.01)
+    assert [r["description"] for r in unclear.rows] == ["p(x=256)", "p(x=128)"]
+    assert unclear.rival_only and "within each other's noise" in unclear.why
+    # A single run far beyond the confirmed winner's noise leads, and is to be confirmed.
+    apart = rows[:4] + [_row(4, CANDIDATE, once, _steps(rng, 0.050, sd=0.01))]
+    d = decide(apart, 0.01)
+    assert d["winner"] == "p(x=128)"
+    assert still_unclear(d, apart, 0.01).why == "p(x=128) has one run"
+    # A faster candidate that is no win yet still leads what to measure.
+    looks = rows[:4] + [_row(4, CANDIDATE, once, [0.05] * 7 + [0.2] * 5)]
+    d = decide(looks, 0.01)
+    assert d["winner"] == "p(x=256)"
+    assert "holds no gain" in still_unclear(d, looks, 0.01).why
+
+
 def test_a_winner_on_a_drifting_baseline_needs_a_third_run():
     rng = np.random.default_rng(6)
     fast = {"p": {}}

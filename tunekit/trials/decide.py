@@ -143,7 +143,7 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
         "candidates": rows,
     }
     if winners:
-        best = max(winners, key=lambda r: r["comparison"]["speedup"])
+        best = _best_supported(winners, trials)
         c = best["comparison"]
         decision.update(
             winner=best["description"],
@@ -174,6 +174,22 @@ def decide(trials: list[TrialRow], min_effect: float, describe=None) -> dict[str
             ),
         )
     return decision
+
+
+def _best_supported(winners: list[dict[str, Any]], trials: list[TrialRow]) -> dict[str, Any]:
+    """The fastest winner; but a winner measured once does not displace one measured twice or
+    more that its single run cannot tell apart from (either gains about as much, and one is
+    confirmed: ``still_unclear`` then asks only which of the two is faster)."""
+    best = max(winners, key=lambda r: r["comparison"]["speedup"])
+    confirmed = [r for r in winners if r["runs"] >= 2]
+    if best["runs"] >= 2 or not confirmed:
+        return best
+    surest = max(confirmed, key=lambda r: r["comparison"]["speedup"])
+    # the comparison still_unclear makes of a leader and its rival, to agree with it
+    versus = compare_runs(
+        _runs_of(trials, best["config_id"]), _runs_of(trials, surest["config_id"]), min_effect=0
+    )
+    return best if versus.ci_high < 1.0 else surest
 
 
 DRIFT_LIMIT = 0.25
@@ -231,6 +247,12 @@ def still_unclear(
     )
     if not rows:
         return None
+    # A confirmed winner leads though single runs it cannot be told apart from look faster
+    # (_best_supported); a faster candidate that is not a win yet still leads, to be measured.
+    winner = next((r for r in rows if r["trial_id"] == decision.get("winner_trial")), None)
+    above = rows[: rows.index(winner)] if winner is not None else []
+    if winner is not None and all(r["comparison"]["significant"] for r in above):
+        rows = [winner] + [r for r in rows if r is not winner]
     leader, drift = rows[0], baseline_drift(trials)
     c = leader["comparison"]
     if not c["significant"]:

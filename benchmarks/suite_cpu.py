@@ -1,0 +1,120 @@
+"""Where the test suite's CPU goes: by kind of process and by test.
+
+    .venv/bin/python benchmarks/suite_cpu.py [pytest arguments ...]
+
+Runs ``pytest`` (the README's command, or the arguments given) with a
+``sitecustomize`` on ``PYTHONPATH`` that makes every Python process the suite
+starts (xdist workers, torchrun agents, ranks, ``tunekit`` commands, workload
+children) append its CPU time, its command and the test that started it
+(``PYTEST_CURRENT_TEST``, which children inherit) to a log when it exits. Then
+prints the CPU by kind of process, the share spent in processes that imported
+torch, and the tests whose processes cost the most.
+
+A process ended by a signal (a rank a test kills, an agent stopped at a
+timeout) runs no exit hook and is missing from the tables; the first line
+compares what they hold with the CPU of the whole process tree (the
+runner's ``RUSAGE_CHILDREN``), so the gap is visible.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HOOK = """
+import atexit, json, os, sys, time
+
+_log = os.environ.get("TUNEKIT_SUITE_CPU_LOG")
+
+
+def _write():
+    t = os.times()
+    row = {
+        "argv": sys.argv[:4],
+        "cpu": t.user + t.system,
+        "torch": "torch" in sys.modules,
+        "dynamo": "torch._dynamo" in sys.modules,
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" (")[0],
+    }
+    with open(_log, "a") as f:  # one short line per write: appends do not interleave
+        f.write(json.dumps(row) + "\\n")
+
+
+if _log:
+    atexit.register(_write)
+"""
+
+KINDS = (
+    ("tunekit.runtime.worker", "trial rank"),
+    ("tunekit/runtime/worker.py", "trial rank"),
+    ("tunekit.runtime.live", "live-job rank"),
+    ("tunekit/runtime/live.py", "live-job rank"),
+    ("tunekit.trials.agent", "torchrun agent (tunekit's)"),
+    ("torch/distributed/run.py", "torchrun agent"),
+    ("torch.distributed.run", "torchrun agent"),
+    ("workload_child", "workload child (observation, diagnoses)"),
+    ("pytest", "pytest (the runner, tests' own pytest runs)"),
+    ("tunekit/__main__.py", "tunekit command"),
+    ("bin/tunekit", "tunekit command"),
+)
+
+
+def kind(argv: list[str]) -> str:
+    line = " ".join(argv)
+    for needle, name in KINDS:
+        if needle in line:
+            return name
+    if argv[:1] == ["-c"]:
+        return "python -c (xdist workers, tests' helpers)"
+    return Path(argv[0]).name if argv else "?"
+
+
+def table(title: str, rows: dict[str, list[float]], limit: int) -> None:
+    print(f"\n{title}")
+    print(f"{'CPU s':>8} {'procs':>6} {'torch':>6}  what")
+    for name, (cpu, n, torch) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:limit]:
+        print(f"{cpu:8.1f} {n:6.0f} {torch:6.0f}  {name}")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "sitecustomize.py").write_text(HOOK)
+        log = Path(tmp) / "procs.jsonl"
+        env = dict(os.environ, TUNEKIT_SUITE_CPU_LOG=str(log))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tmp, env.get("PYTHONPATH")]))
+        wall = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env)
+        wall = time.perf_counter() - wall
+        tree = resource.getrusage(resource.RUSAGE_CHILDREN)
+        rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    logged = sum(r["cpu"] for r in rows)
+    print(
+        f"\npytest exited {done.returncode} after {wall:.0f} s; CPU of the process tree "
+        f"{tree.ru_utime + tree.ru_stime:.0f} s, {len(rows)} processes logged "
+        f"{logged:.0f} s (the rest: processes ended by a signal)"
+    )
+    by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    by_test: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    for r in rows:
+        for key, into in ((kind(r["argv"]), by_kind), (r["test"], by_test)):
+            if key:
+                into[key][0] += r["cpu"]
+                into[key][1] += 1
+                into[key][2] += r["torch"]
+    table("by kind of process (torch: how many imported it)", by_kind, 20)
+    table("by the test that started them (the xdist workers' own CPU not included)", by_test, 30)
+    sys.exit(done.returncode)
+
+
+if __name__ == "__main__":
+    main()
