@@ -59,6 +59,7 @@ KINDS = (
     ("tunekit.runtime.live", "live-job rank"),
     ("tunekit/runtime/live.py", "live-job rank"),
     ("tunekit.trials.agent", "torchrun agent (tunekit's)"),
+    ("tunekit/trials/agent.py", "torchrun agent (tunekit's)"),
     ("torch/distributed/run.py", "torchrun agent"),
     ("torch.distributed.run", "torchrun agent"),
     ("workload_child", "workload child (observation, diagnoses)"),
