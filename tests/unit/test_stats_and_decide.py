@@ -194,6 +194,31 @@ def test_a_leader_whose_interval_holds_no_gain_is_measured_again_and_a_flat_one_
     assert _unclear(drifted) is None
 
 
+def test_a_leader_that_measured_level_but_may_hold_a_gain_is_measured_again():
+    """tuner_vs_grid once kept the transformer's baseline: batch 32 gains 4-6%, but its runs
+    read about 1.00x and it was never measured again. A leader no slower than the baseline
+    whose interval reaches a gain worth having is; a level one with a tight interval, or one
+    that measured slower, is not."""
+    level = list(np.linspace(0.086, 0.115, 8))  # median 0.1005: 1.00x, wide spread
+    rows = [
+        _row(0, BASELINE, {}, [0.100] * 8),
+        _row(1, CANDIDATE, {"p": {"x": 32}}, level),
+        _row(2, BASELINE, {}, [0.101] * 8),
+    ]
+    d = decide(rows, 0.01)
+    c = d["candidates"][0]["comparison"]
+    assert d["winner"] == "baseline" and 1.0 <= c["speedup"] <= 1.01 and c["ci_high"] >= 1.03
+    unclear = still_unclear(d, rows, 0.01)
+    assert unclear.rows[0]["description"] == "p(x=32)" and "may hold a gain" in unclear.why
+    tight = rows[:1] + [_row(1, CANDIDATE, {"p": {"x": 32}}, [0.0995, 0.1005] * 4)] + rows[2:]
+    assert decide(tight, 0.01)["candidates"][0]["comparison"]["ci_high"] < 1.03
+    assert _unclear(tight) is None
+    slower = rows[:1] + [_row(1, CANDIDATE, {"p": {"x": 32}}, [x * 1.03 for x in level])]
+    slower += rows[2:]
+    assert decide(slower, 0.01)["candidates"][0]["comparison"]["speedup"] < 1
+    assert _unclear(slower) is None
+
+
 def test_two_winners_within_each_others_noise_are_measured_side_by_side():
     rng = np.random.default_rng(5)
     a, b = {"p": {"x": 1}}, {"q": {"y": 1}}
