@@ -48,6 +48,7 @@ from pathlib import Path
 import grid_bench as gb
 
 from tunekit.orchestrator import AutoSettings
+from tunekit.trials.decide import global_batch
 from tunekit.workload import load_workload
 
 HERE = Path(__file__).resolve().parent
@@ -83,8 +84,9 @@ def grid(spec: str) -> list[dict]:
     return configs
 
 
-def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int]:
-    """``tunekit auto`` with its default budget: the winning config and its candidate trials."""
+def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int, list[dict]]:
+    """``tunekit auto`` with its default budget: the winning config, its candidate trials and
+    every trial of the study (kept in the results, so that a miss can be explained)."""
     settings = AutoSettings(
         workload=spec,
         nproc=2,
@@ -94,7 +96,18 @@ def tunekit_pick(spec: str, root: Path, args) -> tuple[dict, int]:
         store_dir=root / "auto-store",
     )
     winner, trials = gb.tunekit_auto(settings)
-    return winner, len(gb.trials_run(trials))
+    study = [
+        {
+            "seq": t.seq,
+            "role": t.role,
+            "config": gb.describe(t.config),
+            "status": t.status,
+            "median_s": t.median_s,
+            "global_batch": global_batch(t) if t.result else None,
+        }
+        for t in trials
+    ]
+    return winner, len(gb.trials_run(trials)), study
 
 
 def bench(name: str, spec: str, args, root: Path) -> dict:
@@ -103,7 +116,7 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
     results = gb.run_grid(s, grid(spec))
     best = gb.best_of(results)
 
-    pick, auto_trials = tunekit_pick(spec, root / name, args)
+    pick, auto_trials, study = tunekit_pick(spec, root / name, args)
     # Side by side: baseline, the grid's best and tunekit's pick, interleaved.
     final = gb.side_by_side(
         s,
@@ -127,6 +140,7 @@ def bench(name: str, spec: str, args, root: Path) -> dict:
         "grid_best_speedup": best["speedup"] if best else None,
         "tunekit_pick": pick,
         "tunekit_trials": auto_trials,
+        "tunekit_study": study,
         "tunekit_vs_grid": ratio,
         "tunekit_vs_grid_interval": ci,
         "baseline_vs_itself": self_ratio,
