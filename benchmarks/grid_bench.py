@@ -34,6 +34,20 @@ def describe(config: dict | None) -> str:
     return TuningConfig.from_dict(config).describe()
 
 
+def same_config(a: dict | None, b: dict | None) -> bool:
+    """Whether two configs set the same knobs once each tuner's defaults are filled in (a
+    study records every knob of a search's result; the grid names only those it moves)."""
+    from tunekit.plugin_loading import load_all
+
+    tuners = {r.name: r.tuner for r in load_all() if r.ok and r.tuner is not None}
+
+    def full(config: dict | None) -> dict:
+        plugins = TuningConfig.from_dict(config or BASELINE).plugins
+        return {n: tuners[n].validate(k) if n in tuners else k for n, k in plugins.items()}
+
+    return full(a) == full(b)
+
+
 class Trials:
     """Trials of one job on 2 ranks, each recorded with its per-sample step times and its
     measured peak per rank; ``cap`` (bytes per rank) is enforced as in a study."""
