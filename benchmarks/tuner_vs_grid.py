@@ -34,8 +34,9 @@ Per workload, on 2 gloo ranks:
 
 It prints the grid's best against the baseline, tunekit's pick against the
 grid's best (throughput ratio with its 95% bootstrap interval; within 5% is the
-target; 1.00x where the pick is the grid's best itself, its knobs' defaults filled in,
-with what the two arms of one config measured against each other beside it), the baseline's final rounds against each other (the noise floor a 5%
+target; 1.00x where the pick is the grid's best itself, its knobs' defaults filled
+in, with what the two arms of that one config measured against each other beside
+it), the baseline's final rounds against each other (the noise floor a 5%
 criterion must clear), and tunekit's trials as a share of the grid's (at most
 25% is the target).
 """

@@ -262,16 +262,15 @@ def still_unclear(
     leader, drift = rows[0], baseline_drift(trials)
     c = leader["comparison"]
     if not c["significant"]:
+        interval = f"its interval ({c['ci_low']:.2f}–{c['ci_high']:.2f}x)"
         if c["speedup"] > 1 + min_effect:
-            return Unclear([leader], f"{leader['description']} looks {c['speedup']:.2f}x "
-                                     f"but its interval ({c['ci_low']:.2f}–{c['ci_high']:.2f}x) "
-                                     "holds no gain")  # fmt: skip
+            why = f"looks {c['speedup']:.2f}x but {interval} holds no gain"
+            return Unclear([leader], f"{leader['description']} {why}")
         if c["speedup"] >= 1 and c["ci_high"] >= 1 + PLAUSIBLE_GAIN * min_effect:
             # Not slower, and its noise hides a gain worth having: a few percent measured once
             # reads as 1.00x as often as not (the grid's batch 32 on the transformer did).
-            return Unclear([leader], f"{leader['description']} measured {c['speedup']:.2f}x "
-                                     f"but its interval ({c['ci_low']:.2f}–{c['ci_high']:.2f}x) "
-                                     "may hold a gain")  # fmt: skip
+            why = f"measured {c['speedup']:.2f}x but {interval} may hold a gain"
+            return Unclear([leader], f"{leader['description']} {why}")
         return None  # a drifting baseline says so in the decision; no candidate even looks faster
     if leader["runs"] < 2:
         return Unclear([leader], f"{leader['description']} has one run")
