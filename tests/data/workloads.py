@@ -27,6 +27,35 @@ def tiny() -> Workload:
     )
 
 
+def reports_its_start() -> Workload:
+    """tiny, each rank writing to ``$TUNEKIT_TEST_REPORT_DIR`` whether ``torch._dynamo`` was
+    loaded before the workload was built (a forked rank has it from its agent), whether it
+    listens on its agent's store port (a forked rank must not hold the agent's socket) and,
+    from an exit hook, that the hook ran."""
+    import atexit
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    out = Path(os.environ["TUNEKIT_TEST_REPORT_DIR"])
+    rank = os.environ["RANK"]
+    import psutil
+
+    master_port = int(os.environ["MASTER_PORT"])  # the agent's store
+    listening = [
+        c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"
+    ]
+    facts = {
+        "dynamo_loaded": "torch._dynamo" in sys.modules,
+        "ppid": os.getppid(),
+        "holds_agents_port": master_port in listening,
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(facts))
+    atexit.register((out / f"rank{rank}.exit").write_text, "ran")
+    return tiny()
+
+
 def paced_tiny() -> Workload:
     """tiny, its batches waiting 20 ms for their data: a live job whose metrics grow by the
     same 50 steps a second on any machine (tiny alone made 400 a second on a fast one, and

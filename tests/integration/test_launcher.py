@@ -1,5 +1,6 @@
 """Relaunch trials for real: torchrun, gloo, 2 ranks."""
 
+import json
 import os
 import re
 import time
@@ -60,8 +61,9 @@ def test_a_workload_whose_steps_stop_is_killed_as_a_hang_without_waiting_for_the
 
 
 def test_a_trial_past_its_timeout_is_killed_as_a_hang(tmp_path):
+    # It never finishes a step, however fast its ranks start: a hang, not a slow trial.
     out = run_trial_sync(
-        TrialSpec(f"{WORKLOADS}:hangs", warmup=1, steps=4),
+        TrialSpec(f"{WORKLOADS}:hangs_building", warmup=1, steps=4),
         LaunchOptions(nproc=2, timeout_s=3, stall_s=None),
         tmp_path,
     )
@@ -155,3 +157,25 @@ def test_a_trial_that_prints_without_limit_keeps_a_capped_log_and_says_so(tmp_pa
     assert record["log"] == "agent0.log" and record["bytes"] >= 16 * 2**20
     assert record["kept_bytes"] == HEAD_BYTES + TAIL_BYTES
     assert record["dropped_bytes"] == record["bytes"] - record["kept_bytes"]
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_ranks_fork_from_their_agent_unless_asked_and_run_their_exit_hooks(
+    tmp_path, monkeypatch, start
+):
+    report = tmp_path / "report"
+    report.mkdir()
+    monkeypatch.setenv("TUNEKIT_TEST_REPORT_DIR", str(report))
+    monkeypatch.setenv("TUNEKIT_RANK_START", start)
+    out = run_trial_sync(
+        TrialSpec(f"{WORKLOADS}:reports_its_start", warmup=1, steps=2),
+        LaunchOptions(nproc=2),
+        tmp_path / "trial",
+    )
+    assert out.status == "ok", out.error
+    facts = [json.loads((report / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # Forked, a rank finds what its agent imported; spawned, it imports torch._dynamo itself.
+    assert [f["dynamo_loaded"] for f in facts] == [start == "fork"] * 2
+    assert facts[0]["ppid"] == facts[1]["ppid"]  # both the one agent's children
+    assert not any(f["holds_agents_port"] for f in facts)
+    assert [(report / f"rank{r}.exit").read_text() for r in (0, 1)] == ["ran", "ran"]

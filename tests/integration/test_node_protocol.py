@@ -146,11 +146,18 @@ def test_a_follower_joins_the_new_run_although_the_last_runs_announcement_is_wri
     spy = TCPStore(
         "127.0.0.1", second.endpoint.port, is_master=False, timeout=timedelta(seconds=10)
     )
+    spy.set(PREFIX + "run", stale)
     with reaped(start_follower(tmp_path / "node1", second.endpoint.port, TOKEN)) as follower:
         deadline = time.monotonic() + 120
-        while not second.joined() and time.monotonic() < deadline:
-            spy.set(PREFIX + "run", stale)  # faster than the coordinator repairs it
+        # The stale run is written back faster than the coordinator repairs it (each second)
+        # until the follower has said hello, to whichever run it read; then only the repair
+        # stands between it and the new run (a race kept up to the end took 5-60 s to lose).
+        while not spy.check([PREFIX + "node/1/hello"]) and time.monotonic() < deadline:
+            spy.set(PREFIX + "run", stale)  # a repair stands ~10 ms of each second
             spy.set(PREFIX + "job/0/stop", stop)
+            time.sleep(0.01)
+        while not second.joined() and time.monotonic() < deadline:
+            spy.set(PREFIX + "job/0/stop", stop)  # the old run's stop still written back
             time.sleep(0.05)
         assert second.joined() == [1]
         output_when(tmp_path / "node1", "node 1 joined")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from tunekit.observe.observation import Measurement
+from tunekit.runtime import rank_entry
 from tunekit.runtime.dist import free_port
 from tunekit.trials.exits import describe_exit, fault_location, signal_name
 from tunekit.trials.output import CappedLog, OutputRecord, pump, read_tail
@@ -161,15 +162,13 @@ def agent_commands(
     ``report_dir/agent<i>.json`` (:mod:`tunekit.trials.agent`).
     """
     cmds = _agent_commands(spec_path, opts, module)
-    if report_dir is None:
-        return cmds
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     return [
         [
             sys.executable,
             "-m",
             "tunekit.trials.agent",
-            str(report_dir / f"agent{i}.json"),
+            "-" if report_dir is None else str(report_dir / f"agent{i}.json"),
             *cmd[len(torchrun) :],
         ]
         for i, cmd in enumerate(cmds)
@@ -187,6 +186,15 @@ def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[l
         "0",
     ]
     worker = ["-m", module, str(spec_path)]
+    if rank_entry.forking():  # each rank forks from the agent, torch already imported
+        worker = [
+            "--run-path",
+            "--start-method",
+            "fork",
+            rank_entry.__file__,
+            module,
+            str(spec_path),
+        ]
     if opts.loopback_nodes > 1:
         port = free_port()
         return [
