@@ -18,6 +18,7 @@ import types
 import pytest
 
 from tunekit.runtime import rundir as rundir_module
+from tunekit.runtime.quiet_writes import QuietWrites
 from tunekit.runtime.rundir import CheckpointError, RunDir
 
 
@@ -106,6 +107,36 @@ def test_a_line_that_did_not_fit_is_cut_back_off_so_the_lines_after_it_read(tmp_
     rd.log_event("stopped", step=2)
     assert [m["step"] for m in rd.read_metrics()] == [0, 1]
     assert [e["kind"] for e in rd.read_events()] == ["started", "stopped"]
+
+
+def test_events_a_full_disk_kept_out_are_written_in_order_once_there_is_room(
+    tmp_path, disk, capsys
+):
+    """Events are rare: one that did not fit waits for the next write instead of being lost,
+    and its warning goes once it is written, though no new event comes."""
+    rd = _run(tmp_path)
+    writes = QuietWrites(rd)
+    writes.log_event("started", step=0)
+    disk.left = 0
+    writes.log_event("checkpoint_failed", step=3)
+    writes.log_event("checkpoint_failed", step=6)
+    assert list(writes.warned) == ["events.jsonl"]
+    assert [e["kind"] for e in rd.read_events()] == ["started"]
+    written_at = [e["t"] for e in writes.waiting_events]
+    writes.flush_events()  # the next status write: still no room
+    assert list(writes.warned) == ["events.jsonl"]
+    disk.left = None  # room again
+    writes.flush_events()
+    events = rd.read_events()
+    assert [(e["kind"], e["step"]) for e in events] == [
+        ("started", 0),
+        ("checkpoint_failed", 3),
+        ("checkpoint_failed", 6),
+    ]
+    assert [e["t"] for e in events[1:]] == written_at  # when they happened, not when written
+    assert writes.warned == {} and not writes.waiting_events
+    err = capsys.readouterr().err
+    assert err.count("cannot write events.jsonl") == 1 and "events.jsonl is written again" in err
 
 
 def test_a_checkpoint_that_does_not_fit_leaves_the_last_good_one(tmp_path, disk):

@@ -56,6 +56,7 @@ from tunekit.runtime.checkpoint import (
 )
 from tunekit.runtime.control import RESUME, ControlServer, Request
 from tunekit.runtime.dist import broadcast_bytes, ensure_group, init_from_env
+from tunekit.runtime.quiet_writes import QuietWrites
 from tunekit.runtime.rundir import CheckpointError, LossyStream, RunDir
 from tunekit.runtime.session import Session, StepRecord
 from tunekit.trials.stats import compare
@@ -603,8 +604,7 @@ class LiveJob:
     def __init__(self, rd: RunDir):
         self.rd = rd
         self.spec = rd.read_run()
-        self.warned: dict[str, str] = {}
-        """What rank 0 could not write, said once each (status shows it)."""
+        self.writes = QuietWrites(rd)
         self.memory_reported = False
         self.memory: dict[str, Any] | None = None
         """What fills a rank's memory, measured on the first steps (rank 0; status shows it)."""
@@ -717,27 +717,20 @@ class LiveJob:
 
     # -- what rank 0 writes: a failure is said once and training goes on -----------------------
 
+    @property
+    def warned(self) -> dict[str, str]:
+        """What rank 0 could not write, said once each (status shows it)."""
+        return self.writes.warned
+
     def quietly(self, what: str, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``write``, or (it failed: a full disk, a read-only folder) a warning said once and
-        shown by `tunekit status` until ``what`` is written again. Training goes on."""
-        try:
-            result = write(*args, **kwargs)
-        except OSError as exc:
-            if what not in self.warned:
-                self.warned[what] = (
-                    f"cannot write {what}: {exc.strerror or exc} (its last good copy stays)"
-                )
-                print(f"tunekit run: {self.warned[what]}; training goes on", file=sys.stderr)
-            return None
-        if self.warned.pop(what, None) is not None:
-            print(f"tunekit run: {what} is written again", file=sys.stderr)
-        return result
+        return self.writes.quietly(what, write, *args, **kwargs)
 
     def log_event(self, kind: str, **payload: Any) -> None:
-        self.quietly("events.jsonl", self.rd.log_event, kind, **payload)
+        self.writes.log_event(kind, **payload)
 
     def write_status(self) -> None:
         if self.controller is not None:
+            self.writes.flush_events()  # any an earlier full disk kept out
             self.quietly("status.json", self.rd.write_status, self.controller.status())
 
     # -- commands ------------------------------------------------------------------------
