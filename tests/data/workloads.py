@@ -38,10 +38,10 @@ def reports_its_start() -> Workload:
     import sys
     from pathlib import Path
 
-    out = Path(os.environ["TUNEKIT_TEST_REPORT_DIR"])
-    rank = os.environ["RANK"]
     import psutil
 
+    out = Path(os.environ["TUNEKIT_TEST_REPORT_DIR"])
+    rank = os.environ["RANK"]
     master_port = int(os.environ["MASTER_PORT"])  # the agent's store
     listening = [
         c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"

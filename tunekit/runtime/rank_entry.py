@@ -27,6 +27,7 @@ the differences a forked child has undone:
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import runpy
 import signal
@@ -43,8 +44,6 @@ def forking() -> bool:
 
 def preload(module: str) -> None:
     """Import, in the agent, what every rank of ``module`` imports before its first step."""
-    import importlib
-
     import torch._dynamo  # noqa: F401  (the optimizers import it at their first call)
 
     importlib.import_module(module)
