@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from tunekit import errors
 from tunekit.errors import TunekitError
 from tunekit.trials.exits import describe_exit, fault_location
-from tunekit.trials.launcher import CRASH, HANG, OOM, die_with_parent, stop_all
+from tunekit.trials.launcher import CRASH, HANG, OOM, stop_all
 from tunekit.trials.output import CappedLog, pump
+from tunekit.trials.warm_start import PIPE, WarmProcess, start_python
 from tunekit.workload import Workload
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ class WorkloadProcess:
         self.fault_path = self.log_path.with_suffix(".fault")
         self.timeout_s = timeout_s
         self.setup = setup
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | WarmProcess | None = None
         self._pump: asyncio.Task | None = None
         self._log: CappedLog | None = None
         self._needs_setup = False
@@ -139,13 +141,8 @@ class WorkloadProcess:
             self._log.note("a fresh process for the workload; the one before it ended")
         self._children += 1
         cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
-        self.proc = await asyncio.create_subprocess_exec(
-            *die_with_parent(cmd),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            limit=_REPLY_LIMIT,
+        self.proc = await start_python(
+            cmd, env=dict(os.environ), stdin=PIPE, stdout=PIPE, stderr=PIPE, limit=_REPLY_LIMIT
         )
         assert self.proc.stderr is not None  # stderr=PIPE
         self._pump = asyncio.create_task(pump(self.proc.stderr, self._log))

@@ -277,13 +277,18 @@ def _python_threads() -> set[threading.Thread]:
 
 
 def _children() -> set[int]:
-    """Live child processes, minus multiprocessing's own long-lived helpers."""
+    """Live child processes, minus multiprocessing's own long-lived helpers; the processes
+    tunekit forked from its warm server (:mod:`tunekit.trials.warm_start`) count as children,
+    the server (one per process, for its life) does not."""
     out = set()
     for child in psutil.Process().children():
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 continue
             cmd = " ".join(child.cmdline())
+            if "tunekit.trials.warm_start" in cmd:
+                out |= {c.pid for c in child.children() if c.status() != psutil.STATUS_ZOMBIE}
+                continue
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if "resource_tracker" in cmd or "semaphore_tracker" in cmd or "forkserver" in cmd:

@@ -46,6 +46,7 @@ from tunekit.runtime.dist import free_port
 from tunekit.trials.exits import describe_exit, fault_location, signal_name
 from tunekit.trials.output import CappedLog, OutputRecord, pump, read_tail
 from tunekit.trials.stats import measurement_from_ranks
+from tunekit.trials.warm_start import PIPE, STDOUT, start_python
 
 if TYPE_CHECKING:
     from tunekit.runtime.rundir import RunDir
@@ -228,28 +229,6 @@ def _agent_commands(spec_path: Path, opts: LaunchOptions, module: str) -> list[l
         rdzv += ["--rdzv-id", opts.rdzv_id or "tunekit"]
         return [base + rdzv + worker]
     return [base + ["--standalone"] + worker]
-
-
-# Runs before torchrun in the agent's own process, then becomes torchrun (exec keeps
-# the death signal). Doing this in a pre-exec hook instead is unsafe in a process
-# with threads (the TUI, telemetry), which Python's docs warn may deadlock.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('tunekit exited before the trial started')\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def die_with_parent(cmd: list[str]) -> list[str]:
-    """``cmd``, made to get SIGTERM when this process exits, however it exits.
-
-    On Linux only; elsewhere ``cmd`` is returned unchanged.
-    """
-    if not sys.platform.startswith("linux"):
-        return cmd
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def rank_threads(local_ranks: int, threads_per_rank: int | None = None) -> int:
@@ -469,13 +448,7 @@ async def _start_agents(cmds: list[list[str]], opts: LaunchOptions, trial_dir: P
         # Piped through tunekit, not written straight to the file: what a workload prints is unbounded.
         log = CappedLog(trial_dir / f"agent{i}.log")
         logs.append(log)
-        proc = await asyncio.create_subprocess_exec(
-            *die_with_parent(cmd),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        proc = await start_python(cmd, env=env, stdout=PIPE, stderr=STDOUT)
         procs.append(proc)
         assert proc.stdout is not None  # stdout=PIPE
         pumps.append(asyncio.create_task(pump(proc.stdout, log)))
@@ -524,13 +497,7 @@ async def run_live_agent(
     (cmd,) = agent_commands(rd.path, opts, module="tunekit.runtime.live")
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with open(fd, "ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *die_with_parent(cmd),
-            stdout=log,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        proc = await start_python(cmd, env=env, stdout=log.fileno(), stderr=STDOUT)
     why = None
     try:
         while proc.returncode is None:

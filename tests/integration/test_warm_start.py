@@ -1,0 +1,112 @@
+"""Processes forked from tunekit's warm server look as ``python -m`` would start them."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tunekit.trials import warm_start
+from tunekit.trials.warm_start import PIPE, STDOUT, start_python
+
+pytestmark = pytest.mark.slow
+
+PROBE_DIR = Path(__file__).resolve().parent.parent / "data" / "warm"
+
+
+async def _run(out: Path, how: str, env: dict[str, str], **streams):
+    cmd = [sys.executable, "-m", "warm_probe", str(out), how]
+    proc = await start_python(cmd, env=env, stdin=PIPE, **streams)
+    proc.stdin.write(b"hello\n")
+    await proc.stdin.drain()
+    proc.stdin.close()
+    said = await proc.stdout.read() if proc.stdout is not None else b""
+    return proc, await proc.wait(), said
+
+
+def test_a_forked_process_gets_its_environment_folder_streams_session_and_exit_status(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(PROBE_DIR)
+    env = {**os.environ, "WARM_PROBE": "first"}
+    out = tmp_path / "a.json"
+    proc, code, said = asyncio.run(_run(out, "3", env, stdout=PIPE, stderr=STDOUT))
+    facts = json.loads(out.read_text())
+    assert code == 3 and proc.returncode == 3
+    assert facts["pid"] == proc.pid and facts["sid"] == proc.pid  # a session of its own
+    assert facts["cwd"] == str(PROBE_DIR) and facts["on_path"]  # as `python -m` from there
+    assert facts["env"] == "first" and facts["stdin"] == "hello"
+    assert facts["name"] == "__main__" and facts["argv"][1:] == [str(out), "3"]
+    assert facts["torch_loaded_before"]  # the point: it started warm
+    assert facts["sigterm_default"]
+    assert (tmp_path / "a.json.atexit").exists()  # exit hooks ran
+    assert said.decode().splitlines() == ["to stdout", "to stderr"]
+
+    # The next ones, with other run-time values, fork from the same server; a signal's death
+    # reads as asyncio's would, and PYTHONSAFEPATH keeps the folder off the import path.
+    servers = dict(warm_start._servers)
+    env = {**env, "WARM_PROBE": "second", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "b.json"
+    proc, code, _ = asyncio.run(_run(out, "kill", env, stdout=PIPE))
+    assert code == -signal.SIGKILL
+    assert json.loads(out.read_text())["env"] == "second"
+    proc, code, said = asyncio.run(
+        _run(tmp_path / "c.json", "0", {**env, "PYTHONSAFEPATH": "1"}, stdout=PIPE, stderr=STDOUT)
+    )
+    assert code == 1 and "No module named warm_probe" in said.decode()
+    assert warm_start._servers == servers
+
+
+def test_an_import_time_variable_gets_a_server_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(PROBE_DIR)
+    env = dict(os.environ)
+    asyncio.run(_run(tmp_path / "a.json", "0", env, stdout=PIPE))
+    before = warm_start._servers[warm_start.import_time_env(env)]
+    other = {**env, "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    asyncio.run(_run(tmp_path / "b.json", "0", other, stdout=PIPE))
+    after = warm_start._servers[warm_start.import_time_env(other)]
+    assert after is not before and after.proc.pid != before.proc.pid
+    assert before.alive and after.alive
+
+
+CALLER = """
+import asyncio, os, sys
+sys.path.insert(0, {probe!r})
+os.chdir({probe!r})
+from tunekit.trials.warm_start import PIPE, start_python
+async def main():
+    proc = await start_python([sys.executable, "-m", "warm_probe", {out!r}, "sleep"],
+                              env=dict(os.environ), stdin=PIPE, stdout=PIPE)
+    proc.stdin.write(b"x\\n")
+    await proc.stdin.drain()
+    await proc.stdout.readline()
+    print(proc.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def test_what_it_started_ends_when_the_caller_is_killed(tmp_path):
+    out = tmp_path / "c.json"
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER.format(probe=str(PROBE_DIR), out=str(out))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid = int(caller.stdout.readline())
+        assert psutil.pid_exists(pid)
+        caller.kill()  # no chance to clean up: the server must see it gone
+        caller.wait()
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the forked process outlived its caller"
+            time.sleep(0.1)
+    finally:
+        caller.kill()
