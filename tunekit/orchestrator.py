@@ -76,7 +76,7 @@ from tunekit.planning import (
 )
 from tunekit.plugin_loading import PluginRecord, load_all, select, slow_imports
 from tunekit.runtime.rundir import RunDir
-from tunekit.store import Store, StudyRow, TrialRow
+from tunekit.store import Store, TrialRow
 from tunekit.timings import Timings, own_cpu_s
 from tunekit.trials.decide import (
     BASELINE,
@@ -1682,16 +1682,3 @@ def _trial_result(outcome: TrialOutcome) -> dict[str, Any]:
         "startup_s": outcome.startup_s,
         "output": outcome.output,
     }
-
-
-def load_study(store: Store, study: str | int | None) -> StudyRow:
-    """A study by id, or the latest one."""
-    if study is None:
-        row = store.latest_study()
-        if row is None:
-            raise TunekitError(f"no studies in {store.path}; run `tunekit auto` first")
-        return row
-    try:
-        return store.study(int(study))
-    except ValueError:
-        raise TunekitError(f"study must be a number, not {study!r}") from None

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
 from typing import Protocol
@@ -236,10 +236,23 @@ def check_names(records: Sequence[Loaded], names: list[str]) -> None:
     for name in names:
         rec = by_name.get(name)
         if rec is None:
-            known = ", ".join(sorted(by_name)) or "none installed"
-            raise PluginError(f"unknown plugin {name!r} (installed: {known})")
+            raise _unknown(name, by_name)
         if not rec.ok:
             raise PluginError(f"plugin {name!r} from {rec.package} is {rec.status}: {rec.error}")
+
+
+def check_installed(names: list[str]) -> None:
+    """Every name installed, or the line :func:`check_names` gives, from the entry points
+    alone: a mistyped name is refused before any plugin (and torch, which they import) loads."""
+    installed = {ep.name for ep in discover()}
+    for name in names:
+        if name not in installed:
+            raise _unknown(name, installed)
+
+
+def _unknown(name: str, installed: Iterable[str]) -> PluginError:
+    known = ", ".join(sorted(installed)) or "none installed"
+    return PluginError(f"unknown plugin {name!r} (installed: {known})")
 
 
 def select(records: list[PluginRecord], names: list[str] | None) -> dict[str, Tuner]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunekit.errors import StoreError
+from tunekit.errors import StoreError, TunekitError
 from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 
 DEFAULT_DIR = ".tunekit"
@@ -599,6 +599,19 @@ class Store:
             }
             for r in rows
         ]
+
+
+def load_study(store: Store, study: str | int | None) -> StudyRow:
+    """A study by id, or the latest one."""
+    if study is None:
+        row = store.latest_study()
+        if row is None:
+            raise TunekitError(f"no studies in {store.path}; run `tunekit auto` first")
+        return row
+    try:
+        return store.study(int(study))
+    except ValueError:
+        raise TunekitError(f"study must be a number, not {study!r}") from None
 
 
 class StudyCache:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tunekit.errors import WorkloadError
+from tunekit.examples import check_example
 
 __all__ = ["EXAMPLE_PREFIX", "resolve_spec"]
 
@@ -20,6 +21,7 @@ def resolve_spec(spec: str) -> str:
     """
     spec = spec.strip()
     if spec.startswith(EXAMPLE_PREFIX):
+        check_example(spec[len(EXAMPLE_PREFIX) :])
         return spec
     target, fn = _split(spec)
     if _is_file(target):

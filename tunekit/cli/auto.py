@@ -55,6 +55,7 @@ from tunekit.events import (
 )
 from tunekit.examples import DEFAULT_EXAMPLE, examples_help
 from tunekit.observe.truth import PART_LABELS
+from tunekit.plugin_loading import check_installed
 from tunekit.runtime.rundir import RunDir
 from tunekit.timings import total
 from tunekit.workload_spec import resolve_spec
@@ -269,13 +270,16 @@ def auto_cmd(
     ensure_writable(store_dir, "the study store folder (--store)")
     ensure_writable(out_dir, "the report folder (--out)")
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    names = split_names(plugins)
+    if names is not None:
+        check_installed(names)
     from tunekit.orchestrator import AutoSettings
     from tunekit.trials.launcher import LaunchOptions
 
     settings = AutoSettings(
         workload=workload,
         nproc=nproc,
-        plugins=split_names(plugins),
+        plugins=names,
         trials=3 if trials is None and budget is None else trials,
         budget_s=budget,
         out_dir=out_dir,

@@ -22,7 +22,7 @@ from tunekit.cli.common import (
 from tunekit.config import TuningConfig
 from tunekit.diagnosis_text import body_points, headline_of
 from tunekit.examples import DEFAULT_EXAMPLE
-from tunekit.plugin_loading import load_all, select
+from tunekit.plugin_loading import check_installed, load_all, select
 from tunekit.store import Store
 from tunekit.workload_spec import resolve_spec
 
@@ -103,6 +103,7 @@ def plan_cmd(
     (as in `tunekit auto`): a workload that crashes, hangs or exits there fails in one line.
     """
     resolve_spec(workload)  # a missing file: one line now, not after torch has loaded
+    check_installed([plugin])
     records = load_all()
     tuner = select(records, [plugin])[plugin]
     from tunekit.report import report_data

@@ -9,11 +9,8 @@ import click
 
 from tunekit.cli.auto import result_table
 from tunekit.cli.common import STORE_OPTION, Table, console, styled, trials_table
-from tunekit.orchestrator import load_study
 from tunekit.plugin_loading import available_tuners
-from tunekit.report import report_data, write_report
-from tunekit.store import Store
-from tunekit.trials.launcher import LaunchOptions
+from tunekit.store import Store, load_study
 
 
 @click.command("report")
@@ -50,6 +47,10 @@ def report_cmd(study, store_dir, out_dir, as_json, list_studies):
             console.print(table)
             return
         row = load_study(store, study)
+        # Only a study's report needs these (and torch): --list and errors start without them.
+        from tunekit.report import report_data, write_report
+        from tunekit.trials.launcher import LaunchOptions
+
         tuners = available_tuners()
         launch = LaunchOptions(nproc=row.nproc)
         data = report_data(store, row.id, tuners, launch)

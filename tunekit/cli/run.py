@@ -33,6 +33,7 @@ from tunekit.runtime.supervisor import (
     supervise,
     supervising,
 )
+from tunekit.workload_spec import resolve_spec
 
 CONFIG_FORMS = """CONFIG is one of: PLUGIN.knob=value pairs (`tunekit plan` prints them),
 e.g. `overlap_chunking.mode=two_chunk overlap_chunking.k=9`; a config file
@@ -138,6 +139,7 @@ def run_cmd(
             raise click.UsageError("missing WORKLOAD (or --resume RUN)")
         config = read_config(config_path) if config_path else None
         ensure_writable(store_dir, "the study store folder (--store)")
+        resolve_spec(workload)  # a bad name: one line now, not after torch has loaded
         rd = create_run(
             store_dir,
             workload,

@@ -49,9 +49,14 @@ def examples_help() -> str:
     return "\b\nBuilt-in example workloads (synthetic data):\n" + "\n".join(rows)
 
 
-def example_factory(name: str) -> Callable:
-    """The function that builds example ``name``."""
+def check_example(name: str) -> None:
+    """One line (WorkloadError) unless ``name`` is a built-in example."""
     if name not in EXAMPLES:
         raise WorkloadError(f"unknown example {name!r}; choose one of: {', '.join(EXAMPLES)}")
+
+
+def example_factory(name: str) -> Callable:
+    """The function that builds example ``name``."""
+    check_example(name)
     module, fn, _ = EXAMPLES[name]
     return getattr(importlib.import_module(module), fn)
