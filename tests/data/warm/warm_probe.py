@@ -1,6 +1,6 @@
 """What a process forked by tunekit.trials.warm_start sees (tests/integration/test_warm_start.py).
 
-    python -m warm_probe OUT.json EXIT_CODE|kill|sleep
+python -m warm_probe OUT.json EXIT_CODE|kill|sleep
 """
 
 import atexit
