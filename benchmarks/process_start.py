@@ -39,13 +39,13 @@ wall = time.perf_counter() - start
 """
 # The server is this process's child too: it ends (and is waited for) when the process exits.
 MEASURE = """
-import atexit, json, os, resource, time
+import atexit, json, os, resource, socket, time
 @atexit.register
 def _report():
     from tunekit.trials import warm_start
     for server in warm_start._servers.values():
-        server.sock.close()
-        server.proc.wait()
+        server.sock.shutdown(socket.SHUT_RDWR)  # the server sees us gone, ends, is waited for
+        server.wait()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(json.dumps({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime}))
 """

@@ -71,7 +71,7 @@ def test_an_import_time_variable_gets_a_server_of_its_own(tmp_path, monkeypatch)
     other = {**env, "TORCH_SHOW_CPP_STACKTRACES": "1"}
     asyncio.run(_run(tmp_path / "b.json", "0", other, stdout=PIPE))
     after = warm_start._servers[warm_start.import_time_env(other)]
-    assert after is not before and after.proc.pid != before.proc.pid
+    assert after is not before and after.pid != before.pid and not after.forked_here
     assert before.alive and after.alive
 
 
@@ -110,3 +110,43 @@ def test_what_it_started_ends_when_the_caller_is_killed(tmp_path):
             time.sleep(0.1)
     finally:
         caller.kill()
+
+
+FORKED_HERE = """
+import asyncio, atexit, json, os, sys, tempfile
+sys.path.insert(0, {probe!r})
+os.chdir({probe!r})
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as `tunekit` does before torch loads
+import torch  # noqa: F401  (a command forks its server once torch is in)
+from tunekit.trials import warm_start
+from tunekit.trials.warm_start import PIPE, start_python
+kept = tempfile.TemporaryDirectory()  # the caller's: a forked process must never remove it
+atexit.register(lambda: open(os.path.join({out_dir!r}, f"hook-{{os.getpid()}}"), "w").close())
+warm_start.prepare()
+(server,) = warm_start._servers.values()
+async def main():
+    proc = await start_python([sys.executable, "-m", "warm_probe", {out!r}, "0"],
+                              env=dict(os.environ), stdin=PIPE, stdout=PIPE)
+    proc.stdin.close()
+    await proc.stdout.read()
+    return await proc.wait()
+code = asyncio.run(main())
+print(json.dumps({{"code": code, "caller": os.getpid(), "forked_here": server.forked_here,
+                  "kept": os.path.isdir(kept.name)}}))
+"""
+
+
+def test_a_command_forks_its_server_from_itself_and_keeps_its_exit_hooks_and_files(tmp_path):
+    out = tmp_path / "d.json"
+    script = FORKED_HERE.format(probe=str(PROBE_DIR), out=str(out), out_dir=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = json.loads(out.read_text())
+    assert said["forked_here"] and said["code"] == 0 and said["kept"]
+    assert facts["torch_loaded_before"] and facts["name"] == "__main__"
+    # Only the caller ran its exit hook: not its server, not the process forked from that.
+    assert [p.name for p in tmp_path.glob("hook-*")] == [f"hook-{said['caller']}"]
+    assert (tmp_path / "d.json.atexit").exists()  # the probe's own hook ran

@@ -58,6 +58,7 @@ from tunekit.observe.truth import PART_LABELS
 from tunekit.plugin_loading import check_installed
 from tunekit.runtime.rundir import RunDir
 from tunekit.timings import total
+from tunekit.trials import warm_start
 from tunekit.workload_spec import resolve_spec
 
 
@@ -276,6 +277,7 @@ def auto_cmd(
     from tunekit.orchestrator import AutoSettings
     from tunekit.trials.launcher import LaunchOptions
 
+    warm_start.prepare()  # torch is in: fork the processes' server before threads start
     settings = AutoSettings(
         workload=workload,
         nproc=nproc,

@@ -23,6 +23,7 @@ from tunekit import __version__
 from tunekit.cli.common import err_console, interruption, styled
 from tunekit.effort import measure_effort
 from tunekit.errors import TunekitError
+from tunekit.trials.warm_start import CPP_LOG_LEVEL
 
 COMMANDS = {
     "apply": "tunekit.cli.run:apply_cmd",
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     # process and the ones it starts (torchrun, ranks, the workload's child) create private
     # (0600/0700), whoever created the folder above them.
     user_umask = os.umask(0o077) if not args or args[0] not in SHARED_OUTPUT else None
+    # Before torch loads (it reads this once): torch's C++ log from errors up, as in every
+    # process tunekit starts, so that the one that forks them can be a fork of this one.
+    os.environ.setdefault(CPP_LOG_LEVEL, "ERROR")
     try:
         return _main(argv)
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ from tunekit.errors import TunekitError
 from tunekit.trials.exits import describe_exit, fault_location
 from tunekit.trials.launcher import CRASH, HANG, OOM, stop_all
 from tunekit.trials.output import CappedLog, pump
-from tunekit.trials.warm_start import PIPE, WarmProcess, start_python
+from tunekit.trials.warm_start import PIPE, WarmProcess, child_env, start_python
 from tunekit.workload import Workload
 
 if TYPE_CHECKING:
@@ -142,7 +141,7 @@ class WorkloadProcess:
         self._children += 1
         cmd = [sys.executable, "-m", "tunekit.observe.workload_child", str(self.fault_path)]
         self.proc = await start_python(
-            cmd, env=dict(os.environ), stdin=PIPE, stdout=PIPE, stderr=PIPE, limit=_REPLY_LIMIT
+            cmd, env=child_env(), stdin=PIPE, stdout=PIPE, stderr=PIPE, limit=_REPLY_LIMIT
         )
         assert self.proc.stderr is not None  # stderr=PIPE
         self._pump = asyncio.create_task(pump(self.proc.stderr, self._log))

@@ -46,7 +46,7 @@ from tunekit.runtime.dist import free_port
 from tunekit.trials.exits import describe_exit, fault_location, signal_name
 from tunekit.trials.output import CappedLog, OutputRecord, pump, read_tail
 from tunekit.trials.stats import measurement_from_ranks
-from tunekit.trials.warm_start import PIPE, STDOUT, start_python
+from tunekit.trials.warm_start import PIPE, STDOUT, child_env, start_python
 
 if TYPE_CHECKING:
     from tunekit.runtime.rundir import RunDir
@@ -243,11 +243,10 @@ def rank_threads(local_ranks: int, threads_per_rank: int | None = None) -> int:
 
 
 def launch_env(opts: LaunchOptions) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()
     threads = rank_threads(opts.nproc * opts.loopback_nodes, opts.threads_per_rank)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env.update(opts.env)
     return env
 
