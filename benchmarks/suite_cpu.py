@@ -49,8 +49,16 @@ def _write():
         f.write(json.dumps(row) + "\\n")
 
 
+def _again_in_a_fork():
+    # A forked process (tunekit's warm server forks agents and workload processes) logs its
+    # own CPU: once, even where the process it forked from dropped its exit hooks.
+    atexit.unregister(_write)
+    atexit.register(_write)
+
+
 if _log:
     atexit.register(_write)
+    os.register_at_fork(after_in_child=_again_in_a_fork)
 """
 
 KINDS = (

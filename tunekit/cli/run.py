@@ -33,6 +33,7 @@ from tunekit.runtime.supervisor import (
     supervise,
     supervising,
 )
+from tunekit.trials import warm_start
 from tunekit.workload_spec import resolve_spec
 
 CONFIG_FORMS = """CONFIG is one of: PLUGIN.knob=value pairs (`tunekit plan` prints them),
@@ -166,6 +167,7 @@ def run_cmd(
             console.print(styled("resuming run [bold]{}[/] from {}", rd.run_id, ckpt.name))
         else:
             console.print(styled("run [bold]{}[/] in {}", rd.run_id, rd.path))
+        warm_start.prepare()  # the agents' server, forked before the progress display's thread
         with coordinating(place, token_file, store_dir, join_timeout_s) as nodes:
             code = _supervise_with_progress(rd, nodes)
     st = rd.read_status()

@@ -40,6 +40,7 @@ from tunekit.locks import FileLock, LockHeld, describe_holder, holder_if_held
 from tunekit.plugin_loading import available_tuners, load_all, slow_imports
 from tunekit.runtime.control import ControlClient, JobNotRunning, JobRelaunching
 from tunekit.runtime.rundir import PRIVATE_FILE, RunDir
+from tunekit.trials.warm_start import ForkedPopen, popen_python
 
 if TYPE_CHECKING:
     from tunekit.trials.nodes import Coordinator
@@ -328,13 +329,9 @@ def supervise(
         launches += 1
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
         with open(fd, "ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                umask=0o077,
+            # Forked from this process's warm server (a relaunch skips torch's imports).
+            proc = popen_python(
+                cmd, env=env, stdout=log.fileno(), stderr=subprocess.STDOUT, umask=0o077
             )
             lost: dict[int, str] = {}
             try:
@@ -468,7 +465,7 @@ def _settle(rd: RunDir, state: str, error: str, event: str, **payload: Any) -> N
         ) from None
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen | ForkedPopen) -> None:
     """Terminate the job's process group, then kill it if it lingers."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -479,7 +476,7 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
-def stop_gracefully(rd: RunDir, proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+def stop_gracefully(rd: RunDir, proc: subprocess.Popen | ForkedPopen, wait_s: float = 60.0) -> None:
     """Ask the job to checkpoint and stop; kill its process group if it will not."""
     try:
         client(rd, timeout_s=wait_s).request("stop")

@@ -217,6 +217,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, wake) 
         _close([fd for fd in fds if fd > 2])
         env = request["env"]
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(env)
         if not env.get("PYTHONSAFEPATH"):  # the server runs with it: nothing to take out
@@ -368,12 +369,15 @@ class _Server:
             self._replied.notify_all()
         self.wait()
 
-    def fork(self, module: str, args: list[str], env: dict[str, str], fds: list[int]) -> int:
+    def fork(
+        self, module: str, args: list[str], env: dict[str, str], fds: list[int], umask: int
+    ) -> int:
         request = {
             "module": module,
             "args": args,
             "env": env,
             "cwd": os.getcwd(),
+            "umask": umask,
         }
         with self._lock:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
@@ -438,6 +442,43 @@ def _server_for(env: dict[str, str]) -> _Server:
         return server
 
 
+def _fork(
+    module: str, args: list[str], env: dict[str, str], streams: tuple, umask: int | None
+) -> tuple[WarmProcess, list[tuple[str, int]]]:
+    """Fork ``python -m MODULE ARGS``; the handle, and this side's ends of its pipes."""
+    theirs: list[int] = []
+    mine: list[tuple[str, int]] = []
+    try:
+        for fd, (name, how) in enumerate(zip(("stdin", "stdout", "stderr"), streams, strict=True)):
+            if how == STDOUT:
+                theirs.append(os.dup(theirs[1]))
+            elif how == PIPE:
+                r, w = os.pipe()
+                theirs.append(r if name == "stdin" else w)
+                mine.append((name, w if name == "stdin" else r))
+            elif how == subprocess.DEVNULL:
+                theirs.append(os.open(os.devnull, os.O_RDWR))
+            else:
+                theirs.append(os.dup(fd if how is None else how))
+        server = _server_for(env)
+        pid = server.fork(module, args, env, theirs, _umask() if umask is None else umask)
+    except BaseException:
+        _close([fd for _, fd in mine])
+        raise
+    finally:
+        _close(theirs)
+    proc = WarmProcess(pid)
+    server.track(proc)
+    return proc, mine
+
+
+def _umask() -> int:
+    """This process's umask (a child inherits it: the server's may differ)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 async def start_module(
     module: str,
     args: list[str],
@@ -455,31 +496,7 @@ async def start_module(
     None (this process's own); ``stderr`` may be :data:`STDOUT`.
     """
     loop = asyncio.get_running_loop()
-    theirs: list[int] = []
-    mine: list[tuple[str, int]] = []
-    try:
-        for fd, (name, how) in enumerate(
-            (("stdin", stdin), ("stdout", stdout), ("stderr", stderr))
-        ):
-            if how == STDOUT:
-                theirs.append(os.dup(theirs[1]))
-            elif how == PIPE:
-                r, w = os.pipe()
-                theirs.append(r if name == "stdin" else w)
-                mine.append((name, w if name == "stdin" else r))
-            elif how == subprocess.DEVNULL:
-                theirs.append(os.open(os.devnull, os.O_RDWR))
-            else:
-                theirs.append(os.dup(fd if how is None else how))
-        server = _server_for(env)
-        pid = server.fork(module, args, env, theirs)
-    except BaseException:
-        _close([fd for _, fd in mine])
-        raise
-    finally:
-        _close(theirs)
-    proc = WarmProcess(pid)
-    server.track(proc)
+    proc, mine = _fork(module, args, env, (stdin, stdout, stderr), None)
     for name, fd in mine:
         if name == "stdin":
             pipe = open(fd, "wb", buffering=0)  # noqa: SIM115 (the transport closes it)
@@ -493,6 +510,48 @@ async def start_module(
             await loop.connect_read_pipe(partial(asyncio.StreamReaderProtocol, reader), pipe)
             setattr(proc, name, reader)
     return proc
+
+
+class ForkedPopen:
+    """:class:`subprocess.Popen`'s ``pid``, ``returncode``, ``poll()`` and ``wait(timeout)``
+    for a process the server forked (no pipes)."""
+
+    def __init__(self, proc: WarmProcess, cmd: list[str]):
+        self._proc = proc
+        self.pid = proc.pid
+        self.args = cmd
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def poll(self) -> int | None:
+        return self._proc.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._proc._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self._proc.returncode is not None
+        return self._proc.returncode
+
+
+def popen_python(
+    cmd: list[str], *, env: dict[str, str], stdout: int, stderr: int, umask: int
+) -> subprocess.Popen | ForkedPopen:
+    """:func:`start_python` for a caller without an event loop, its output to a file: as
+    ``subprocess.Popen(cmd, ..., start_new_session=True, umask=umask)`` would start it."""
+    if forking() and cmd[:2] == [sys.executable, "-m"]:
+        proc, _ = _fork(cmd[2], cmd[3:], env, (subprocess.DEVNULL, stdout, stderr), umask)
+        return ForkedPopen(proc, cmd)
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        env=env,
+        start_new_session=True,
+        umask=umask,
+    )
 
 
 async def start_python(
