@@ -210,11 +210,8 @@ def test_status_says_a_job_killed_whole_died_without_a_word(tmp_path):
     with reaped(sup):
         rd = find(tmp_path, "gone")
         seen = running_at(rd, 3)["step"]
-        job = [sup.pid] + [
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if str(rd.path) in " ".join(p.info["cmdline"] or [])
-        ]
+        # The supervisor and everything under it: its agents' server, the agent, the ranks.
+        job = [sup.pid] + [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
         for pid in job:  # at once: nobody is left to say a word
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

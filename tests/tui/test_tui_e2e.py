@@ -58,10 +58,18 @@ async def test_tune_from_the_tuners_screen_and_apply_to_the_live_job(tmp_path, w
     try:
         app = TunekitApp(backend, request, poll_s=0.5)
         async with app.run_test(size=(120, 36)) as pilot:
+            # Host telemetry of both ranks: sampled every poll, so it may come a step or two
+            # after the job runs (a fast start reaches step 3 first).
             await wait_for_app(
-                pilot, lambda: app.live_view.status == "running" and app.live_view.step >= 3, 240
+                pilot,
+                lambda: (
+                    app.live_view.status == "running"
+                    and app.live_view.step >= 3
+                    and len(app.live_view.ranks) == 2
+                ),
+                240,
             )
-            assert [r.rank for r in app.live_view.ranks] == [0, 1]  # host telemetry of both ranks
+            assert [r.rank for r in app.live_view.ranks] == [0, 1]
 
             await pilot.press("3")
             await wait_for_app(

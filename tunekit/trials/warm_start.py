@@ -14,7 +14,8 @@ own session (``start_new_session``), the caller's environment and working direct
 (on ``sys.path`` unless ``PYTHONSAFEPATH`` is set), its standard streams on the
 pipes or files given, default signal handlers, exit hooks run, and SIGTERM when
 the server dies. The server dies with its caller: it sees the request socket
-close (or its parent change) and terminates what it started.
+close (or its parent change) and terminates what it started, except what
+:func:`popen_python` started (a live job's agent, which outlives its supervisor).
 
 Environment variables read only when a process starts (the interpreter's, the
 dynamic loader's, OpenMP's, torch's: :data:`IMPORT_TIME_PREFIXES`) cannot change
@@ -117,7 +118,7 @@ def serve(sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes select
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl+C and stops ours
-    children: set[int] = set()
+    children: dict[int, bool] = {}  # pid -> whether it ends with the caller
     while os.getppid() == launcher:
         ready, _, _ = select.select([sock.fileno(), wake_r], [], [], 1.0)
         if wake_r in ready:
@@ -146,13 +147,12 @@ def serve(sock: socket.socket) -> None:
         if pid == 0:
             _become(request, fds, sock, (wake_r, wake_w))
         _close(fds)
-        children.add(pid)
+        children[pid] = request["bound"]
         sock.send(json.dumps({"pid": pid}).encode())
-    for pid in children:  # the caller is gone: so is what it started
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    for pid, bound in children.items():  # the caller is gone: so is what it started
+        if bound:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
 
 
 def _let_go_of_the_caller(keep: int) -> None:
@@ -179,7 +179,7 @@ def _let_go_of_the_caller(keep: int) -> None:
         del sys.path[0]  # the caller's script folder: requests put their own folder there
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
+def _reap(sock: socket.socket, children: dict[int, bool]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -187,7 +187,7 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         if pid == 0:
             return
-        children.discard(pid)
+        children.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
         try:
             sock.send(json.dumps({"exit": pid, "code": code}).encode())
@@ -205,7 +205,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, wake) 
     code: Any = 1
     try:
         os.setsid()
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if request["bound"]:  # else it outlives us, as a live job outlives its supervisor
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         signal.set_wakeup_fd(-1)
         sock.close()
         _close(list(wake))
@@ -370,9 +371,16 @@ class _Server:
         self.wait()
 
     def fork(
-        self, module: str, args: list[str], env: dict[str, str], fds: list[int], umask: int
+        self,
+        module: str,
+        args: list[str],
+        env: dict[str, str],
+        fds: list[int],
+        umask: int,
+        bound: bool,
     ) -> int:
         request = {
+            "bound": bound,
             "module": module,
             "args": args,
             "env": env,
@@ -443,7 +451,12 @@ def _server_for(env: dict[str, str]) -> _Server:
 
 
 def _fork(
-    module: str, args: list[str], env: dict[str, str], streams: tuple, umask: int | None
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    streams: tuple,
+    umask: int | None,
+    bound: bool = True,
 ) -> tuple[WarmProcess, list[tuple[str, int]]]:
     """Fork ``python -m MODULE ARGS``; the handle, and this side's ends of its pipes."""
     theirs: list[int] = []
@@ -461,7 +474,7 @@ def _fork(
             else:
                 theirs.append(os.dup(fd if how is None else how))
         server = _server_for(env)
-        pid = server.fork(module, args, env, theirs, _umask() if umask is None else umask)
+        pid = server.fork(module, args, env, theirs, _umask() if umask is None else umask, bound)
     except BaseException:
         _close([fd for _, fd in mine])
         raise
@@ -539,9 +552,11 @@ def popen_python(
     cmd: list[str], *, env: dict[str, str], stdout: int, stderr: int, umask: int
 ) -> subprocess.Popen | ForkedPopen:
     """:func:`start_python` for a caller without an event loop, its output to a file: as
-    ``subprocess.Popen(cmd, ..., start_new_session=True, umask=umask)`` would start it."""
+    ``subprocess.Popen(cmd, ..., start_new_session=True, umask=umask)`` would start it, and,
+    as that, it outlives this process (a live job outlives its supervisor)."""
     if forking() and cmd[:2] == [sys.executable, "-m"]:
-        proc, _ = _fork(cmd[2], cmd[3:], env, (subprocess.DEVNULL, stdout, stderr), umask)
+        streams = (subprocess.DEVNULL, stdout, stderr)
+        proc, _ = _fork(cmd[2], cmd[3:], env, streams, umask, bound=False)
         return ForkedPopen(proc, cmd)
     return subprocess.Popen(
         cmd,
