@@ -221,7 +221,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket, wake) 
         os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(env)
-        if not env.get("PYTHONSAFEPATH"):  # the server runs with it: nothing to take out
+        if not env.get("PYTHONSAFEPATH"):  # the folder first, as `python -m` puts it
             sys.path.insert(0, request["cwd"])
         _standard_streams(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
         module, sys.argv = request["module"], [request["module"], *request["args"]]
