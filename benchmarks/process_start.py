@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from fork_vs_spawn import print_medians, run_interleaved
 
 STUDY = """
 import json, resource, sys, time
@@ -69,27 +69,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    rows: dict[str, list[dict]] = {"fork": [], "spawn": []}
-    for i in range(args.pairs):
-        for mode in ("fork", "spawn") if i % 2 == 0 else ("spawn", "fork"):
-            rows[mode].append(one_study(mode, args))
-            r = rows[mode][-1]
-            print(f"pair {i + 1} {mode:5}  wall {r['wall_s']:5.2f} s  cpu {r['cpu_s']:5.2f} s")
-            time.sleep(0.5)
-    med = {
-        mode: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")}
-        for mode, rs in rows.items()
-    }
-    print(
-        f"\n{args.trials} trials of {args.workload} on 2 ranks, {args.steps} steps each, "
-        f"{args.pairs} pairs (medians)"
-    )
-    print(f"{'':6}{'wall s':>8}{'CPU s':>8}")
-    for mode, m in med.items():
-        print(f"{mode:6}{m['wall_s']:8.2f}{m['cpu_s']:8.2f}")
-    print(
-        f"fork/spawn: wall {med['fork']['wall_s'] / med['spawn']['wall_s']:.2f}x, "
-        f"CPU {med['fork']['cpu_s'] / med['spawn']['cpu_s']:.2f}x"
+    rows = run_interleaved(args.pairs, lambda mode: one_study(mode, args))
+    print_medians(
+        rows,
+        f"{args.trials} trials of {args.workload} on 2 ranks, {args.steps} steps each, "
+        f"{args.pairs} pairs",
     )
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from fork_vs_spawn import print_medians, run_interleaved
 
 TRIAL = """
 import json, resource, sys, time
@@ -31,6 +31,11 @@ start = time.perf_counter()
 out = run_trial_sync(TrialSpec(workload, warmup=1, steps=steps), LaunchOptions(nproc=nproc),
                      Path(trial_dir))
 wall = time.perf_counter() - start
+from tunekit.trials import warm_start  # its agent's server: ended and waited for, so counted
+import socket
+for server in warm_start._servers.values():
+    server.sock.shutdown(socket.SHUT_RDWR)
+    server.wait()
 ru = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"status": out.status, "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime,
                   "error": out.error}))
@@ -57,26 +62,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=5)
     args = parser.parse_args()
-    rows: dict[str, list[dict]] = {"fork": [], "spawn": []}
-    for i in range(args.pairs):
-        for mode in ("fork", "spawn") if i % 2 == 0 else ("spawn", "fork"):
-            rows[mode].append(one_trial(mode, args))
-            r = rows[mode][-1]
-            print(f"pair {i + 1} {mode:5}  wall {r['wall_s']:5.2f} s  cpu {r['cpu_s']:5.2f} s")
-            time.sleep(0.5)
-    med = {
-        mode: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")}
-        for mode, rs in rows.items()
-    }
-    print(
-        f"\n{args.workload}, {args.nproc} ranks, {args.steps} steps, {args.pairs} pairs (medians)"
-    )
-    print(f"{'':6}{'wall s':>8}{'CPU s':>8}")
-    for mode, m in med.items():
-        print(f"{mode:6}{m['wall_s']:8.2f}{m['cpu_s']:8.2f}")
-    print(
-        f"fork/spawn: wall {med['fork']['wall_s'] / med['spawn']['wall_s']:.2f}x, "
-        f"CPU {med['fork']['cpu_s'] / med['spawn']['cpu_s']:.2f}x"
+    rows = run_interleaved(args.pairs, lambda mode: one_trial(mode, args))
+    print_medians(
+        rows,
+        f"{args.workload}, {args.nproc} ranks, {args.steps} steps, {args.pairs} pairs",
     )
 
 
