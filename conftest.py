@@ -1,7 +1,10 @@
 """Suite-wide settings for tests under tests/ and plugins/.
 
-How the suite is scheduled (``-n 2 --dist loadgroup``, pyproject.toml): every test
-goes to whichever of the two workers is free, multi-process tests included; none
+How the suite is scheduled (``-n 4 --dist loadgroup``, pyproject.toml): every test
+goes to whichever of the four workers is free, multi-process tests included. Four on
+two cores, because most of a test's time is spent waiting on the processes it started
+(a quiet run used the two cores about half of the time with two workers; figures in
+docs/architecture.md, "What the suite checks"). None
 asserts on how fast or how quiet the machine is (timing-driven decisions are
 tested on recorded or injected measurements), so a test may run beside any other.
 Two things still keep tests together, as an xdist group that one worker runs:
@@ -24,9 +27,9 @@ import pytest
 # run_ranks keeps its spawned gloo ranks between tests (tunekit.rank_pool): each
 # fresh rank would spend about 3.5 s importing torch and torch._dynamo.
 os.environ.setdefault("TUNEKIT_REUSE_RANKS", "1")
-# Under xdist, two workers share the machine's cores: one intra-op thread per process (every
+# Under xdist, the workers share the machine's cores: one intra-op thread per process (every
 # process a test starts inherits it; the trial launcher honours OMP_NUM_THREADS as "someone
-# sharing the machine" sets it) keeps torch's OpenMP threads from spinning on a core the other
+# sharing the machine" sets it) keeps torch's OpenMP threads from spinning on a core another
 # worker needs. With torch's default threads a plugin's test files at -n 2 took 3.3x the
 # wall time and 3x the CPU time (252 s / 71 s against 76 s / 23 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):

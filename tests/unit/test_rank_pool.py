@@ -58,6 +58,8 @@ MIDWAY = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1780
             False,
         ),
         ([None, {"ok": False, "error": "TimeoutError: no port", "t": 1}], False),
+        # gloo's other word for it
+        ([None, {"ok": False, "error": "[pair.cc:598] Connection reset by peer", "t": 1}], True),
         # a rank that finished: the call is not lost
         ([{"ok": True, "value": 1}, {"ok": False, "error": LOST, "t": 1.0}], False),
         ([{"ok": True, "value": 1}, {"ok": True, "value": 2}], False),
@@ -65,3 +67,22 @@ MIDWAY = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1780
 )
 def test_only_a_gloo_connection_lost_under_the_ranks_is_tried_again(found, retried):
     assert _lost_connection(found) is retried
+
+
+def test_a_call_whose_ranks_keep_losing_connections_is_run_three_times_then_said(monkeypatch):
+    from tunekit.testing import ranks
+
+    lost = [None, {"ok": False, "error": LOST, "t": 1.0}]
+    runs = []
+
+    def run_once(*args):
+        runs.append(args)
+        return lost if len(runs) < 3 else [{"ok": True, "value": 0}, {"ok": True, "value": 1}]
+
+    monkeypatch.setattr(ranks, "_run_once", run_once)
+    assert ranks.run_ranks(rank_pid, 2) == [0, 1] and len(runs) == 3  # lost twice, then ran
+    runs.clear()
+    monkeypatch.setattr(ranks, "_run_once", lambda *a: runs.append(a) or lost)
+    with pytest.raises(RuntimeError, match=r"rank 1 failed \(in each of 3 attempts\):"):
+        ranks.run_ranks(rank_pid, 2)
+    assert len(runs) == 3

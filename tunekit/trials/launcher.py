@@ -27,6 +27,7 @@ modules (``agent``, ``output``, ``exits``, ``nodes``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -251,6 +252,9 @@ def launch_env(opts: LaunchOptions) -> dict[str, str]:
     return env
 
 
+EXIT_GRACE_S = 5.0
+"""How long a trial whose ranks have all reported waits for its agents to exit by themselves
+before it stops them (a forked rank exits within a tenth of a second; a spawned one in about 1 s)."""
 RESULT_GRACE_S = 60.0
 """How long a trial waits for a follower's files once this node's agents have exited, and how
 long past its timeout a follower's agent may run before the follower kills it."""
@@ -376,6 +380,7 @@ async def run_trial(
     watch = StallWatch(spec, opts.stall_s, started=start)
     seen = 0
     ended_at = None  # when this node's agents had all exited
+    results_at = None  # when every rank's result was in
     try:
         while True:
             seen = _forward_progress(trial_dir / "progress.jsonl", seen, on_progress, watch)
@@ -385,8 +390,18 @@ async def run_trial(
                     killed = (CRASH, "; ".join(lost.values()))
                     break
             if _all_ranks_reported(trial_dir, opts.world_size):
-                stopped_after_results = True  # no need to wait for torchrun's teardown
-                break
+                # Every result is in: the agents get a moment to end by themselves (so that
+                # the ranks' exit hooks, a workload's own clean-up, run), not torchrun's
+                # whole teardown, which can take seconds.
+                stopped_after_results = True
+                results_at = results_at or time.monotonic()
+                if not any(p.returncode is None for p in procs) or (
+                    time.monotonic() - results_at > EXIT_GRACE_S
+                ):
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout=0.25)
+                continue
             running = any(p.returncode is None for p in procs)
             if not running:
                 if nodes is None or len(sent) == len(nodes.followers):
