@@ -60,8 +60,10 @@ MIDWAY = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1780
         ([None, {"ok": False, "error": "TimeoutError: no port", "t": 1}], False),
         # gloo's other word for it
         ([None, {"ok": False, "error": "[pair.cc:598] Connection reset by peer", "t": 1}], True),
-        # a rank that finished: the call is not lost
-        ([{"ok": True, "value": 1}, {"ok": False, "error": LOST, "t": 1.0}], False),
+        # a rank that finished: a collective's connection was not lost under the call ...
+        ([{"ok": True, "value": 1}, {"ok": False, "error": MIDWAY, "t": 1.0}], False),
+        # ... but one that never connected never ran fn (seen beside two busy loops)
+        ([{"ok": True, "value": 1}, {"ok": False, "error": LOST, "t": 1.0}], True),
         ([{"ok": True, "value": 1}, {"ok": True, "value": 2}], False),
     ],
 )

@@ -183,19 +183,24 @@ def _run_once(fn, nproc: int, args: tuple, timeout_s: float, dtype) -> list[dict
 
 GLOO_LOST = ("Gloo connectFullMesh failed", "Connection closed by peer", "Connection reset by peer")
 """What gloo's loopback transport says when it loses a connection under a rank."""
+GLOO_CONNECTING = "Gloo connectFullMesh failed"
+"""What it says when the connection was lost while the ranks connected (``init_process_group``)."""
 _ATTEMPTS = 3
 """Runs of a call whose ranks only lost gloo connections, before it is said to fail."""
 
 
 def _lost_connection(found: list[dict | None]) -> bool:
-    """Every rank that failed lost a gloo connection (the others left no result): gloo's
-    loopback transport, not ``fn`` — a rank that raised anything else is said as it is."""
+    """Every rank that failed lost a gloo connection: gloo's loopback transport, not ``fn``
+    (a rank that raised anything else is said as it is). Lost in a collective, the call is
+    run again only if no rank finished it (a rank that returned early also closes its
+    connections); lost while connecting, ``fn`` never ran on that rank, whatever the others
+    did (seen: rank 0 connected and returned, rank 1's connection was closed under it)."""
     failed = [r for r in found if r and not r["ok"]]
-    return (
-        bool(failed)
-        and all(r is None or not r["ok"] for r in found)
-        and all(any(words in r["error"] for words in GLOO_LOST) for r in failed)
-    )
+    if not failed or not all(any(words in r["error"] for words in GLOO_LOST) for r in failed):
+        return False
+    if all(GLOO_CONNECTING in r["error"] for r in failed):
+        return True
+    return all(r is None or not r["ok"] for r in found)
 
 
 # == numerical equivalence ================================================================
