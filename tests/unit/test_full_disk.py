@@ -169,3 +169,15 @@ def test_a_ranks_output_on_a_full_disk_cannot_end_it(streams, survives):
             [sys.executable, "-c", RANK, streams], stdout=full, stderr=full, timeout=120
         ).returncode
     assert (rc == 0) == survives, rc
+
+
+def test_a_status_met_half_rewritten_in_place_reads_as_the_last_one_read(tmp_path):
+    rd = RunDir(tmp_path)
+    assert rd.read_status() == {"status": "starting"}  # none written yet
+    rd.write_status({"status": "running", "step": 6})
+    assert rd.read_status()["step"] == 6
+    # A read-only run folder's status is truncated and rewritten in place: a read between the
+    # two sees part of it, and must not say the job is starting again.
+    rd.status_file.write_text('{"status": "running", "st')
+    assert rd.read_status()["step"] == 6
+    assert RunDir(tmp_path).read_status() == {"status": "starting"}  # nothing read before

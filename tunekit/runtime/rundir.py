@@ -134,9 +134,14 @@ def private_socket_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"tunekit-{os.geteuid()}-"))
 
 
+_STATUS_READS = 5
+"""Reads of a half-written status file before the last good one stands in for it."""
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()
+        self._last_status: dict[str, Any] | None = None  # what read_status last read whole
 
     # -- locations -------------------------------------------------------------------
 
@@ -252,10 +257,22 @@ class RunDir:
         return data
 
     def read_status(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.status_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {"status": "starting"}
+        """The job's last status; ``{"status": "starting"}`` before it wrote one.
+
+        In a run folder that became read-only the file is rewritten in place, and a read
+        can meet it half-written: it is read again a moment later, and if it is still
+        unreadable the last status this object read stands in for it."""
+        for _ in range(_STATUS_READS):
+            try:
+                status = json.loads(self.status_file.read_text())
+            except FileNotFoundError:
+                return {"status": "starting"}
+            except json.JSONDecodeError:
+                time.sleep(0.02)
+                continue
+            self._last_status = status
+            return status
+        return self._last_status or {"status": "starting"}
 
     def write_status(self, status: dict[str, Any]) -> None:
         _atomic_write(self.status_file, json.dumps({**status, "updated": time.time()}))
