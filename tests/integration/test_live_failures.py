@@ -71,11 +71,18 @@ def contiguous(rd: RunDir) -> list[int]:
 
 @contextlib.contextmanager
 def reaped(*procs: subprocess.Popen):
+    """Each supervisor still running at the end is killed with its job: its agent and ranks
+    outlive a supervisor killed alone (by design), and a failed test must not leave them
+    training beside the rest of the suite."""
     try:
         yield
     finally:
         for p in procs:
             if p.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    for child in psutil.Process(p.pid).children(recursive=True):
+                        with contextlib.suppress(psutil.Error):
+                            child.kill()
                 p.kill()
                 p.wait()
 
