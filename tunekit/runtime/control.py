@@ -218,6 +218,8 @@ class Request:
     body: dict[str, Any]
     done: threading.Event = field(default_factory=threading.Event)
     reply: dict[str, Any] | None = None
+    written: threading.Event = field(default_factory=threading.Event)
+    """Set once the reply was written to the client (or could not be)."""
 
     def answer(self, reply: dict[str, Any]) -> None:
         self.reply = reply
@@ -455,6 +457,7 @@ class ControlServer:
             with self._written:
                 self._unwritten -= 1
                 self._written.notify_all()
+            req.written.set()
             if op == "pause":
                 conn.settimeout(None)  # held for as long as the client keeps the connection
                 self._hold(req, rfile, granted=bool(req.reply and req.reply.get("ok")))

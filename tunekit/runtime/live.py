@@ -65,6 +65,8 @@ from tunekit.workload import load_workload
 STOP, RELAUNCH, PAUSE = "stop", "relaunch", "pause"
 MEMORY_STEPS = 3
 """Steps whose peak memory the job measures before it reports what fills a rank's memory."""
+REPLY_WRITTEN_S = 5.0
+"""How long rank 0 waits, after carrying out a request, for its reply to reach the client."""
 
 
 # -- rank 0's judgement: watch an applied config, run an in-job trial ---------------------
@@ -536,6 +538,10 @@ class Controller:
         req = self.waiting.pop(cmd_id, None) if cmd_id is not None else None
         if req is not None:
             req.answer(result)
+            # The client hears where the change took effect before the changed job runs a
+            # step: a config that crashes the job at once must not take the reply down with
+            # it (a rank that raised first had torchrun stop this one before it was written).
+            req.written.wait(REPLY_WRITTEN_S)
 
     def after_step(self, rec: StepRecord) -> None:
         s = self.job.session
