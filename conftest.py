@@ -34,10 +34,11 @@ os.environ.setdefault("TUNEKIT_REUSE_RANKS", "1")
 # wall time and 3x the CPU time (252 s / 71 s against 76 s / 23 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Diagnoses and observations measure with a quarter of their usual repeats and time budgets
-# (tunekit.effort): the suite checks what the figures say and how they are used, not how
-# tight they are. Every child process (trials, the workload's, a live job) inherits it.
-os.environ.setdefault("TUNEKIT_MEASURE_EFFORT", "0.25")
+# Diagnoses and observations measure with a tenth of their usual repeats and time budgets
+# (tunekit.effort; never fewer repeats than a measurement needs): the suite checks what the
+# figures say and how they are used, not how tight they are. Every child process (trials,
+# the workload's, a live job) inherits it.
+os.environ.setdefault("TUNEKIT_MEASURE_EFFORT", "0.1")
 
 _WIDE_SCOPES = ("module", "package", "session")
 

@@ -95,6 +95,11 @@ def rank_pid(rank: int, world: int) -> int:
     return os.getpid()
 
 
+def rank_surroundings(rank: int, world: int) -> tuple[int, str, str | None, list[str]]:
+    """Who started the rank, and the working folder, environment and sys.path it runs in."""
+    return os.getppid(), os.getcwd(), os.environ.get("TUNEKIT_PROBE"), sys.path
+
+
 def rank_state_then_spoil(rank: int, world: int) -> tuple[float, int, bool]:
     """What a call starts with; then leaves the process changed for the next call."""
     import torch

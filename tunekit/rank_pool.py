@@ -8,6 +8,15 @@ a pool of spawned ranks that outlive it instead. Each call still gets its own
 process group (a fresh port), a random torch seed as a fresh process has, one
 thread per rank, grad mode on, and float32 as the default dtype. Any failure
 or timeout kills the pool, so a broken call never leaks into the next one.
+
+A pool's ranks fork from multiprocessing's fork server, which imports torch,
+``torch.distributed`` and ``torch._dynamo`` once per process that uses the pool
+(tunekit's trials fork their ranks from a warm server for the same reason:
+:mod:`tunekit.trials.warm_start`). Each rank then takes the caller's environment,
+working directory and ``sys.path`` as they were when the pool started, as a
+spawned rank would. Where the caller's import-time environment (OpenMP's, torch's:
+:func:`~tunekit.trials.warm_start.import_time_env`) differs from the one the fork
+server started with, or ``TUNEKIT_PROCESS_START=spawn``, the ranks are spawned.
 """
 
 from __future__ import annotations
@@ -15,22 +24,41 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from tunekit.trials.warm_start import forking, import_time_env
+
 ENV = "TUNEKIT_REUSE_RANKS"
+
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tunekit.testing.ranks"]
+"""What the fork server imports before it forks a rank: what every rank imports before
+its first optimizer step."""
+
+_server_env: tuple[tuple[str, str], ...] | None = None
+"""The import-time environment the fork server started with (None: not started here)."""
 
 
 def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def _serve(rank: int, conn: Connection, run: Callable[..., None]) -> None:
+def _serve(
+    rank: int, conn: Connection, run: Callable[..., None], start: _Start | None = None
+) -> None:
     """A pooled rank: run each call as a fresh rank would, until told to stop or one fails."""
+    if start is not None:  # forked from the fork server: take on the caller's process state
+        os.environ.clear()
+        os.environ.update(start.environ)
+        os.chdir(start.cwd)
+        sys.path[:] = start.path
     while True:
         try:
             call = conn.recv()
@@ -51,17 +79,42 @@ def _serve(rank: int, conn: Connection, run: Callable[..., None]) -> None:
         conn.send(True)
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What a spawned rank would have taken from its caller."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+
+def _context() -> tuple[Any, _Start | None]:
+    """The fork server's context and the caller's state, or spawn's where a fork would not
+    see the caller's import-time environment (see the module docstring)."""
+    global _server_env
+    env = import_time_env(os.environ)
+    if not forking() or _server_env not in (None, env):
+        return mp.get_context("spawn"), None
+    ctx = mp.get_context("forkserver")
+    if _server_env is None:
+        ctx.set_forkserver_preload(PRELOAD)
+        _server_env = env
+    return ctx, _Start(dict(os.environ), os.getcwd(), list(sys.path))
+
+
 class RankPool:
-    """``nproc`` spawned ranks that take calls one at a time."""
+    """``nproc`` ranks that take calls one at a time."""
 
     def __init__(self, nproc: int, run: Callable[..., None]):
-        ctx = mp.get_context("spawn")
+        ctx, start = _context()
         self.nproc = nproc
         self.conns: list[Connection] = []
         self.procs = []
         for rank in range(nproc):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, child, run), name=f"tunekit-rank{rank}")
+            proc = ctx.Process(
+                target=_serve, args=(rank, child, run, start), name=f"tunekit-rank{rank}"
+            )
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -124,6 +124,7 @@ def measure_executor_overhead(
     block: int = 6,
     warmup: int = 2,
     budget_s: float = 30.0,
+    least_rounds: int = 2,
 ) -> ExecutorOverhead:
     """Time one rank's step of ``batch`` samples through the executor, through DDP and plainly.
 
@@ -143,14 +144,14 @@ def measure_executor_overhead(
     switches between memory patterns), and alternating blocks puts a burst of
     load on all alike. Each figure is the median over rounds of its blocks'
     medians, on the clock layer timings use (the compute table's units).
-    ``rounds`` (None: as many, from 2 to 5, as fit ``budget_s`` of the clock,
-    judged from one plain step): on a shared CPU one block's median varies by
+    ``rounds`` (None: as many, from ``least_rounds`` to 5, as fit ``budget_s`` of the
+    clock, judged from one plain step): on a shared CPU one block's median varies by
     ~10%, and five rounds bring the example CNN's overhead to within ~2 ms.
     """
     from tunekit.api import DDPSync, intra_op_threads, single_rank_group, timing_clock
     from tunekit.plugins.layer_split.runtime import PlanExecutor
 
-    if (rounds is not None and rounds < 1) or block <= warmup:
+    if (rounds is not None and rounds < 1) or least_rounds < 1 or block <= warmup:
         raise ValueError("need at least one round and a block longer than its warm-up")
     with intra_op_threads(threads), single_rank_group():
         # DDP runs alone only in a group of one: a rank of a running job has peers to wait for.
@@ -197,7 +198,8 @@ def measure_executor_overhead(
             plain()
             reset()
             per_step = max(clock() - start, 1e-6)
-            rounds = max(2, min(5, int(budget_s / (len(actions) * block * per_step))))
+            fit = int(budget_s / (len(actions) * block * per_step))
+            rounds = max(least_rounds, min(5, fit))
         medians = _block_medians(actions, reset, clock, sync, rounds, block, warmup)
     return ExecutorOverhead(
         medians["plain"],

@@ -436,9 +436,10 @@ def executor_overhead(obs: Observation, graph) -> ExecutorOverhead:
             batch,
             threads=threads,
             device="cuda" if obs.device_type == "cuda" else "cpu",
-            block=effort_repeats(6, 4),
+            block=effort_repeats(6, 3),
             warmup=effort_repeats(2, 1),
             budget_s=effort_seconds(30.0),
+            least_rounds=effort_repeats(2, 1),  # a quick look: one round when it is all that fits
         ),
         encode=ExecutorOverhead.to_dict,
         decode=ExecutorOverhead.from_dict,

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 import torch
-from support import rank_one_raises, rank_pid, rank_sleeps, rank_state_then_spoil
+from support import (
+    rank_one_raises,
+    rank_pid,
+    rank_sleeps,
+    rank_state_then_spoil,
+    rank_surroundings,
+)
 
 from tunekit import rank_pool
 from tunekit.testing import run_ranks
 from tunekit.testing.ranks import _lost_connection
+from tunekit.trials.warm_start import forking, import_time_env
 
 pytestmark = pytest.mark.slow
 
@@ -19,15 +28,48 @@ def pooled(monkeypatch):
     monkeypatch.setenv(rank_pool.ENV, "1")
 
 
-def test_each_call_starts_as_a_fresh_rank_would_on_the_same_processes(pooled):
+def test_each_call_starts_as_a_fresh_rank_would_on_the_same_processes(pooled, monkeypatch):
+    from tunekit.testing import ranks
+
+    # A gloo connection lost under the ranks (gloo's loopback transport, now and then) retires
+    # them and runs the call again on new ones: the same processes only where none was lost.
+    lost = []
+    run_once = ranks._run_once
+    monkeypatch.setattr(
+        ranks, "_run_once", lambda *a: (f := run_once(*a), lost.append(_lost_connection(f)))[0]
+    )
     pids = run_ranks(rank_pid, 2)
     run_ranks(rank_state_then_spoil, 2)  # leaves a fixed seed, 2 threads and grad mode off
     again = run_ranks(rank_state_then_spoil, 2)
-    assert run_ranks(rank_pid, 2) == pids
+    now = run_ranks(rank_pid, 2)
+    assert (now == pids) is not any(lost), (pids, now, lost)
     for rank, (draw, threads, grad) in enumerate(again):
         assert (threads, grad) == (1, True)
         assert draw != torch.rand(1, generator=torch.Generator().manual_seed(1234 + rank)).item()
     assert again[0][0] != again[1][0]  # random seeds, as fresh processes have
+
+
+def test_pooled_ranks_fork_from_a_warm_server_and_run_where_the_caller_was(
+    pooled, monkeypatch, tmp_path
+):
+    rank_pool._close_all()  # pools started by earlier tests keep what they started with
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TUNEKIT_PROBE", "set by the caller")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The fork server imports with the import-time environment of the first pool here.
+    forks = forking() and rank_pool._server_env in (None, import_time_env(os.environ))
+    try:
+        for parent, cwd, probe, path in run_ranks(rank_surroundings, 2):
+            assert (parent != os.getpid()) is forks  # forked by the server, not this process
+            assert (cwd, probe) == (str(tmp_path), "set by the caller")
+            assert path[0] == str(tmp_path)
+        rank_pool._close_all()
+        # An import-time variable (OpenMP's, torch's, ...) the server did not start with: a
+        # fork could not honour it, so the ranks are spawned (by this process).
+        monkeypatch.setenv("MKL_TUNEKIT_PROBE", "1")
+        assert all(parent == os.getpid() for parent, *_ in run_ranks(rank_surroundings, 2))
+    finally:
+        rank_pool._close_all()
 
 
 def test_a_failing_call_retires_its_ranks_and_the_next_call_gets_new_ones(pooled):

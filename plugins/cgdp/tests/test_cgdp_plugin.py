@@ -221,7 +221,7 @@ def test_backward_times_come_from_gradient_readiness_over_several_passes():
     d = Cgdp().diagnose(obs)
     assert d.details["t_bp_source"].startswith("measured from gradient readiness")
     assert d.details["layers"] == ["5", "4", "1", "0"]  # backward order
-    # as many passes as $TUNEKIT_MEASURE_EFFORT allows (the suite's 0.25: 4 of 9)
+    # as many passes as $TUNEKIT_MEASURE_EFFORT allows (the suite's 0.1: 4 of 9)
     assert f"{effort_repeats(BACKWARD_REPEATS, 4)} passes" in d.details["t_bp_source"]
     # not profiled: the baseline's backward is the layers' own, as timed
     assert sum(d.details["t_bp_s"]) == pytest.approx(d.details["layers_backward_s"])

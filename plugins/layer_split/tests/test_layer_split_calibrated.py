@@ -234,6 +234,16 @@ def test_executor_overhead_is_measured_and_cached(observed):
     assert again.overhead_s == max(0.0, again.executor_s - again.ddp_s)
     with pytest.raises(ValueError, match="block"):
         measure_executor_overhead(obs.workload, obs.graph, 8, block=2, warmup=2)
+    # Rounds fit the time budget, never fewer than asked: a quick look (a low
+    # $TUNEKIT_MEASURE_EFFORT) settles for one round of short blocks, as a budget of none does.
+    for least in (1, 2):
+        quick = measure_executor_overhead(
+            obs.workload, obs.graph, 8, threads=1, block=3, warmup=1, budget_s=0.0,
+            least_rounds=least,
+        )  # fmt: skip
+        assert quick.repeats == least * (3 - 1)
+    with pytest.raises(ValueError, match="round"):
+        measure_executor_overhead(obs.workload, obs.graph, 8, least_rounds=0)
 
 
 def test_ddp_is_timed_inside_an_existing_group_of_one(observed):
