@@ -8,7 +8,7 @@ step). ``TUNEKIT_MEASURE_EFFORT`` scales all of it: a fraction in (0, 1],
 1 by default. At 0.25 each measurement times a quarter of its usual repeats
 (never fewer than the least it needs) and a time budget is a quarter as long:
 a quicker look at a large model, whose ranges come out wider. The test suite
-runs at 0.25 (the root ``conftest.py``): its checks are about what the figures
+runs at 0.1 (the root ``conftest.py``): its checks are about what the figures
 say and how they are used, not how tight they are.
 
 No torch here: the CLI reads it before any command imports torch.
