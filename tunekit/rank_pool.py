@@ -50,6 +50,15 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What a spawned rank would have taken from its caller."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+
 def _serve(
     rank: int, conn: Connection, run: Callable[..., None], start: _Start | None = None
 ) -> None:
@@ -77,15 +86,6 @@ def _serve(
             raise
         gc.collect()  # the call's process group and its sockets go now, not during the next
         conn.send(True)
-
-
-@dataclass(frozen=True)
-class _Start:
-    """What a spawned rank would have taken from its caller."""
-
-    environ: dict[str, str]
-    cwd: str
-    path: list[str]
 
 
 def _context() -> tuple[Any, _Start | None]:

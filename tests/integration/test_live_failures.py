@@ -69,22 +69,28 @@ def contiguous(rd: RunDir) -> list[int]:
     return steps
 
 
+def kill_whole(sup: subprocess.Popen) -> None:
+    """SIGKILL a supervisor and everything under it at once (its agents' server, the agent,
+    the ranks): by design a job's agent and ranks outlive a supervisor killed alone."""
+    job = [sup.pid]
+    with contextlib.suppress(psutil.Error):
+        job += [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+    for pid in job:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    sup.wait()
+
+
 @contextlib.contextmanager
 def reaped(*procs: subprocess.Popen):
-    """Each supervisor still running at the end is killed with its job: its agent and ranks
-    outlive a supervisor killed alone (by design), and a failed test must not leave them
-    training beside the rest of the suite."""
+    """Each supervisor still running at the end is killed with its job: a failed test must
+    not leave it training beside the rest of the suite."""
     try:
         yield
     finally:
         for p in procs:
             if p.poll() is None:
-                with contextlib.suppress(psutil.Error):
-                    for child in psutil.Process(p.pid).children(recursive=True):
-                        with contextlib.suppress(psutil.Error):
-                            child.kill()
-                p.kill()
-                p.wait()
+                kill_whole(p)
 
 
 def test_a_resume_is_refused_while_the_killed_supervisors_job_trains_on(tmp_path):
@@ -217,12 +223,7 @@ def test_status_says_a_job_killed_whole_died_without_a_word(tmp_path):
     with reaped(sup):
         rd = find(tmp_path, "gone")
         seen = running_at(rd, 3)["step"]
-        # The supervisor and everything under it: its agents' server, the agent, the ranks.
-        job = [sup.pid] + [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
-        for pid in job:  # at once: nobody is left to say a word
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        sup.wait()
+        kill_whole(sup)  # at once: nobody is left to say a word
     deadline = time.monotonic() + 30
     while live_rank_pids(rd.path) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -181,10 +181,10 @@ def _run_once(fn, nproc: int, args: tuple, timeout_s: float, dtype) -> list[dict
         return [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
 
 
-GLOO_LOST = ("Gloo connectFullMesh failed", "Connection closed by peer", "Connection reset by peer")
-"""What gloo's loopback transport says when it loses a connection under a rank."""
 GLOO_CONNECTING = "Gloo connectFullMesh failed"
-"""What it says when the connection was lost while the ranks connected (``init_process_group``)."""
+"""What gloo says when a connection was lost while the ranks connected (``init_process_group``)."""
+GLOO_LOST = (GLOO_CONNECTING, "Connection closed by peer", "Connection reset by peer")
+"""What gloo's loopback transport says when it loses a connection under a rank."""
 _ATTEMPTS = 3
 """Runs of a call whose ranks only lost gloo connections, before it is said to fail."""
 
