@@ -84,9 +84,17 @@ class PluginRecord:
 
 
 def search_path() -> list[str]:
-    """``sys.path`` without the entry ``python -m``/``-c`` add for the working directory."""
+    """``sys.path`` without the entry ``python -m``/``-c`` add for the working directory.
+
+    A process tunekit forked from a server started with ``PYTHONSAFEPATH``
+    (:mod:`tunekit.trials.warm_start`) has the server's ``sys.flags.safe_path`` but its
+    folder first, as ``python -m`` would: under that flag the working directory leads the
+    path only where ``PYTHONPATH`` names it (then it stays) or where such a fork put it.
+    """
     path = list(sys.path)
-    if path and not sys.flags.safe_path and path[0] in ("", os.getcwd()):
+    cwd = os.getcwd()
+    named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    if path and path[0] in ("", cwd) and not (sys.flags.safe_path and cwd in named):
         path = path[1:]
     return path
 

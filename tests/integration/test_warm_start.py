@@ -41,6 +41,7 @@ def test_a_forked_process_gets_its_environment_folder_streams_session_and_exit_s
     assert code == 3 and proc.returncode == 3
     assert facts["pid"] == proc.pid and facts["sid"] == proc.pid  # a session of its own
     assert facts["cwd"] == str(PROBE_DIR) and facts["on_path"]  # as `python -m` from there
+    assert not facts["plugins_searched_here"]  # plugins come from where they are installed
     assert facts["env"] == "first" and facts["stdin"] == "hello"
     assert facts["name"] == "__main__" and facts["argv"][1:] == [str(out), "3"]
     assert facts["torch_loaded_before"]  # the point: it started warm
@@ -73,6 +74,48 @@ def test_an_import_time_variable_gets_a_server_of_its_own(tmp_path, monkeypatch)
     after = warm_start._servers[warm_start.import_time_env(other)]
     assert after is not before and after.pid != before.pid and not after.forked_here
     assert before.alive and after.alive
+    # Started afresh with PYTHONSAFEPATH, which its forks keep as a flag while they put their
+    # folder first on the path, as `python -m` would: plugins are not looked for there.
+    facts = json.loads((tmp_path / "b.json").read_text())
+    assert facts["on_path"] and not facts["plugins_searched_here"]
+
+
+MANY_FILES = """
+import json, os, subprocess, sys
+from tunekit.trials.warm_start import popen_python
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # past what select() watches
+os.chdir({probe!r})
+with open({log!r}, "wb") as log:  # no thread here: the server is a fork of this process
+    proc = popen_python([sys.executable, "-m", "warm_probe", {out!r}, "nest"],
+                        env=dict(os.environ), stdout=log.fileno(), stderr=log.fileno(),
+                        umask=0o022)
+    code = proc.wait(120)
+print(json.dumps({{"code": code, "pid": proc.pid, "forked": not isinstance(proc, subprocess.Popen)}}))
+"""
+
+
+def test_a_caller_with_over_1024_files_open_gets_processes_that_fork_their_own(tmp_path):
+    # The caller's end of the server's socket is numbered past 1024: the server still hears
+    # it. The probe forks one of its own: the server was forked while its caller held the
+    # servers' lock, which must not stay held in what it forks.
+    out, log = tmp_path / "m.json", tmp_path / "m.log"
+    res = subprocess.run(
+        [sys.executable, "-c", MANY_FILES.format(out=str(out), log=str(log), probe=str(PROBE_DIR))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    said = json.loads(res.stdout)
+    facts = json.loads(out.read_text())
+    nested = json.loads((tmp_path / "m.json.nested").read_text())
+    assert said["forked"] and said["code"] == 5 and facts["pid"] == said["pid"]
+    assert facts["cwd"] == str(PROBE_DIR) and facts["on_path"] and facts["torch_loaded_before"]
+    assert not facts["plugins_searched_here"]  # the server's PYTHONSAFEPATH flag misleads not
+    assert nested["pid"] != facts["pid"] and nested["torch_loaded_before"]
+    assert nested["cwd"] == str(PROBE_DIR)
+    assert log.read_text().splitlines() == ["to stdout", "to stderr"] * 2
 
 
 CALLER = """

@@ -116,11 +116,16 @@ def serve(sock: socket.socket) -> None:
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes select
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes the poll
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller handles Ctrl+C and stops ours
     children: dict[int, bool] = {}  # pid -> whether it ends with the caller
+    # poll, not select: a caller with over 1024 files open passes a socket numbered past
+    # what select can watch
+    poller = select.poll()
+    for fd in (sock.fileno(), wake_r):
+        poller.register(fd, select.POLLIN)
     while os.getppid() == launcher:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [], 1.0)
+        ready = [fd for fd, _ in poller.poll(1000)]
         if wake_r in ready:
             while True:
                 try:
@@ -411,6 +416,17 @@ class _Server:
 
 _servers: dict[tuple[tuple[str, str], ...], _Server] = {}
 _servers_lock = threading.Lock()
+
+
+def _forget_servers() -> None:
+    """In a forked child: the servers are the parent's (their sockets too), and the lock may
+    have been held by the thread that forked (a server forks from its caller under it)."""
+    global _servers_lock
+    _servers.clear()
+    _servers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_servers)
 
 
 def _safe_to_fork_here() -> bool:
