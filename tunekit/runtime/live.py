@@ -65,8 +65,9 @@ from tunekit.workload import load_workload
 STOP, RELAUNCH, PAUSE = "stop", "relaunch", "pause"
 MEMORY_STEPS = 3
 """Steps whose peak memory the job measures before it reports what fills a rank's memory."""
-REPLY_WRITTEN_S = 5.0
-"""How long rank 0 waits, after carrying out a request, for its reply to reach the client."""
+REPLY_WRITTEN_S = 30.0
+"""How long rank 0 (and with it every rank) waits, after carrying out a request, for its reply
+to reach the client: moments, unless the machine is very busy or the client stopped reading."""
 
 
 # -- rank 0's judgement: watch an applied config, run an in-job trial ---------------------
@@ -793,8 +794,12 @@ class LiveJob:
         else:
             result = {"ok": False, "error": f"unknown command {op}"}
         if self.controller is not None:
-            self.controller.executed(cmd, result)
+            self.controller.executed(cmd, result)  # waits for the reply to reach the client
             self.write_status()  # now: a crash in the very next step must find the watch in status.json
+        if self.control_group is not None:
+            # No rank runs a step past the command before rank 0's reply is out: a config that
+            # crashes the job at once on another rank would have torchrun stop rank 0 first.
+            dist.barrier(group=self.control_group)
         return outcome
 
     def _relaunch(self, cmd: dict) -> dict[str, Any]:
