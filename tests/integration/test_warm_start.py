@@ -112,7 +112,7 @@ def test_a_caller_with_over_1024_files_open_gets_processes_that_fork_their_own(t
     nested = json.loads((tmp_path / "m.json.nested").read_text())
     assert said["forked"] and said["code"] == 5 and facts["pid"] == said["pid"]
     assert facts["cwd"] == str(PROBE_DIR) and facts["on_path"] and facts["torch_loaded_before"]
-    assert not facts["plugins_searched_here"]  # the server's PYTHONSAFEPATH flag misleads not
+    assert not facts["plugins_searched_here"]  # as a fresh `python -m`
     assert nested["pid"] != facts["pid"] and nested["torch_loaded_before"]
     assert nested["cwd"] == str(PROBE_DIR)
     assert log.read_text().splitlines() == ["to stdout", "to stderr"] * 2

@@ -37,7 +37,7 @@ if how == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if how == "sleep":
     time.sleep(600)
-if how == "nest":  # a forked process forks one of its own, as a forked `tunekit auto` does
+if how == "nest":  # a forked process forks one of its own through a warm server
     from tunekit.trials.warm_start import popen_python
 
     nested = [sys.executable, "-m", "warm_probe", out + ".nested", "5"]
