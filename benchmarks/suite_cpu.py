@@ -1,6 +1,7 @@
-"""Where the test suite's CPU goes: by kind of process and by test.
+"""Where the test suite's CPU goes: by kind of process and by test; beside busy loops, what
+share of the machine the suite got.
 
-    .venv/bin/python benchmarks/suite_cpu.py [pytest arguments ...]
+    .venv/bin/python benchmarks/suite_cpu.py [--busy-loops N [--own-sessions]] [pytest arguments ...]
 
 Runs ``pytest`` (the README's command, or the arguments given) with a
 ``sitecustomize`` on ``PYTHONPATH`` that makes every Python process the suite
@@ -14,10 +15,18 @@ A process ended by a signal (a rank a test kills, an agent stopped at a
 timeout) runs no exit hook and is missing from the tables; the first line
 compares what they hold with the CPU of the whole process tree (the
 runner's ``RUSAGE_CHILDREN``), so the gap is visible.
+
+``--busy-loops N`` runs N ``python -c "while True: pass"`` beside the suite (issue 29's
+load), started from this process's session as a script would start them, or each in a
+session of its own with ``--own-sessions`` (as from other terminals: Linux's autogroup
+scheduler shares the CPU between sessions first), and prints the CPU the loops and the
+suite got: where the suite gets about one core, its test time cannot fall below about its
+CPU time.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -94,8 +103,23 @@ def table(title: str, rows: dict[str, list[float]], limit: int) -> None:
         print(f"{cpu:8.1f} {n:6.0f} {torch:6.0f}  {name}")
 
 
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) of a live process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
-    args = sys.argv[1:]
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--busy-loops", type=int, default=0)
+    parser.add_argument("--own-sessions", action="store_true")
+    ours, args = parser.parse_known_args()
+    loops = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"], start_new_session=ours.own_sessions
+        )
+        for _ in range(ours.busy_loops)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "sitecustomize.py").write_text(HOOK)
         log = Path(tmp) / "procs.jsonl"
@@ -104,14 +128,27 @@ def main() -> None:
         wall = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env)
         wall = time.perf_counter() - wall
+        loops_cpu = [cpu_of(p.pid) for p in loops]
+        for p in loops:
+            p.kill()
+            p.wait()
         tree = resource.getrusage(resource.RUSAGE_CHILDREN)
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     logged = sum(r["cpu"] for r in rows)
+    suite = tree.ru_utime + tree.ru_stime - sum(loops_cpu)
     print(
         f"\npytest exited {done.returncode} after {wall:.0f} s; CPU of the process tree "
-        f"{tree.ru_utime + tree.ru_stime:.0f} s, {len(rows)} processes logged "
+        f"{suite:.0f} s, {len(rows)} processes logged "
         f"{logged:.0f} s (the rest: processes ended by a signal)"
     )
+    if loops:
+        where = "each in a session of its own" if ours.own_sessions else "in this session"
+        print(
+            f"beside {len(loops)} busy loops ({where}): the loops got {sum(loops_cpu):.0f} s "
+            f"of CPU ({sum(loops_cpu) / wall:.2f} cores), the suite at least "
+            f"{max(suite, logged):.0f} s ({max(suite, logged) / wall:.2f} cores) of the "
+            f"{os.cpu_count()} cores' {os.cpu_count() * wall:.0f} s"
+        )
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
     by_test: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
     for r in rows:
