@@ -114,12 +114,24 @@ def main() -> None:
     parser.add_argument("--busy-loops", type=int, default=0)
     parser.add_argument("--own-sessions", action="store_true")
     ours, args = parser.parse_known_args()
-    loops = [
-        subprocess.Popen(
-            [sys.executable, "-c", "while True: pass"], start_new_session=ours.own_sessions
-        )
-        for _ in range(ours.busy_loops)
-    ]
+    loops: list[subprocess.Popen] = []
+    try:
+        for _ in range(ours.busy_loops):
+            loops.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"], start_new_session=ours.own_sessions
+                )
+            )
+        measure(args, loops, ours.own_sessions)
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
+    finally:  # never leave a loop spinning, Ctrl+C included
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def measure(args: list[str], loops: list[subprocess.Popen], own_sessions: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "sitecustomize.py").write_text(HOOK)
         log = Path(tmp) / "procs.jsonl"
@@ -131,7 +143,7 @@ def main() -> None:
         loops_cpu = [cpu_of(p.pid) for p in loops]
         for p in loops:
             p.kill()
-            p.wait()
+            p.wait()  # its CPU joins RUSAGE_CHILDREN, taken out below
         tree = resource.getrusage(resource.RUSAGE_CHILDREN)
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     logged = sum(r["cpu"] for r in rows)
@@ -139,15 +151,17 @@ def main() -> None:
     print(
         f"\npytest exited {done.returncode} after {wall:.0f} s; CPU of the process tree "
         f"{suite:.0f} s, {len(rows)} processes logged "
-        f"{logged:.0f} s (the rest: processes ended by a signal)"
+        f"{logged:.0f} s (the log misses processes ended by a signal, the tree those whose "
+        "parent never waited for them)"
     )
     if loops:
-        where = "each in a session of its own" if ours.own_sessions else "in this session"
+        where = "each in a session of its own" if own_sessions else "in this session"
+        cores = os.cpu_count() or 1
         print(
             f"beside {len(loops)} busy loops ({where}): the loops got {sum(loops_cpu):.0f} s "
             f"of CPU ({sum(loops_cpu) / wall:.2f} cores), the suite at least "
             f"{max(suite, logged):.0f} s ({max(suite, logged) / wall:.2f} cores) of the "
-            f"{os.cpu_count()} cores' {os.cpu_count() * wall:.0f} s"
+            f"{cores} cores' {cores * wall:.0f} s"
         )
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
     by_test: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
