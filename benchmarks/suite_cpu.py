@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 
 HOOK = """
@@ -103,10 +105,10 @@ def table(title: str, rows: dict[str, list[float]], limit: int) -> None:
         print(f"{cpu:8.1f} {n:6.0f} {torch:6.0f}  {name}")
 
 
-def cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) of a live process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def stop(loops: list[subprocess.Popen]) -> None:
+    for p in loops:
+        p.kill()  # nothing where it already ended
+        p.wait()  # its CPU joins RUSAGE_CHILDREN, taken out of the suite's below
 
 
 def main() -> None:
@@ -126,9 +128,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit("interrupted")
     finally:  # never leave a loop spinning, Ctrl+C included
-        for p in loops:
-            p.kill()
-            p.wait()
+        stop(loops)
 
 
 def measure(args: list[str], loops: list[subprocess.Popen], own_sessions: bool) -> None:
@@ -140,10 +140,8 @@ def measure(args: list[str], loops: list[subprocess.Popen], own_sessions: bool) 
         wall = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env)
         wall = time.perf_counter() - wall
-        loops_cpu = [cpu_of(p.pid) for p in loops]
-        for p in loops:
-            p.kill()
-            p.wait()  # its CPU joins RUSAGE_CHILDREN, taken out below
+        loops_cpu = [sum(psutil.Process(p.pid).cpu_times()[:2]) for p in loops]
+        stop(loops)
         tree = resource.getrusage(resource.RUSAGE_CHILDREN)
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     logged = sum(r["cpu"] for r in rows)
